@@ -1,0 +1,34 @@
+# The two set-up commands are `make install` and `make test`; `make help` lists the rest.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+BENCH_ARGS ?=
+
+.PHONY: help install test test-slow test-gpu bench lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+install:  ## create .venv and install the package with its dev extras
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# Plain pip: torch/torchvision come as ordinary wheels (never uv/poetry, see README).
+	$(BIN)/pip install -e '.[dev]'
+
+test:  ## the fast CPU suite (gloo, 2 processes); < 10 min on 2 cores
+	$(BIN)/python -m pytest -q
+
+test-slow:  ## the slow CPU tests (accuracy targets, longer runs)
+	$(BIN)/python -m pytest -q -m slow
+
+test-gpu:  ## the multi-GPU tests (needs 2+ CUDA devices)
+	$(BIN)/python -m pytest -q -m gpu
+
+bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writes bench-results/)
+	$(BIN)/python -m ddp_recipes.bench $(BENCH_ARGS)
+
+lint:  ## ruff check
+	$(BIN)/ruff check ddp_recipes recipes tests
+
+clean:  ## remove build and run outputs (keeps .venv)
+	rm -rf build *.egg-info bench-results runs .pytest_cache
