@@ -38,17 +38,31 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            return int(value)
-    return None
-
-
 def launched_by_torchrun() -> bool:
     """True under torchrun / torchelastic (it exports these before starting the worker)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ
+
+
+def resolve_world(devices: int | None, num_nodes: int | None) -> tuple[int, int]:
+    """Devices per node and nodes: the arguments, else torchrun's environment, else 1 and 1."""
+    if launched_by_torchrun():
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        world = int(os.environ.get("WORLD_SIZE", local))
+        if devices is not None and devices != local:
+            raise ConfigError(f"--devices {devices} disagrees with torchrun's --nproc-per-node {local}; "
+                             "drop --devices under torchrun")
+        devices, nodes_env = local, max(1, world // local)
+        if num_nodes is not None and num_nodes != nodes_env:
+            raise ConfigError(f"--num-nodes {num_nodes} disagrees with torchrun's --nnodes {nodes_env}; "
+                             "drop --num-nodes under torchrun")
+        num_nodes = nodes_env
+    devices = 1 if devices is None else devices
+    num_nodes = 1 if num_nodes is None else num_nodes
+    if devices < 1:
+        raise ConfigError(f"--devices must be >= 1 (got {devices})")
+    if num_nodes < 1:
+        raise ConfigError(f"--num-nodes must be >= 1 (got {num_nodes})")
+    return devices, num_nodes
 
 
 @dataclass
@@ -106,7 +120,7 @@ class RunConfig:
             raise ConfigError(f"--bucket-cap-mb must be > 0 (got {self.bucket_cap_mb})")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0 (got {self.num_workers})")
-        self._check_torchrun()
+        resolve_world(self.devices, self.num_nodes)  # torchrun agreement, with the flag named
         # Resolve the batch arithmetic now, so that a bad combination fails before any process starts.
         self.batch_plan()
 
@@ -116,36 +130,15 @@ class RunConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1 (got {value})")
 
-    def _check_torchrun(self) -> None:
-        if not launched_by_torchrun():
-            return
-        local = _env_int("LOCAL_WORLD_SIZE")
-        world = _env_int("WORLD_SIZE")
-        if self.devices is not None and local is not None and self.devices != local:
-            raise ConfigError(
-                f"--devices {self.devices} disagrees with torchrun's --nproc-per-node {local}; drop --devices under torchrun"
-            )
-        if self.num_nodes is not None and world and local and self.num_nodes != world // local:
-            raise ConfigError(
-                f"--num-nodes {self.num_nodes} disagrees with torchrun's --nnodes {world // local}; drop --num-nodes under torchrun"
-            )
-
     # ---- resolved values ------------------------------------------------------------------------------
 
     @property
     def resolved_devices(self) -> int:
-        if self.devices is not None:
-            return self.devices
-        return (_env_int("LOCAL_WORLD_SIZE") or 1) if launched_by_torchrun() else 1
+        return resolve_world(self.devices, self.num_nodes)[0]
 
     @property
     def resolved_num_nodes(self) -> int:
-        if self.num_nodes is not None:
-            return self.num_nodes
-        if launched_by_torchrun():
-            world, local = _env_int("WORLD_SIZE") or 1, _env_int("LOCAL_WORLD_SIZE") or 1
-            return max(1, world // local)
-        return _env_int("SLURM_NNODES") or 1 if "SLURM_NTASKS" in os.environ else 1
+        return resolve_world(self.devices, self.num_nodes)[1]
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,114 @@
+"""build_trainer: one call from a single-device script to a correct multi-device Lightning Trainer."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from ddp_recipes.config import ConfigError, resolve_world
+from ddp_recipes.strategy import TunedDDPStrategy
+
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+
+
+def resolve_accelerator(accelerator: str = "auto") -> str:
+    """'cpu' or 'cuda'. 'gpu' means CUDA; 'auto' picks CUDA when a device is visible."""
+    accelerator = accelerator.lower()
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--accelerator {accelerator} but no CUDA device is visible; use --accelerator cpu")
+        return "cuda"
+    if accelerator == "cpu":
+        return "cpu"
+    raise ConfigError(f"--accelerator must be one of auto, cpu, gpu, cuda (got {accelerator!r})")
+
+
+def resolve_precision(precision: str, accelerator: str) -> str:
+    """The precision Lightning will run, with the switch made explicit.
+
+    16-mixed needs CUDA's fp16 kernels and a GradScaler; on CPU we switch to bf16-mixed (same memory and
+    speed intent, no loss scaling needed) and say so once. bf16-mixed on a GPU without bf16 is an error.
+    """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)} (got {precision!r})")
+    if precision == "16-mixed" and accelerator == "cpu":
+        rank_zero_info("--precision 16-mixed needs CUDA (fp16 AMP + GradScaler); using bf16-mixed on CPU instead.")
+        return "bf16-mixed"
+    if precision == "bf16-mixed" and accelerator == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("--precision bf16-mixed is not supported by this GPU (pre-Ampere); use --precision 16-mixed")
+    return precision
+
+
+def build_trainer(
+    *,
+    devices: int | None = None,
+    num_nodes: int | None = None,
+    accelerator: str = "auto",
+    precision: str = "32-true",
+    sync_batchnorm: bool = False,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+    comm_hook: str = "none",
+    bucket_cap_mb: float | None = None,
+    seed: int | None = None,
+    accumulate_grad_batches: int = 1,
+    max_epochs: int | None = None,
+    max_steps: int = -1,
+    timeout_s: float | None = None,
+    strategy_kwargs: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    """A Lightning Trainer for ``devices`` x ``num_nodes`` processes.
+
+    One device on one node: no DDP wrap (Lightning's single-device strategy). Otherwise
+    :class:`TunedDDPStrategy` with the DDP knobs given here. Works when Lightning launches the processes
+    (``devices=N``) and under torchrun (world taken from its environment). ``seed`` seeds every rank
+    identically now (identical initial weights) and with seed + rank once the process group is up.
+    Any other keyword goes to ``lightning.Trainer``; ``strategy_kwargs`` to TunedDDPStrategy.
+    """
+    accel = resolve_accelerator(accelerator)
+    devices, num_nodes = resolve_world(devices, num_nodes)
+    if accel == "cuda" and devices > torch.cuda.device_count():
+        raise ConfigError(f"--devices {devices} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                         f"use --devices {torch.cuda.device_count()} or more nodes (--num-nodes)")
+    precision = resolve_precision(precision, accel)
+    if accumulate_grad_batches < 1:
+        raise ConfigError(f"--accumulate-grad-batches must be >= 1 (got {accumulate_grad_batches})")
+    if seed is not None:
+        # Same seed on every rank before the model is built: identical initial weights everywhere.
+        L.seed_everything(seed, workers=True, verbose=False)
+
+    distributed = devices * num_nodes > 1
+    if "strategy" not in trainer_kwargs:
+        if distributed:
+            trainer_kwargs["strategy"] = TunedDDPStrategy(
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
+                bucket_cap_mb=bucket_cap_mb,
+                comm_hook=comm_hook,
+                seed=seed,
+                timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+                **(strategy_kwargs or {}),
+            )
+        else:
+            if comm_hook != "none" or find_unused_parameters or sync_batchnorm:
+                rank_zero_info("1 device: no DDP wrap, so --comm-hook, --find-unused-parameters and "
+                               "--sync-batchnorm have nothing to do.")
+            trainer_kwargs["strategy"] = "auto"
+    return L.Trainer(
+        accelerator="gpu" if accel == "cuda" else "cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        precision=precision,
+        sync_batchnorm=sync_batchnorm and distributed,
+        accumulate_grad_batches=accumulate_grad_batches,
+        max_epochs=max_epochs,
+        max_steps=max_steps,
+        **trainer_kwargs,
+    )

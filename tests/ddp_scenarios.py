@@ -1,0 +1,123 @@
+"""Scenarios the DDP tests run in fresh processes: ``python tests/ddp_scenarios.py NAME OUT [options]``.
+
+Lightning's launcher re-runs this same command line for every extra rank (or torchrun starts each one),
+so each scenario is a plain script; every rank writes ``OUT/rank<r>.pt`` with its final weights and
+what the scenario recorded, and the tests compare those files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_recipes import build_trainer  # noqa: E402
+
+N_SAMPLES, N_FEATURES, N_CLASSES = 64, 16, 4
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(N_SAMPLES, N_FEATURES, generator=g)
+    y = (x[:, :N_CLASSES].argmax(1) + (x[:, 4] > 1).long()) % N_CLASSES
+    return TensorDataset(x, y, torch.arange(N_SAMPLES))
+
+
+class Net(L.LightningModule):
+    def __init__(self, batchnorm: bool = False, aux_head: bool = False, lr: float = 0.1) -> None:
+        super().__init__()
+        norm = nn.BatchNorm1d(32) if batchnorm else nn.Identity()
+        self.body = nn.Sequential(nn.Linear(N_FEATURES, 32), norm, nn.Tanh(), nn.Linear(32, N_CLASSES))
+        self.aux_head = nn.Linear(32, 2) if aux_head else None  # never in the loss: DDP's unused parameter
+        self.lr = lr
+        self.record: dict = {"losses": []}
+
+    def setup(self, stage: str) -> None:
+        # Runs after the process group is up (per-rank seeds applied) and before DDP's broadcast.
+        self.record["initial"] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        self.record["draws"] = (random.random(), float(np.random.rand()), torch.rand(3).tolist())
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        loss = nn.functional.cross_entropy(self.body(x), y)
+        self.record["losses"].append(loss.item())
+        self.record.setdefault("indices", []).append(index.tolist())
+        return loss
+
+    def on_train_end(self) -> None:
+        ddp = self.trainer.strategy.model
+        if hasattr(ddp, "_get_ddp_logging_data"):
+            self.record["comm_hook"] = ddp._get_ddp_logging_data().get("comm_hook")
+        self.record["precision"] = self.trainer.precision
+        self.record["world_size"] = self.trainer.world_size
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def counting_allreduce_hook(state: dict, bucket):
+    """Plain averaging all-reduce that counts its calls, to prove accumulation skips communication."""
+    state["calls"] += 1
+    tensor = bucket.buffer().div_(torch.distributed.get_world_size())
+    return torch.distributed.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["train", "unused"])
+    p.add_argument("out")
+    p.add_argument("--devices", type=int, default=None)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--batchnorm", action="store_true")
+    p.add_argument("--sync-batchnorm", action="store_true")
+    p.add_argument("--find-unused-parameters", action="store_true")
+    p.add_argument("--comm-hook", default="none")
+    p.add_argument("--count-allreduce", action="store_true")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--seed", type=int, default=7)
+    args = p.parse_args()
+
+    calls = {"calls": 0}
+    strategy_kwargs = {"powersgd_start_iter": 2} if args.comm_hook == "powersgd" else {}
+    if args.count_allreduce:
+        strategy_kwargs.update(ddp_comm_state=calls, ddp_comm_hook=counting_allreduce_hook)
+    trainer = build_trainer(
+        devices=args.devices, accelerator="cpu", precision=args.precision, seed=args.seed,
+        sync_batchnorm=args.sync_batchnorm, find_unused_parameters=args.find_unused_parameters,
+        comm_hook=args.comm_hook, accumulate_grad_batches=args.accumulate, max_steps=args.steps,
+        strategy_kwargs=strategy_kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    model = Net(batchnorm=args.batchnorm, aux_head=args.scenario == "unused")
+    data = dataset()
+    if trainer.world_size == 1:
+        # The sampler Lightning inserts under DDP, at world size 1: the same permutation (seeded from
+        # PL_GLOBAL_SEED, reshuffled per epoch), so W ranks at batch B see exactly the samples of this
+        # process at batch W*B, step for step.
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
+        loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    else:
+        loader = DataLoader(data, batch_size=args.batch, shuffle=True)
+    trainer.fit(model, loader)
+    model.record["calls"] = calls["calls"]
+    model.record["global_step"] = trainer.global_step
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    torch.save({"state": state, "record": model.record, "env_rank": os.environ.get("RANK")},
+               out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

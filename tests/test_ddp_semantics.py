@@ -1,0 +1,156 @@
+"""DDP semantics on CPU (gloo, 2 processes): what the strategy promises, proven against 1 process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import free_port
+
+SCRIPT = Path(__file__).with_name("ddp_scenarios.py")
+_CACHE: dict[tuple, dict[int, dict]] = {}
+
+
+def run_scenario(tmp_root: Path, *args: str, torchrun: bool = False, expect_ok: bool = True):
+    """Run tests/ddp_scenarios.py once per distinct argument list; returns {rank: saved dict}."""
+    key = (torchrun, *args)
+    if key in _CACHE:
+        return _CACHE[key]
+    out = tmp_root / f"run{len(_CACHE)}"
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
+    env.pop("MASTER_ADDR", None)
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", env["MASTER_PORT"], str(SCRIPT), args[0], str(out), *args[1:]]
+    else:
+        cmd = [sys.executable, str(SCRIPT), args[0], str(out), *args[1:]]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    if not expect_ok:
+        return proc
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = {int(p.stem[4:]): torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
+    _CACHE[key] = result
+    return result
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ddp")
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """Largest |a-b| / max|b| over all floating tensors of two state dicts (running stats included)."""
+    worst = 0.0
+    for key, value in b.items():
+        if value.is_floating_point():
+            worst = max(worst, ((a[key] - value).abs().max() / value.abs().max().clamp_min(1e-12)).item())
+    return worst
+
+
+def assert_same_across_ranks(result: dict) -> None:
+    assert set(result) == {0, 1}
+    for key, value in result[0]["state"].items():
+        assert torch.equal(value, result[1]["state"][key]), f"{key} differs across ranks"
+
+
+def test_two_ranks_at_b_equal_one_process_at_2b(root):
+    two = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "6")
+    one = run_scenario(root, "train", "--devices", "1", "--batch", "16", "--steps", "6")
+    assert_same_across_ranks(two)
+    assert max_rel_diff(two[0]["state"], one[0]["state"]) <= 1e-5
+    # The shards are disjoint and together they are the single process's batches, step for step
+    # (6 steps = 1.5 epochs, so the per-epoch reshuffle is covered too).
+    for step in range(6):
+        rank0, rank1 = set(two[0]["record"]["indices"][step]), set(two[1]["record"]["indices"][step])
+        assert not rank0 & rank1
+        assert rank0 | rank1 == set(one[0]["record"]["indices"][step])
+    assert two[0]["record"]["indices"][4] != two[0]["record"]["indices"][0]  # set_epoch: a new order
+
+
+def test_sync_batchnorm_matches_single_process_and_without_it_differs(root):
+    single = run_scenario(root, "train", "--devices", "1", "--batch", "16", "--batchnorm")
+    synced = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--batchnorm", "--sync-batchnorm")
+    local = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--batchnorm")
+    assert_same_across_ranks(synced)
+    assert max_rel_diff(synced[0]["state"], single[0]["state"]) <= 1e-5
+    for key in ("body.1.running_mean", "body.1.running_var"):
+        assert torch.allclose(synced[0]["state"][key], single[0]["state"][key], rtol=1e-5, atol=1e-7)
+    # Without the flag each rank normalises with its own half-batch statistics: a different model, and
+    # ranks even disagree on the running statistics (buffers are broadcast from rank 0 only at forward).
+    assert max_rel_diff(local[0]["state"], single[0]["state"]) > 1e-3
+    # After fit the layers are plain BatchNorm again: the checkpoint holds what the user's model has.
+    assert "body.1.num_batches_tracked" in synced[0]["state"]
+
+
+def test_accumulation_equals_larger_batch_and_skips_allreduce(root):
+    accumulated = run_scenario(root, "train", "--devices", "1", "--batch", "8", "--accumulate", "2")
+    big = run_scenario(root, "train", "--devices", "1", "--batch", "16", "--steps", "6")
+    assert accumulated[0]["record"]["global_step"] == 6
+    assert max_rel_diff(accumulated[0]["state"], big[0]["state"]) <= 1e-5
+
+    counted = run_scenario(root, "train", "--devices", "2", "--batch", "4", "--accumulate", "2", "--count-allreduce")
+    plain = run_scenario(root, "train", "--devices", "2", "--batch", "4", "--count-allreduce")
+    assert_same_across_ranks(counted)
+    # 6 optimizer steps of 2 micro-batches: one all-reduce per step (the model fits one bucket), none on
+    # the 6 accumulation-only backward passes.
+    assert counted[0]["record"]["calls"] == counted[0]["record"]["global_step"] == 6
+    assert len(counted[0]["record"]["losses"]) == 12
+    assert plain[0]["record"]["calls"] == 6 and len(plain[0]["record"]["losses"]) == 6
+    # And 2 ranks x batch 4 x 2 micro-batches is the same optimisation as 1 process at batch 16.
+    assert max_rel_diff(counted[0]["state"], big[0]["state"]) <= 1e-5
+
+
+def test_seed_plus_rank(root):
+    first = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "6")
+    again = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "6", "--seed", "7")
+    draws0, draws1 = first[0]["record"]["draws"], first[1]["record"]["draws"]
+    assert draws0[0] != draws1[0] and draws0[1] != draws1[1] and draws0[2] != draws1[2]
+    for key, value in first[0]["record"]["initial"].items():
+        assert torch.equal(value, first[1]["record"]["initial"][key]), "initial weights differ before DDP's broadcast"
+    # --seed 7 is the default: the second run is a separate launch with the same seed.
+    for rank in (0, 1):
+        assert first[rank]["record"]["draws"] == again[rank]["record"]["draws"]
+        for key, value in first[rank]["state"].items():
+            assert torch.equal(value, again[rank]["state"][key])
+
+
+def test_unused_parameters_error_names_them_and_the_flag(root):
+    proc = run_scenario(root, "unused", "--devices", "2", "--steps", "3", expect_ok=False)
+    assert proc.returncode != 0
+    assert "aux_head.weight" in proc.stderr and "aux_head.bias" in proc.stderr
+    assert "--find-unused-parameters" in proc.stderr
+    fixed = run_scenario(root, "unused", "--devices", "2", "--steps", "3", "--find-unused-parameters")
+    assert_same_across_ranks(fixed)
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_comm_hooks_run_on_cpu(root, hook):
+    result = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "12", "--comm-hook", hook)
+    assert_same_across_ranks(result)
+    expected = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook", "powersgd": "powerSGD_hook"}[hook]
+    assert result[0]["record"]["comm_hook"] == expected
+    losses = result[0]["record"]["losses"]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
+
+
+def test_precisions_on_cpu(root):
+    bf16 = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--precision", "bf16-mixed")
+    assert bf16[0]["record"]["precision"] == "bf16-mixed"
+    assert_same_across_ranks(bf16)
+    # Documented: 16-mixed needs CUDA; on CPU build_trainer switches to bf16-mixed and says so.
+    fp16 = run_scenario(root, "train", "--devices", "1", "--batch", "16", "--precision", "16-mixed")
+    assert fp16[0]["record"]["precision"] == "bf16-mixed"
+
+
+def test_torchrun_launch_matches_lightning_launch(root):
+    launched = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "6")
+    torchrun = run_scenario(root, "train", "--batch", "8", "--steps", "6", torchrun=True)
+    assert torchrun[0]["env_rank"] == "0" and torchrun[1]["env_rank"] == "1"
+    assert torchrun[0]["record"]["world_size"] == 2
+    assert_same_across_ranks(torchrun)
+    assert max_rel_diff(torchrun[0]["state"], launched[0]["state"]) <= 1e-6
