@@ -1,0 +1,1 @@
+"""DataModules and the samplers that keep data-parallel evaluation exact."""

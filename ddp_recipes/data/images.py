@@ -1,0 +1,283 @@
+"""Image DataModules for the ResNet recipes: synthetic tensors, CIFAR-10, and an ImageNet-style folder.
+
+All three share one base: a shuffled training loader (Lightning swaps in a ``DistributedSampler`` under
+DDP and calls ``set_epoch``), exact unpadded evaluation loaders, and loader defaults fitted to the
+machine (:func:`default_num_workers`, pinned memory only with CUDA). Each exposes ``num_classes`` and
+``image_size`` so a recipe can size the model and check the stem before training.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchvision import datasets
+from torchvision.transforms import v2
+from typing_extensions import override
+
+from ddp_recipes.data.samplers import exact_eval_loader
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied
+# 0.2023/0.1994/0.2010, which are a std of per-image means).
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def default_num_workers(devices_per_node: int = 1) -> int:
+    """Loader workers per process: this process's share of the CPUs it may run on, minus its own, at most 8.
+
+    Every rank on a node starts its own workers, so the share divides by the devices per node; one core
+    stays with the training process itself. Beyond ~8 workers decoding rarely is the bottleneck.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))  # honours taskset / cgroup cpusets, unlike os.cpu_count()
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(0, min(8, cpus // max(1, devices_per_node) - 1))
+
+
+class _ImageDataModule(L.LightningDataModule):
+    """Loaders shared by the image DataModules; subclasses fill ``train_set``/``val_set``/``test_set``."""
+
+    def __init__(self, batch_size: int, num_workers: int | None, pin_memory: bool | None) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1 (got {batch_size})")
+        if num_workers is not None and num_workers < 0:
+            raise ValueError(f"--num-workers must be >= 0 (got {num_workers})")
+        self.batch_size = batch_size
+        self._num_workers = num_workers
+        self._pin_memory = pin_memory
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    @property
+    def num_classes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def image_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_workers(self) -> int:
+        """The given ``num_workers``, or :func:`default_num_workers` for the trainer's devices per node."""
+        if self._num_workers is not None:
+            return self._num_workers
+        devices = getattr(self.trainer, "num_devices", 1) if self.trainer is not None else 1
+        return default_num_workers(devices)
+
+    @property
+    def pin_memory(self) -> bool:
+        """The given ``pin_memory``, or True exactly when CUDA is available (pinning only helps H2D copies)."""
+        return torch.cuda.is_available() if self._pin_memory is None else self._pin_memory
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        workers = self.num_workers
+        return DataLoader(self._require(self.train_set, "fit"), batch_size=self.batch_size, shuffle=True,
+                          drop_last=False, num_workers=workers, persistent_workers=workers > 0,
+                          pin_memory=self.pin_memory)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        val_set = self._require(self.val_set, "validate")
+        if len(val_set) == 0:
+            return []  # Lightning skips validation
+        return exact_eval_loader(val_set, self.batch_size, num_workers=self.num_workers,
+                                 pin_memory=self.pin_memory)
+
+    @override
+    def test_dataloader(self) -> DataLoader | list:
+        test_set = self._require(self.test_set, "test")
+        if len(test_set) == 0:
+            return []
+        return exact_eval_loader(test_set, self.batch_size, num_workers=self.num_workers,
+                                 pin_memory=self.pin_memory)
+
+    @staticmethod
+    def _require(dataset: Dataset | None, stage: str) -> Dataset:
+        if dataset is None:
+            raise RuntimeError(f"call setup({stage!r}) before asking for this dataloader")
+        return dataset
+
+
+class SyntheticImageDataModule(_ImageDataModule):
+    """Random ``[3, H, W]`` float images with random labels: no I/O, no decode, for throughput runs.
+
+    Built in ``setup`` from ``seed`` with a private generator, so every rank holds the identical dataset
+    whatever the global RNG state. Memory: ``(num_samples + val_samples) * 3 * H * W * 4`` bytes per rank.
+    ``val_samples=0`` disables validation (and test).
+    """
+
+    def __init__(self, num_samples: int = 512, image_size: int = 32, num_classes: int = 10,
+                 batch_size: int = 32, seed: int = 0, num_workers: int = 0, val_samples: int = 0) -> None:
+        super().__init__(batch_size, num_workers, pin_memory=None)
+        if num_samples < 1:
+            raise ValueError(f"--num-samples must be >= 1 (got {num_samples})")
+        if val_samples < 0:
+            raise ValueError(f"--val-samples must be >= 0 (got {val_samples})")
+        if image_size < 1:
+            raise ValueError(f"--image-size must be >= 1 (got {image_size})")
+        if num_classes < 1:
+            raise ValueError(f"--num-classes must be >= 1 (got {num_classes})")
+        self.num_samples, self.val_samples, self.seed = num_samples, val_samples, seed
+        self._image_size, self._num_classes = image_size, num_classes
+
+    @property
+    @override
+    def num_classes(self) -> int:
+        return self._num_classes
+
+    @property
+    @override
+    def image_size(self) -> int:
+        return self._image_size
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        generator = torch.Generator().manual_seed(self.seed)
+        sets = []
+        for n in (self.num_samples, self.val_samples):  # train first: val_samples leaves train unchanged
+            images = torch.randn(n, 3, self._image_size, self._image_size, generator=generator)
+            labels = torch.randint(0, self._num_classes, (n,), generator=generator)
+            sets.append(TensorDataset(images, labels))
+        self.train_set, self.val_set = sets
+        self.test_set = self.val_set
+
+
+class CIFAR10DataModule(_ImageDataModule):
+    """CIFAR-10 through torchvision: pad-4 random crop + flip for training; validation is the test split."""
+
+    def __init__(self, data_dir: str | Path = "data", batch_size: int = 128, num_workers: int | None = None,
+                 pin_memory: bool | None = None) -> None:
+        super().__init__(batch_size, num_workers, pin_memory)
+        self.data_dir = Path(data_dir)
+
+    @property
+    @override
+    def num_classes(self) -> int:
+        return 10
+
+    @property
+    @override
+    def image_size(self) -> int:
+        return 32
+
+    def _not_found(self, reason: str) -> FileNotFoundError:
+        return FileNotFoundError(
+            f"CIFAR-10 not found under {self.data_dir / datasets.CIFAR10.base_folder} ({reason}): pass "
+            "--data-dir pointing at a folder holding cifar-10-batches-py, or run once with internet")
+
+    @override
+    def prepare_data(self) -> None:
+        """Download on local rank 0 (torchvision skips it when the files are present and verified)."""
+        try:
+            for train in (True, False):
+                datasets.CIFAR10(os.fspath(self.data_dir), train=train, download=True)
+        except (OSError, RuntimeError) as e:  # URLError is an OSError; torchvision raises RuntimeError too
+            raise self._not_found(f"download failed with {type(e).__name__}; offline?") from None
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        augment = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]
+        tail = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+        try:  # other nodes never ran prepare_data: fail here with the same message
+            self.train_set = datasets.CIFAR10(os.fspath(self.data_dir), train=True, download=False,
+                                              transform=v2.Compose(augment + tail))
+            self.val_set = datasets.CIFAR10(os.fspath(self.data_dir), train=False, download=False,
+                                            transform=v2.Compose(tail))
+        except RuntimeError:  # torchvision: "Dataset not found or corrupted"
+            raise self._not_found("missing or corrupt") from None
+        self.test_set = self.val_set
+
+
+class ImageFolderDataModule(_ImageDataModule):
+    """An ImageNet-style tree ``<data_dir>/{train,val}/<class>/<image>``, decoded by PIL each epoch.
+
+    Training: RandomResizedCrop + flip; validation (and test): resize to ``image_size * 256/224`` and
+    center-crop, the standard ImageNet evaluation. ``val`` must hold the same class folders as ``train``.
+    """
+
+    def __init__(self, data_dir: str | Path, batch_size: int = 64, image_size: int = 224,
+                 num_workers: int | None = None, pin_memory: bool | None = None) -> None:
+        super().__init__(batch_size, num_workers, pin_memory)
+        if image_size < 1:
+            raise ValueError(f"--image-size must be >= 1 (got {image_size})")
+        self.data_dir = Path(data_dir)
+        self._image_size = image_size
+        self._classes: list[str] | None = None
+
+    @property
+    @override
+    def image_size(self) -> int:
+        return self._image_size
+
+    @property
+    @override
+    def num_classes(self) -> int:
+        """Class folders under ``train/`` (lists the directory on first use, never in ``__init__``)."""
+        return len(self._train_classes())
+
+    def _train_classes(self) -> list[str]:
+        if self._classes is None:
+            self.check_layout()
+            self._classes, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "train"))
+        return self._classes
+
+    def check_layout(self) -> None:
+        """A one-line ``FileNotFoundError`` naming the flags unless ``train/`` and ``val/`` both exist."""
+        have = [split for split in ("train", "val") if (self.data_dir / split).is_dir()]
+        if len(have) == 2:
+            return
+        if not self.data_dir.is_dir():
+            state = "neither (it is not a directory)"
+        else:
+            state = f"only {have[0]}/" if have else "neither"
+        raise FileNotFoundError(f"--data imagefolder needs <dir>/train and <dir>/val class subfolders; "
+                                f"--data-dir {self.data_dir} has {state}")
+
+    def _check_val_classes(self) -> None:
+        train = self._train_classes()
+        val, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "val"))
+        if val != train:
+            # ImageFolder numbers classes by sorted folder name per split: any difference mislabels val.
+            missing, extra = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+            raise ValueError(f"--data-dir {self.data_dir}: val/ class folders differ from train/ "
+                             f"(missing in val: {missing[:5]}, extra in val: {extra[:5]})")
+
+    def train_transform(self) -> v2.Transform:
+        size = self._image_size
+        return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(),
+                           *self._tail()])
+
+    def val_transform(self) -> v2.Transform:
+        size = self._image_size
+        return v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size),
+                           *self._tail()])
+
+    @staticmethod
+    def _tail() -> list[v2.Transform]:
+        return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+
+    @override
+    def prepare_data(self) -> None:
+        self.check_layout()  # fail before any rank starts decoding
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        self.check_layout()
+        self._check_val_classes()
+        self.train_set = datasets.ImageFolder(os.fspath(self.data_dir / "train"), transform=self.train_transform())
+        self.val_set = datasets.ImageFolder(os.fspath(self.data_dir / "val"), transform=self.val_transform())
+        self.test_set = self.val_set

@@ -1,0 +1,190 @@
+"""MNIST as in-memory tensors, with a seeded validation split and exact DDP evaluation.
+
+The write-up's loader decoded every sample through PIL + ``ToTensor`` on every epoch, which was the
+bottleneck; here the idx files are decoded once per process into one normalized float tensor.
+Reads torchvision's layout: ``<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision.datasets import MNIST
+from typing_extensions import override
+
+from ddp_recipes.data.samplers import exact_eval_loader
+
+MEAN, STD = 0.1307, 0.3081  # over the 60k MNIST training images; the write-up's Normalize values
+_SPLITS = ("train", "t10k")
+_IMAGE_MAGIC, _LABEL_MAGIC = 2051, 2049  # idx headers: uint8 data with 3 and 1 dimensions
+# torchvision downloads with no timeout: behind a firewall that drops packets rank 0 would hang while
+# the other ranks wait at the barrier after prepare_data. Bound each socket operation instead.
+_DOWNLOAD_TIMEOUT_S = 30.0
+
+
+def _raw_dir(data_dir: str | Path) -> Path:
+    return Path(data_dir) / "MNIST" / "raw"
+
+
+def _files(data_dir: str | Path, split: str) -> tuple[Path, Path]:
+    raw = _raw_dir(data_dir)
+    return raw / f"{split}-images-idx3-ubyte", raw / f"{split}-labels-idx1-ubyte"
+
+
+def _header(path: Path, magic: int, ndim: int) -> list[int]:
+    """The dimensions in an idx file's header, checked against the file's size."""
+    with open(path, "rb") as f:
+        head = f.read(4 + 4 * ndim)
+    if len(head) < 4 + 4 * ndim or int.from_bytes(head[:4], "big") != magic:
+        raise ValueError(f"{path.name} is not an MNIST idx file (bad header)")
+    dims = [int.from_bytes(head[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    expected = 4 + 4 * ndim + torch.Size(dims).numel()
+    if path.stat().st_size != expected:
+        raise ValueError(f"{path.name} has {path.stat().st_size} bytes, its header promises {expected} (truncated?)")
+    return dims
+
+
+def check_mnist(data_dir: str | Path) -> dict[str, int]:
+    """Sample counts per split, after checking that the four idx files exist and are whole.
+
+    Raises a one-line ``FileNotFoundError`` (missing files) or ``ValueError`` (corrupt files) that names
+    ``--data-dir``, so every rank of a failing run says the same actionable thing.
+    """
+    raw = _raw_dir(data_dir)
+    paths = [p for split in _SPLITS for p in _files(data_dir, split)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"MNIST not found under {raw} (missing {', '.join(missing)}): pass --data-dir pointing at a "
+            "folder holding MNIST/raw/{train,t10k}-*-ubyte")
+    counts = {}
+    try:
+        for split in _SPLITS:
+            images, labels = _files(data_dir, split)
+            n, rows, cols = _header(images, _IMAGE_MAGIC, 3)
+            (n_labels,) = _header(labels, _LABEL_MAGIC, 1)
+            if (rows, cols) != (28, 28) or n != n_labels or n == 0:
+                raise ValueError(f"{split}: {n} images of {rows}x{cols} vs {n_labels} labels")
+            counts[split] = n
+    except OSError as e:  # unreadable: permissions, a directory in a file's place, ...
+        raise ValueError(f"MNIST under {raw} is unreadable ({e}): pass --data-dir pointing at a readable "
+                         "copy of MNIST/raw/{train,t10k}-*-ubyte") from e
+    except ValueError as e:
+        raise ValueError(f"MNIST under {raw} is corrupt ({e}): delete it or pass --data-dir pointing at a "
+                         "good copy of MNIST/raw/{train,t10k}-*-ubyte") from e
+    return counts
+
+
+def load_split(data_dir: str | Path, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """All images of a split as normalized float32 ``[N, 1, 28, 28]`` and their int64 labels."""
+    check_mnist(data_dir)
+    ds = MNIST(root=os.fspath(data_dir), train=train, download=False)
+    images = ds.data.unsqueeze(1).float().div_(255).sub_(MEAN).div_(STD)
+    labels = ds.targets.long()
+    if labels.numel() and (labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"MNIST under {_raw_dir(data_dir)} is corrupt (labels outside 0-9): pass --data-dir "
+                         "pointing at a good copy of MNIST/raw/{train,t10k}-*-ubyte")
+    return images, labels
+
+
+class MNISTDataModule(L.LightningDataModule):
+    """MNIST train/val/test as ``TensorDataset``s; ``val_size`` images are held out of the train split."""
+
+    num_classes = 10
+    dims = (1, 28, 28)
+
+    def __init__(self, data_dir: str | Path = "data", batch_size: int = 64, val_size: int = 0, seed: int = 42,
+                 num_workers: int = 0, download: bool = True, pin_memory: bool = False) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1 (got {batch_size})")
+        if val_size < 0:
+            raise ValueError(f"--val-size must be >= 0 (got {val_size})")
+        self.data_dir = Path(data_dir)
+        self.batch_size = batch_size
+        self.val_size = val_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.download = download
+        self.pin_memory = pin_memory
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+        self.test_set: TensorDataset | None = None
+        self.train_indices: torch.Tensor | None = None  # rows of the train files in each split
+        self.val_indices: torch.Tensor | None = None
+
+    @override
+    def prepare_data(self) -> None:
+        """Download on local rank 0 only when the files are missing; fail with one line when we cannot."""
+        try:
+            check_mnist(self.data_dir)
+            return
+        except FileNotFoundError:
+            if not self.download:
+                raise
+        previous_timeout = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(_DOWNLOAD_TIMEOUT_S)
+        try:
+            for train in (True, False):
+                MNIST(root=os.fspath(self.data_dir), train=train, download=True)
+        except Exception as e:  # torchvision raises RuntimeError after every mirror failed (offline)
+            raise FileNotFoundError(
+                f"MNIST not found under {_raw_dir(self.data_dir)} and it could not be downloaded "
+                f"({type(e).__name__}; offline?): pass --data-dir pointing at a folder holding "
+                "MNIST/raw/{train,t10k}-*-ubyte") from None
+        finally:
+            socket.setdefaulttimeout(previous_timeout)
+        check_mnist(self.data_dir)
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        """Decode the needed splits once; every rank draws the same validation split from ``seed``."""
+        # Other nodes never ran prepare_data: check here too, with the same message.
+        counts = check_mnist(self.data_dir)
+        if self.val_size >= counts["train"]:
+            raise ValueError(f"--val-size {self.val_size} leaves no training data ({counts['train']} images)")
+        if stage in (None, "fit", "validate") and self.train_set is None:
+            images, labels = load_split(self.data_dir, train=True)
+            perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
+            self.val_indices, self.train_indices = perm[:self.val_size], perm[self.val_size:]
+            self.train_set = TensorDataset(images[self.train_indices], labels[self.train_indices])
+            self.val_set = TensorDataset(images[self.val_indices], labels[self.val_indices])
+        if stage in (None, "test", "predict") and self.test_set is None:
+            self.test_set = TensorDataset(*load_split(self.data_dir, train=False))
+
+    @property
+    def train_size(self) -> int:
+        """Training images after the validation hold-out (reads the file headers before ``setup``)."""
+        if self.train_set is not None:
+            return len(self.train_set)
+        return check_mnist(self.data_dir)["train"] - self.val_size
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        # Under DDP Lightning swaps the RandomSampler for a DistributedSampler and calls set_epoch.
+        return DataLoader(self._require(self.train_set, "fit"), batch_size=self.batch_size, shuffle=True,
+                          drop_last=False, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        val_set = self._require(self.val_set, "validate")
+        if len(val_set) == 0:
+            return []  # --val-size 0: Lightning skips validation
+        return exact_eval_loader(val_set, self.batch_size, self.num_workers, self.pin_memory)
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return exact_eval_loader(self._require(self.test_set, "test"), self.batch_size, self.num_workers,
+                                 self.pin_memory)
+
+    @staticmethod
+    def _require(dataset: TensorDataset | None, stage: str) -> TensorDataset:
+        if dataset is None:
+            raise RuntimeError(f"call setup({stage!r}) before asking for this dataloader")
+        return dataset

@@ -1,0 +1,67 @@
+"""Exact evaluation under DDP: every sample is scored once, on exactly one rank.
+
+Lightning's auto-inserted ``DistributedSampler`` pads the evaluation set with duplicates so that every
+rank gets the same number of batches; the padded samples are scored twice and bias the reported metric
+(slightly, but enough to disagree with a 1-device run). Here each rank takes a strided shard with no
+padding, and the metrics (torchmetrics) sum their states across ranks at ``compute()``, so unequal
+shard sizes are fine.
+
+Why this class subclasses ``DistributedSampler`` (read from Lightning 2.6,
+``trainer/connectors/data_connector.py``): with ``use_distributed_sampler=True`` Lightning leaves a
+loader alone only if its sampler *is a* ``DistributedSampler``. A plain ``SequentialSampler`` or
+``RandomSampler`` is replaced by a padding ``DistributedSampler``, and *any other* sampler is wrapped in
+a ``DistributedSamplerWrapper``, which would shard (and pad) our already-sharded indices a second time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+def _world() -> tuple[int, int]:
+    """(world size, rank) of the default process group, or (1, 0) when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class ExactDistributedSampler(DistributedSampler):
+    """Rank ``r`` of ``W`` yields indices ``r, r+W, r+2W, ...`` of ``range(len(dataset))``, unpadded.
+
+    Shard sizes differ by at most one; over all ranks every index appears exactly once. Order is fixed
+    (evaluation needs no shuffle), so ``set_epoch`` has no effect.
+    """
+
+    def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None) -> None:
+        world, own_rank = _world()
+        num_replicas = world if num_replicas is None else num_replicas
+        rank = own_rank if rank is None else rank
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1 (got {num_replicas})")
+        # The parent checks 0 <= rank < num_replicas; its padded sizes are overwritten below.
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.total_size = len(dataset)
+        self.num_samples = len(range(rank, self.total_size, num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.total_size, self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def exact_eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0,
+                      pin_memory: bool = False) -> DataLoader:
+    """An evaluation DataLoader: sharded without padding under DDP (world > 1), sequential otherwise.
+
+    Call it when the process group is up (Lightning calls ``val_dataloader``/``test_dataloader`` after
+    setting it up), so the shard matches this rank.
+    """
+    world, _ = _world()
+    sampler = ExactDistributedSampler(dataset) if world > 1 else None
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0, drop_last=False)

@@ -1,0 +1,1 @@
+"""LightningModules: the models the recipes train."""
