@@ -1,0 +1,257 @@
+"""The benchmark report: speedups from measured runs, a markdown table, ``results.json``, a plot, a summary.
+
+Results dict (what the runner fills in; ``write_report`` writes it to ``results.json`` as is, so JSON
+turns the integer keys of ``overhead_ratio`` into strings). Every top-level key but ``runs`` may be absent.
+
+``host``         :func:`ddp_recipes.bench.hostinfo.host_facts` (cpu_count, usable_cpus, torch, ...).
+``config``       the run's settings: model, per-device batch, steps, precision, accelerator, threads, ...
+``ceiling``      :func:`ddp_recipes.bench.hostinfo.parallel_ceiling` (CPU runs): ``ceiling``, ``relative``.
+``runs``         one dict per measured (impl, devices):
+                   ``impl``                      "pack" (this library), "raw" (plain torch DDP), "dp", ...
+                   ``devices``                   N, the world size
+                   ``global_samples_per_s``      all ranks together
+                   ``per_device_samples_per_s``  global / N
+                   ``step_ms_median``, ``step_ms_p10``, ``step_ms_p90``  per-step wall time
+                   ``peak_mem_mb_per_rank``      list, one per rank
+                   ``speedup``, ``efficiency``   filled by :func:`compute_speedups` when absent
+``overhead_ratio`` {N: pack step time / raw step time at N}; > 1 means the pack is slower; from
+                 :func:`overhead_ratios`.
+``allreduce``    one dict per N: ``devices``, ``nbytes`` (gradient bytes), ``fp32_ms``, ``bf16_ms``
+                 (all-reduce with the bf16 comm hook's halved payload), ``exposed_ms`` (per-step comm time
+                 not hidden under backward).
+``prediction``   ``rows``: :func:`ddp_recipes.bench.commodel.predict_table` output; optional ``step_ms``,
+                 ``params``, ``bytes_per_param`` (the inputs) and ``validation``
+                 (:func:`~ddp_recipes.bench.commodel.validate_against_pytorch_benchmark`).
+``warnings``     list of strings, shown in the report and counted in the summary line.
+
+Speedup is weak scaling (per-device batch fixed): global samples/s at N over that impl's 1-device rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+PLOT_DEVICES = (1, 2, 4, 8, 16)
+
+
+def compute_speedups(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``runs`` with ``speedup`` and ``efficiency`` vs the same impl's 1-device run (None if none)."""
+    runs = [dict(r) for r in runs]
+    base = {r["impl"]: r["global_samples_per_s"] for r in runs if r["devices"] == 1}
+    for r in runs:
+        one = base.get(r["impl"])
+        if one:
+            r["speedup"] = r["global_samples_per_s"] / one
+            r["efficiency"] = r["speedup"] / r["devices"]
+        else:
+            r["speedup"] = r["efficiency"] = None
+    return runs
+
+
+def overhead_ratios(runs: Iterable[dict[str, Any]], impl: str = "pack", baseline: str = "raw") -> dict[int, float]:
+    """{N: impl step time / baseline step time} for every N both were measured at."""
+    by = {(r["impl"], r["devices"]): r for r in runs}
+    ratios = {}
+    for (name, n), r in sorted(by.items()):
+        other = by.get((baseline, n))
+        if name != impl or other is None:
+            continue
+        if r.get("step_ms_median") and other.get("step_ms_median"):
+            ratios[n] = r["step_ms_median"] / other["step_ms_median"]
+        else:  # same per-device batch, so the throughput ratio is the inverse step-time ratio
+            ratios[n] = other["global_samples_per_s"] / r["global_samples_per_s"]
+    return ratios
+
+
+def _fmt(value: Any, spec: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec) if isinstance(value, int | float) else str(value)
+
+
+def runs_table(runs: Iterable[dict[str, Any]]) -> str:
+    """The measured runs as a markdown table, one row per (impl, devices)."""
+    lines = ["| impl | devices | global samples/s | per-device samples/s | step ms p50 (p10-p90) "
+             "| peak MB/rank | speedup | efficiency |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(runs, key=lambda r: (r["impl"], r["devices"])):
+        spread = f"{_fmt(r.get('step_ms_median'), '.1f')} ({_fmt(r.get('step_ms_p10'), '.1f')}-" \
+                 f"{_fmt(r.get('step_ms_p90'), '.1f')})"
+        mem = r.get("peak_mem_mb_per_rank") or []
+        eff = r.get("efficiency")
+        lines.append(
+            f"| {r['impl']} | {r['devices']} | {_fmt(r['global_samples_per_s'], '.1f')} "
+            f"| {_fmt(r.get('per_device_samples_per_s'), '.1f')} | {spread} | {_fmt(max(mem) if mem else None, '.0f')} "
+            f"| {_fmt(r.get('speedup'))} | {_fmt(eff * 100 if eff is not None else None, '.0f')}{'%' if eff is not None else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def _allreduce_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| devices | gradient MB | fp32 all-reduce ms | bf16-hook all-reduce ms | exposed ms/step |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(rows, key=lambda r: r["devices"]):
+        nbytes = r.get("nbytes")
+        lines.append(f"| {r['devices']} | {_fmt(nbytes / 1e6 if nbytes else None, '.1f')} | "
+                     f"{_fmt(r.get('fp32_ms'))} | {_fmt(r.get('bf16_ms'))} | {_fmt(r.get('exposed_ms'))} |")
+    return "\n".join(lines)
+
+
+def _prediction_table(rows: list[dict[str, Any]]) -> str:
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    devices = sorted({r["devices"] for r in rows})
+    cell = {(r["link"], r["devices"]): r for r in rows}
+    lines = ["| link | GB/s | " + " | ".join(f"N={n} ring / central" for n in devices) + " |",
+             "| --- | ---: |" + " ---: |" * len(devices)]
+    for link in links:
+        first = next(r for r in rows if r["link"] == link)
+        cells = []
+        for n in devices:
+            r = cell.get((link, n))
+            cells.append(f"{r['speedup']:.2f}x / {r['central_speedup']:.2f}x" if r else "-")
+        lines.append(f"| {link} | {_fmt(first.get('bandwidth_GBps'), 'g')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(results: dict[str, Any]) -> str:
+    """The whole report as markdown: host, ceiling, runs, overhead, all-reduce, prediction, warnings."""
+    runs = results.get("runs") or []
+    if any("speedup" not in r for r in runs):
+        runs = compute_speedups(runs)
+    parts = ["# DDP benchmark", ""]
+    host = results.get("host") or {}
+    if host:
+        gpus = ", ".join(host.get("cuda_devices") or []) or "none"
+        parts += [f"Host: {host.get('usable_cpus', '?')} usable CPUs (of {host.get('cpu_count', '?')}), GPUs: {gpus}, "
+                  f"torch {host.get('torch', '?')}, lightning {host.get('lightning', '?')}.", ""]
+    config = results.get("config") or {}
+    if config:
+        parts += ["Config: " + ", ".join(f"{k}={v}" for k, v in config.items()) + ".", ""]
+    ceiling = results.get("ceiling")
+    if ceiling:
+        parts += [f"Host parallel ceiling: {ceiling['workers']} single-thread matmul workers at once reach "
+                  f"{ceiling['ceiling']:.2f}x one alone (each {ceiling['relative_mean']:.0%}); a measured CPU "
+                  f"speedup cannot exceed this.", ""]
+    parts += ["## Measured", "", runs_table(runs), ""]
+    ratios = results.get("overhead_ratio")
+    if ratios is None:
+        ratios = overhead_ratios(runs)
+    if ratios:
+        parts += ["Pack vs raw DDP step time: " + ", ".join(f"N={n}: {v:.3f}x" for n, v in ratios.items()), ""]
+    if results.get("allreduce"):
+        parts += ["## Communication", "", _allreduce_table(results["allreduce"]), ""]
+    prediction = results.get("prediction") or {}
+    if prediction.get("rows"):
+        inputs = ", ".join(f"{k}={_fmt(prediction[k], 'g')}" for k in ("step_ms", "params", "bytes_per_param")
+                           if k in prediction)
+        parts += ["## Predicted (ring all-reduce model; central server for contrast)", ""]
+        if inputs:
+            parts += [f"From {inputs}.", ""]
+        parts += [_prediction_table(prediction["rows"]), ""]
+        val = prediction.get("validation")
+        if val:
+            parts += [f"Model check against PyTorch's DDP benchmark ({val['model']}, {val['devices']} GPUs, "
+                      f"{val['link']}): predicted {val['predicted_efficiency']:.1%} vs published "
+                      f"{val['published_efficiency']:.1%} efficiency ({val['error_points']:+.1f} points).", ""]
+    warnings = results.get("warnings") or []
+    if warnings:
+        parts += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+    return "\n".join(parts)
+
+
+def summary_line(results: dict[str, Any]) -> str:
+    """One parseable line: ``bench: key=value ...`` with the largest N's speedup per impl."""
+    runs = results.get("runs") or []
+    if any("speedup" not in r for r in runs):
+        runs = compute_speedups(runs)
+    fields = []
+    for impl in dict.fromkeys(r["impl"] for r in runs):
+        top = max((r for r in runs if r["impl"] == impl), key=lambda r: r["devices"])
+        fields.append(f"{impl}_speedup@{top['devices']}={_fmt(top.get('speedup'))}")
+        fields.append(f"{impl}_efficiency@{top['devices']}={_fmt(top.get('efficiency'), '.3f')}")
+    ratios = results.get("overhead_ratio") or overhead_ratios(runs)
+    if ratios:
+        n, value = max(ratios.items(), key=lambda kv: int(kv[0]))
+        fields.append(f"overhead@{n}={value:.3f}")
+    if results.get("ceiling"):
+        fields.append(f"ceiling@{results['ceiling']['workers']}={results['ceiling']['ceiling']:.2f}")
+    val = (results.get("prediction") or {}).get("validation")
+    if val:
+        fields.append(f"model_error_points={val['error_points']:+.1f}")
+    fields.append(f"warnings={len(results.get('warnings') or [])}")
+    return "bench: " + " ".join(fields)
+
+
+def plot_speedup(results: dict[str, Any], path: str | Path) -> Path:
+    """Speedup vs devices: measured per impl, ideal, and the predicted ring curve per link."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless; also inside a rank or a test
+    import matplotlib.pyplot as plt
+
+    runs = compute_speedups(results.get("runs") or [])
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    try:
+        xs = list(PLOT_DEVICES) + sorted({r["devices"] for r in runs} - set(PLOT_DEVICES))
+        ax.plot(sorted(xs), sorted(xs), color="black", linestyle=":", label="ideal")
+        rows = (results.get("prediction") or {}).get("rows") or []
+        links = list(dict.fromkeys(r["link"] for r in rows))
+        # Predictions: thin, coloured by link bandwidth rank; measured: thick, in colours outside that map.
+        cmap = plt.get_cmap("viridis")
+        bandwidth = {r["link"]: r.get("bandwidth_GBps", 0) for r in rows}
+        links.sort(key=lambda name: bandwidth[name])
+        for i, link in enumerate(links):
+            pts = sorted((r["devices"], r["speedup"]) for r in rows if r["link"] == link)
+            if pts and pts[0][0] != 1:
+                pts.insert(0, (1, 1.0))
+            ax.plot(*zip(*pts, strict=True), color=cmap(i / max(1, len(links) - 1)), linestyle="--",
+                    linewidth=1, alpha=0.8, label=f"predicted {link}")
+        styles = zip(("crimson", "darkorange", "magenta", "saddlebrown", "gray"), "osD^v", strict=True)
+        for impl, (color, marker) in zip(dict.fromkeys(r["impl"] for r in runs), styles, strict=False):
+            pts = sorted((r["devices"], r["speedup"]) for r in runs if r["impl"] == impl and r["speedup"] is not None)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), color=color, marker=marker, linewidth=2.5, markersize=8,
+                        label=f"measured {impl}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xticks(sorted(xs), [str(x) for x in sorted(xs)])
+        ax.set_yticks(sorted(xs), [str(x) for x in sorted(xs)])
+        ax.set_xlabel("devices (per-device batch fixed)")
+        ax.set_ylabel("speedup vs 1 device")
+        ax.set_title("DDP speedup: measured, ideal, predicted per link")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    return str(value)
+
+
+def write_report(results: dict[str, Any], out_dir: str | Path = "bench-results") -> dict[str, Path]:
+    """Write ``results.json``, ``report.md`` and ``speedup.png`` into ``out_dir``; their paths."""
+    results = copy.deepcopy(results)
+    runs = results.get("runs") or []
+    if any("speedup" not in r for r in runs):
+        results["runs"] = runs = compute_speedups(runs)
+    if "overhead_ratio" not in results:
+        results["overhead_ratio"] = overhead_ratios(runs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "markdown": out / "report.md", "plot": out / "speedup.png"}
+    paths["json"].write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
+    paths["markdown"].write_text(markdown_report(results))
+    plot_speedup(results, paths["plot"])
+    return paths

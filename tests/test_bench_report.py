@@ -1,0 +1,107 @@
+"""The report (from a synthetic results dict) and the host probes; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddp_recipes.bench.commodel import predict_table, validate_against_pytorch_benchmark
+from ddp_recipes.bench.hostinfo import host_facts, parallel_ceiling, parallel_warning
+from ddp_recipes.bench.report import (
+    compute_speedups,
+    markdown_report,
+    overhead_ratios,
+    summary_line,
+    write_report,
+)
+
+
+def _run(impl: str, devices: int, rate: float, step_ms: float) -> dict:
+    return {"impl": impl, "devices": devices, "global_samples_per_s": rate,
+            "per_device_samples_per_s": rate / devices, "step_ms_median": step_ms,
+            "step_ms_p10": step_ms * 0.9, "step_ms_p90": step_ms * 1.2,
+            "peak_mem_mb_per_rank": [100.0 + i for i in range(devices)]}
+
+
+def _results() -> dict:
+    return {
+        "host": {"cpu_count": 2, "usable_cpus": 2, "torch": "2.x", "lightning": "2.6", "cuda_devices": []},
+        "config": {"model": "mnist-mlp", "batch_size": 64, "steps": 20},
+        "ceiling": {"workers": 2, "ceiling": 0.9, "relative": [0.45, 0.45], "relative_mean": 0.45,
+                    "usable_cpus": 2},
+        "runs": [_run("pack", 1, 100.0, 640.0), _run("pack", 2, 180.0, 711.0),
+                 _run("raw", 1, 110.0, 582.0), _run("raw", 2, 187.0, 684.0)],
+        "allreduce": [{"devices": 2, "nbytes": 4_000_000, "fp32_ms": 3.0, "bf16_ms": 1.6, "exposed_ms": 1.1}],
+        "prediction": {"step_ms": 640.0, "params": 1e6, "bytes_per_param": 4,
+                       "rows": predict_table(640.0, 1e6, ["nvlink2", "eth10"]),
+                       "validation": validate_against_pytorch_benchmark()},
+        "warnings": ["2 workers get 0.90 of a core each"],
+    }
+
+
+def test_speedups_are_relative_to_the_same_impl():
+    runs = {(r["impl"], r["devices"]): r for r in compute_speedups(_results()["runs"])}
+    assert runs["pack", 1]["speedup"] == pytest.approx(1.0)
+    assert runs["pack", 2]["speedup"] == pytest.approx(1.8) and runs["pack", 2]["efficiency"] == pytest.approx(0.9)
+    assert runs["raw", 2]["speedup"] == pytest.approx(1.7)
+    lonely = compute_speedups([_run("dp", 2, 50.0, 10.0)])
+    assert lonely[0]["speedup"] is None  # no 1-device run to compare with
+
+
+def test_overhead_ratio_is_pack_over_raw_step_time():
+    ratios = overhead_ratios(_results()["runs"])
+    assert ratios == {1: pytest.approx(640 / 582), 2: pytest.approx(711 / 684)}
+    no_steps = [{k: v for k, v in r.items() if k != "step_ms_median"} for r in _results()["runs"]]
+    assert overhead_ratios(no_steps)[2] == pytest.approx(187 / 180)
+
+
+def test_write_report_files_and_contents(tmp_path):
+    paths = write_report(_results(), tmp_path / "out")
+    assert {p.name for p in paths.values()} == {"results.json", "report.md", "speedup.png"}
+    data = json.loads(paths["json"].read_text())
+    speedups = {(r["impl"], r["devices"]): r["speedup"] for r in data["runs"]}
+    assert speedups["pack", 2] == pytest.approx(1.8)
+    assert data["overhead_ratio"]["2"] == pytest.approx(711 / 684)  # JSON keys are strings
+    md = paths["markdown"].read_text()
+    assert "| pack | 2 | 180.0 | 90.0 |" in md and "| raw | 1 | 110.0 |" in md
+    assert "| nvlink2 |" in md and "| eth10 |" in md and "2 workers get" in md
+    png = paths["plot"].read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_report_tolerates_a_minimal_results_dict(tmp_path):
+    paths = write_report({"runs": [_run("pack", 1, 10.0, 5.0)]}, tmp_path)
+    assert "| pack | 1 |" in paths["markdown"].read_text()
+    assert paths["plot"].stat().st_size > 0
+
+
+def test_markdown_and_summary_line():
+    results = _results()
+    md = markdown_report(results)
+    assert "0.90x one alone" in md and "| 2 | 4.0 | 3.00 | 1.60 | 1.10 |" in md
+    line = summary_line(results)
+    assert "\n" not in line and line.startswith("bench: ")
+    fields = dict(f.split("=") for f in line.split()[1:])
+    assert fields["pack_speedup@2"] == "1.80" and fields["raw_speedup@2"] == "1.70"
+    assert fields["ceiling@2"] == "0.90" and fields["warnings"] == "1"
+
+
+def test_parallel_ceiling_reports_sane_keys():
+    c = parallel_ceiling(2, seconds=0.1)
+    assert c["workers"] == 2 and len(c["relative"]) == 2 and c["alone_rate"] > 0
+    assert all(r > 0 for r in c["relative"]) and c["ceiling"] == pytest.approx(sum(c["relative"]))
+
+
+def test_parallel_warning_thresholds():
+    assert parallel_warning(2, {"workers": 2, "ceiling": 1.95, "relative_mean": 0.97, "usable_cpus": 2}) is None
+    warn = parallel_warning(2, {"workers": 2, "ceiling": 0.9, "relative_mean": 0.45, "usable_cpus": 2})
+    assert warn and "0.90" in warn
+    assert parallel_warning(1, None) is None
+    assert "usable CPUs" in parallel_warning(10_000, None)
+
+
+def test_host_facts_keys():
+    facts = host_facts()
+    assert {"cpu_count", "usable_cpus", "torch", "lightning", "cuda_devices", "torch_threads"} <= set(facts)
+    assert facts["usable_cpus"] >= 1
