@@ -1,26 +1,44 @@
 """ddp-recipes: a PyTorch Lightning DDP strategy and recipe pack.
 
-Components only; the runnable recipes live in the top-level ``recipes`` package.
+Components only; the runnable recipes live in the top-level ``recipes`` package. Exports resolve lazily,
+so ``python -m ddp_recipes.doctor`` and the benchmark's worker processes do not pay for importing
+Lightning unless they use it.
 """
 
-from ddp_recipes.config import ConfigError, RunConfig, parse_config
-from ddp_recipes.schedules import scale_lr, warmup_cosine
-from ddp_recipes.strategy import TunedDDPStrategy
-from ddp_recipes.syncbn import CPUSyncBatchNorm, SyncBatchNormPlugin, convert_sync_batchnorm, revert_sync_batchnorm
-from ddp_recipes.trainer import build_trainer
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CPUSyncBatchNorm",
-    "ConfigError",
-    "RunConfig",
-    "SyncBatchNormPlugin",
-    "TunedDDPStrategy",
-    "build_trainer",
-    "convert_sync_batchnorm",
-    "parse_config",
-    "revert_sync_batchnorm",
-    "scale_lr",
-    "warmup_cosine",
-]
+_EXPORTS = {
+    "ConfigError": "ddp_recipes.config",
+    "RunConfig": "ddp_recipes.config",
+    "parse_config": "ddp_recipes.config",
+    "scale_lr": "ddp_recipes.schedules",
+    "warmup_cosine": "ddp_recipes.schedules",
+    "TunedDDPStrategy": "ddp_recipes.strategy",
+    "CPUSyncBatchNorm": "ddp_recipes.syncbn",
+    "SyncBatchNormPlugin": "ddp_recipes.syncbn",
+    "convert_sync_batchnorm": "ddp_recipes.syncbn",
+    "revert_sync_batchnorm": "ddp_recipes.syncbn",
+    "build_trainer": "ddp_recipes.trainer",
+    "MNISTClassifier": "ddp_recipes.modules.mnist",
+    "MNISTDataModule": "ddp_recipes.data.mnist",
+    "ResNetClassifier": "ddp_recipes.modules.resnet",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ddp_recipes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,0 +1,98 @@
+"""recipes.mnist end to end: 1 and 2 processes on the real mini-MNIST, exact evaluation, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddp_recipes.data.mnist import load_split
+from ddp_recipes.modules.mnist import MNISTClassifier
+from recipes import mnist
+from tests.helpers import SHARED_DATA, free_port, write_mnist_subset
+
+pytestmark = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
+
+SUMMARY_KEYS = {"world_size", "global_batch_size", "epochs", "steps", "fit_seconds", "train_samples_per_sec",
+                "test_acc", "final_train_loss", "torch_version", "lightning_version"}
+
+
+def run_recipe(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "recipes.mnist", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_one_device_smoke(tmp_path):
+    summary = mnist.main(["--data-dir", str(SHARED_DATA), "--output-dir", str(tmp_path), "--accelerator", "cpu",
+                          "--max-steps", "40", "--no-download", "--seed", "3"])
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(written)
+    assert written["world_size"] == 1 and written["global_batch_size"] == 64 and written["steps"] == 40
+    assert written["train_samples_per_sec"] > 0 and written["fit_seconds"] > 0
+    assert 0.5 < written["test_acc"] <= 1.0  # 40 SGD steps of the MLP already learn most of MNIST
+    assert written["final_train_loss"] < 2.3  # below chance-level cross-entropy, ln(10)
+    assert summary["test_acc"] == written["test_acc"]
+    assert list((tmp_path / "logs").rglob("metrics.csv")), "CSVLogger metrics missing"
+
+
+def test_two_devices_exact_evaluation_on_odd_test_set(tmp_path):
+    """2 ranks, 1,001 test images: every image counts once, so DDP accuracy == 1-process accuracy."""
+    data = write_mnist_subset(tmp_path / "data", n_train=2000, n_test=1001)
+    out = tmp_path / "out"
+    proc = run_recipe("--devices", "2", "--accelerator", "cpu", "--data-dir", str(data), "--output-dir", str(out),
+                      "--max-steps", "30", "--batch-size", "32", "--no-download")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 64 and summary["steps"] == 30
+    assert proc.stdout.count("world size") == 1, "the setup block must print once, on rank 0"
+
+    model = MNISTClassifier.load_from_checkpoint(out / "final.ckpt", map_location="cpu").eval()
+    images, labels = load_split(data, train=False)
+    with torch.no_grad():
+        correct = (model(images).argmax(1) == labels).sum().item()
+    assert len(labels) == 1001
+    assert summary["test_acc"] == pytest.approx(correct / 1001, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--devices", "0"], "--devices"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--devices", "2", "--global-batch-size", "100", "--accumulate-grad-batches", "3"], "--global-batch-size"),
+        (["--precision", "fp8"], "--precision"),
+        (["--arch", "transformer"], "--arch"),
+        (["--lr", "-1"], "--lr"),
+    ],
+)
+def test_bad_flags_fail_with_one_line(tmp_path, capsys, args, flag):
+    with pytest.raises(SystemExit) as exc:
+        mnist.main(["--output-dir", str(tmp_path / "out"), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert flag in err[-1]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("download", [False, True])
+def test_missing_or_empty_data_dir(tmp_path, capsys, monkeypatch, download):
+    import urllib.request
+
+    def offline(*args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)  # this machine is offline anyway; make it fast
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        mnist.main(["--data-dir", str(empty), "--output-dir", str(tmp_path / "out"), "--accelerator", "cpu",
+                    "--max-steps", "2"] + ([] if download else ["--no-download"]))
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--data-dir" in last and str(empty) in last
+    assert not (tmp_path / "out" / "summary.json").exists()
