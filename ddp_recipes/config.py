@@ -12,8 +12,10 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
@@ -269,6 +271,18 @@ def build_parser(cls: type[RunConfig], prog: str | None = None, description: str
             kwargs["metavar"] = "{" + ",".join(f.metadata["choices"]) + "}"
         parser.add_argument(flag(f.name), **kwargs)
     return parser
+
+
+def writable_dir(path: str, flag_name: str) -> Path:
+    """Create ``path`` if needed (rank-safe) and prove it is writable, or raise naming ``flag_name``."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{flag_name} {path} is not writable ({err.strerror}); pass a writable {flag_name}") from None
+    return out
 
 
 def fail(message: str, prog: str) -> typing.NoReturn:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from ddp_recipes.config import ConfigError, RunConfig
+from ddp_recipes.config import RunConfig, writable_dir
 from ddp_recipes.schedules import scale_lr
 from ddp_recipes.trainer import build_trainer
 
@@ -58,18 +57,6 @@ class ThroughputMeter(Callback):
 def _batch_len(batch: Any) -> int:
     first = batch[0] if isinstance(batch, list | tuple) else batch
     return int(first.shape[0]) if hasattr(first, "shape") else len(first)
-
-
-def check_output_dir(path: str) -> Path:
-    """Create ``--output-dir`` (rank-safe: exist_ok) and prove it is writable, or fail naming the flag."""
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise ConfigError(f"--output-dir {path} is not writable ({err.strerror}); pass a writable --output-dir") from None
-    return out
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -150,7 +137,7 @@ def run_fit_test(cfg: RunConfig, model: L.LightningModule, datamodule: L.Lightni
                  extra: dict[str, Any] | None = None, save_final: bool = True,
                  **trainer_kwargs: Any) -> dict[str, Any]:
     """Fit, test, and write ``<output-dir>/summary.json`` on rank 0. Returns the summary (every rank)."""
-    out = check_output_dir(cfg.output_dir)
+    out = writable_dir(cfg.output_dir, "--output-dir")
     meter = ThroughputMeter()
     trainer = make_trainer(cfg, callbacks=[meter, *(callbacks or [])], **trainer_kwargs)
     if trainer.is_global_zero:

@@ -49,11 +49,10 @@ def test_speedups_are_relative_to_the_same_impl():
     assert lonely[0]["speedup"] is None  # no 1-device run to compare with
 
 
-def test_overhead_ratio_is_pack_over_raw_step_time():
+def test_overhead_ratio_is_pack_over_raw_throughput():
     ratios = overhead_ratios(_results()["runs"])
-    assert ratios == {1: pytest.approx(640 / 582), 2: pytest.approx(711 / 684)}
-    no_steps = [{k: v for k, v in r.items() if k != "step_ms_median"} for r in _results()["runs"]]
-    assert overhead_ratios(no_steps)[2] == pytest.approx(187 / 180)
+    assert ratios == {1: pytest.approx(100 / 110), 2: pytest.approx(180 / 187)}
+    assert overhead_ratios([_run("pack", 2, 50.0, 1.0)]) == {}  # no raw run to compare with
 
 
 def test_write_report_files_and_contents(tmp_path):
@@ -62,7 +61,7 @@ def test_write_report_files_and_contents(tmp_path):
     data = json.loads(paths["json"].read_text())
     speedups = {(r["impl"], r["devices"]): r["speedup"] for r in data["runs"]}
     assert speedups["pack", 2] == pytest.approx(1.8)
-    assert data["overhead_ratio"]["2"] == pytest.approx(711 / 684)  # JSON keys are strings
+    assert data["overhead_ratio"]["2"] == pytest.approx(180 / 187)  # JSON keys are strings
     md = paths["markdown"].read_text()
     assert "| pack | 2 | 180.0 | 90.0 |" in md and "| raw | 1 | 110.0 |" in md
     assert "| nvlink2 |" in md and "| eth10 |" in md and "2 workers get" in md

@@ -1,0 +1,248 @@
+"""``python -m ddp_recipes.bench``: single- vs multi-device speedup, the pack beside a raw DDP loop.
+
+    python -m ddp_recipes.bench                                   # defaults fitted to the host (see README)
+    python -m ddp_recipes.bench --devices 1,2,4 --recipe resnet --arch resnet50 --image-size 224
+    python -m ddp_recipes.bench predict --step-ms 97 --params 25.6e6 --devices 8 --link nvlink2
+
+Every measured run is a fresh set of processes (``ddp_recipes.bench.workers``). Output in ``--out``:
+results.json, report.md (also printed), speedup.png, and a final one-line summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddp_recipes.bench.commodel import LINKS, predict_main, predict_table, validate_against_pytorch_benchmark
+from ddp_recipes.bench.hostinfo import host_facts, parallel_ceiling, parallel_warning, usable_cpus
+from ddp_recipes.bench.report import markdown_report, summary_line, write_report
+from ddp_recipes.config import ConfigError, fail, opt, writable_dir
+
+PROG = "python -m ddp_recipes.bench"
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed")
+RUN_TIMEOUT_S = 600
+
+
+@dataclass
+class BenchConfig:
+    """The benchmark's flags; ``auto`` values are fitted to the host in :meth:`resolve`."""
+
+    recipe: str = opt("resnet", "workload: resnet (torchvision ResNet) or mnist (the write-up's MLP)",
+                      choices=("resnet", "mnist"))
+    arch: str = opt("auto", "network: resnet18/34/50 for resnet, mlp/cnn for mnist (auto: resnet50 on CUDA, "
+                            "resnet18 on CPU, mlp for mnist)")
+    devices: str = opt("auto", "comma list of device counts, e.g. 1,2,4 (auto: 1,2,4 capped at the GPUs; 1,2 on CPU)")
+    steps: int = opt(0, "measured steps per run, after warm-up (0: 50 on CUDA, 10 on CPU)")
+    warmup_steps: int = opt(3, "steps run before timing starts (allocator, bucket rebuild, first all-reduce)")
+    batch_size: int = opt(0, "per-device batch, fixed across device counts (weak scaling); 0: 32 on CPU, 64 on CUDA")
+    precision: str = opt("auto", "32-true, bf16-mixed or 16-mixed (auto: bf16-mixed on CUDA, 32-true on CPU)",
+                         choices=PRECISIONS)
+    image_size: int = opt(0, "image side in pixels for resnet (0: 224 on CUDA, 32 on CPU)")
+    accelerator: str = opt("auto", "cpu, cuda or auto", choices=("auto", "cpu", "cuda", "gpu"))
+    threads_per_rank: int = opt(0, "CPU threads per rank for every run, 1-device included (0: usable cores / "
+                                   "largest device count)")
+    raw: bool = opt(True, "also measure the plain PyTorch DDP loop (the overhead baseline)")
+    dp: bool = opt(False, "also measure torch.nn.DataParallel (needs 2+ CUDA GPUs; skipped otherwise)")
+    seed: int = opt(0, "seed of the synthetic data and the model")
+    out: str = opt("bench-results", "output folder for results.json, report.md and speedup.png")
+
+    def resolve(self) -> dict[str, Any]:
+        """Validated, host-fitted settings; raises ConfigError naming the flag."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        accelerator = {"auto": "cuda" if cuda else "cpu", "gpu": "cuda"}.get(self.accelerator, self.accelerator)
+        if accelerator == "cuda" and not cuda:
+            raise ConfigError(f"--accelerator {self.accelerator} but no CUDA device is visible; use --accelerator cpu")
+        gpus = torch.cuda.device_count() if accelerator == "cuda" else 0
+        if self.devices == "auto":
+            devices = [n for n in (1, 2, 4) if n <= gpus] if accelerator == "cuda" else [1, 2]
+        else:
+            try:
+                devices = sorted({int(part) for part in self.devices.split(",") if part.strip()})
+            except ValueError:
+                raise ConfigError(f"--devices must be a comma list of integers such as 1,2,4 (got {self.devices!r})") from None
+        if not devices or devices[0] < 1:
+            raise ConfigError(f"--devices needs counts >= 1 (got {self.devices!r})")
+        if accelerator == "cuda" and devices[-1] > gpus:
+            raise ConfigError(f"--devices {self.devices} but only {gpus} CUDA device(s) are visible; lower --devices")
+        if 1 not in devices:
+            raise ConfigError("--devices must include 1: speedup is measured against the 1-device run")
+        if self.warmup_steps < 1:
+            raise ConfigError(f"--warmup-steps must be >= 1 (got {self.warmup_steps})")
+        steps = self.steps or (50 if accelerator == "cuda" else 10)
+        if steps < 2:
+            raise ConfigError(f"--steps must be >= 2 to have a spread (got {self.steps})")
+        arch = self.arch if self.arch != "auto" else (
+            "mlp" if self.recipe == "mnist" else "resnet50" if accelerator == "cuda" else "resnet18")
+        valid = ("mlp", "cnn") if self.recipe == "mnist" else ("resnet18", "resnet34", "resnet50")
+        if arch not in valid:
+            raise ConfigError(f"--arch {arch!r} does not fit --recipe {self.recipe}; choose one of {', '.join(valid)}")
+        precision = self.precision if self.precision != "auto" else ("bf16-mixed" if accelerator == "cuda" else "32-true")
+        if precision == "16-mixed" and accelerator == "cpu":
+            raise ConfigError("--precision 16-mixed needs CUDA; use --precision bf16-mixed or 32-true on CPU")
+        image_size = self.image_size or (224 if accelerator == "cuda" else 32)
+        if self.recipe == "resnet" and image_size < 8:
+            raise ConfigError(f"--image-size must be >= 8 for resnet (got {image_size})")
+        batch = self.batch_size or (64 if accelerator == "cuda" else 32)
+        if batch < 1:
+            raise ConfigError(f"--batch-size must be >= 1 (got {batch})")
+        threads = self.threads_per_rank or (max(1, usable_cpus() // devices[-1]) if accelerator == "cpu" else 0)
+        if threads < 0:
+            raise ConfigError(f"--threads-per-rank must be >= 0 (got {threads})")
+        return {"recipe": self.recipe, "arch": arch, "devices": devices, "accelerator": accelerator,
+                "precision": precision, "image_size": image_size, "batch_size": batch, "steps": steps,
+                "warmup_steps": self.warmup_steps, "threads": threads, "seed": self.seed, "gpus": gpus}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """One measured run in fresh processes; returns its JSON (or raises RuntimeError with the tail)."""
+    out = out_dir / "runs" / f"{impl}-{n}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    args = {k: settings[k] for k in ("recipe", "arch", "image_size", "batch_size", "steps", "warmup_steps",
+                                     "precision", "accelerator", "threads", "seed")}
+    cmd = [sys.executable, "-m", "ddp_recipes.bench.workers", impl, "--out", str(out), "--devices", str(n)]
+    for key, value in args.items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONWARNINGS": "ignore"}
+    if settings["threads"]:
+        # The same per-rank budget for every run; Lightning keeps an OMP_NUM_THREADS that is already set.
+        env["OMP_NUM_THREADS"] = str(settings["threads"])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"{impl} at {n} device(s) failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(out.read_text())
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Measure every (impl, N), the comm costs and the host ceiling; predict; return the results dict."""
+    settings = cfg.resolve()
+    devices = settings["devices"]
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"host": host_facts(), "runs": [], "warnings": [], "allreduce": []}
+    results["config"] = {k: settings[k] for k in ("recipe", "arch", "accelerator", "precision", "image_size",
+                                                  "batch_size", "steps", "warmup_steps", "threads")}
+    results["config"]["devices"] = ",".join(map(str, devices))
+    results["config"]["thread_budget"] = (
+        f"{settings['threads']} torch thread(s) per rank in every run (OMP_NUM_THREADS)" if settings["threads"]
+        else "torch default threads")
+    if settings["accelerator"] == "cpu" and devices[-1] > 1:
+        _progress(f"measuring the host's parallel ceiling with {devices[-1]} workers ...")
+        results["ceiling"] = parallel_ceiling(devices[-1])
+        for n in devices[1:]:
+            warning = parallel_warning(n, results["ceiling"])
+            if warning:
+                results["warnings"].append(warning)
+    impls = ["pack"] + (["raw"] if cfg.raw else [])
+    plan = [(impl, n) for n in devices for impl in impls]
+    if cfg.dp:
+        if settings["accelerator"] == "cuda" and settings["gpus"] >= 2:
+            plan += [("dp", n) for n in devices if n > 1]
+        else:
+            _progress("--dp skipped: DataParallel needs 2+ CUDA GPUs")
+            results["warnings"].append("--dp skipped: DataParallel needs 2+ CUDA GPUs")
+    raw_by_n: dict[int, dict[str, Any]] = {}
+    for i, (impl, n) in enumerate(plan, 1):
+        _progress(f"[{i}/{len(plan)}] {impl:<4} {n} device(s): running {settings['warmup_steps']}+{settings['steps']} steps ...")
+        start = time.perf_counter()
+        try:
+            run = run_worker(impl, n, settings, out_dir)
+        except (RuntimeError, subprocess.TimeoutExpired) as err:
+            results["warnings"].append(str(err).splitlines()[0])
+            _progress(f"        failed: {err}")
+            continue
+        if impl == "raw":
+            raw_by_n[n] = run
+        keep = ("impl", "devices", "global_samples_per_s", "step_ms_median", "step_ms_p10", "step_ms_p90",
+                "peak_mem_mb_per_rank", "measured_steps", "torch_threads")
+        row = {k: run[k] for k in keep if k in run}
+        row["per_device_samples_per_s"] = row["global_samples_per_s"] / n
+        results["runs"].append(row)
+        _progress(f"        {row['global_samples_per_s']:.1f} samples/s, median step {row['step_ms_median']:.1f} ms "
+                  f"({time.perf_counter() - start:.0f} s)")
+    _communication(results, raw_by_n, devices)
+    _prediction(results, raw_by_n)
+    return results
+
+
+def _communication(results: dict[str, Any], raw_by_n: dict[int, dict], devices: list[int]) -> None:
+    """All-reduce cost of the gradients at each N, and the part of it the step did not hide."""
+    pack = {r["devices"]: r for r in results["runs"] if r["impl"] == "pack"}
+    for n in devices[1:]:
+        raw = raw_by_n.get(n)
+        if not raw or not raw.get("allreduce"):
+            continue
+        exposed = None
+        if 1 in pack and n in pack:
+            # Weak scaling: extra step time at N over 1 device is what communication (and, on CPU, core
+            # sharing) added; it cannot exceed the full all-reduce.
+            extra = pack[n]["step_ms_median"] - pack[1]["step_ms_median"]
+            exposed = min(max(0.0, extra), raw["allreduce"]["fp32_ms"])
+        results["allreduce"].append({"devices": n, "nbytes": raw["grad_bytes"], **raw["allreduce"],
+                                     "exposed_ms": exposed})
+
+
+def _prediction(results: dict[str, Any], raw_by_n: dict[int, dict]) -> None:
+    one = next((r for r in results["runs"] if r["impl"] == "pack" and r["devices"] == 1), None)
+    params = next((r["params"] for r in raw_by_n.values() if "params" in r), None)
+    if params is None:
+        params = _count_params(results["config"])
+    if one is None:
+        return
+    results["prediction"] = {"step_ms": one["step_ms_median"], "params": params, "bytes_per_param": 4,
+                             "rows": predict_table(one["step_ms_median"], params, list(LINKS)),
+                             "validation": validate_against_pytorch_benchmark()}
+
+
+def _count_params(config: dict[str, Any]) -> int:
+    from ddp_recipes.bench.workers import Workload, build_module
+
+    w = Workload(recipe=config["recipe"], arch=config["arch"], image_size=config["image_size"])
+    return sum(p.numel() for p in build_module(w).parameters() if p.requires_grad)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ddp_recipes.config import build_parser
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "predict":
+        return predict_main(argv[1:])
+    parser = build_parser(BenchConfig, prog=PROG, description=__doc__)  # type: ignore[arg-type]
+    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    try:
+        cfg.resolve()
+        writable_dir(cfg.out, "--out")
+    except ConfigError as err:
+        fail(str(err), PROG)
+    results = run_bench(cfg)
+    paths = write_report(results, cfg.out)
+    print(markdown_report(json.loads(paths["json"].read_text())))
+    print(f"wrote {paths['json']}, {paths['markdown']}, {paths['plot']}")
+    print(summary_line(results))
+    return 0 if results["runs"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

@@ -1,0 +1,260 @@
+"""The measured runs, each in fresh processes: ``python -m ddp_recipes.bench.workers {pack,raw,dp} ...``.
+
+* ``pack``: the library's path: the recipe's LightningModule, ``build_trainer`` (TunedDDPStrategy at N > 1),
+  Lightning launching the ranks.
+* ``raw``: the write-up's plain PyTorch DDP loop (init_process_group, DDP wrap, DistributedSampler, the
+  same loop) on the same network, synthetic data, batch, precision and thread budget.
+* ``dp``: torch.nn.DataParallel over N GPUs in one process (the write-up's DP-vs-DDP comparison).
+
+Both DDP paths time a step the same way: barrier (+ cuda.synchronize) at the end of every step, wall
+time between consecutive step ends, warm-up steps dropped. Rank 0 writes one JSON file (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+@dataclass
+class Workload:
+    """What one measured run trains: the same for pack, raw and dp."""
+
+    recipe: str = "resnet"
+    arch: str = "resnet18"
+    image_size: int = 32
+    batch_size: int = 32
+    steps: int = 20
+    warmup_steps: int = 5
+    precision: str = "32-true"
+    accelerator: str = "cpu"
+    devices: int = 1
+    threads: int = 0  # torch threads per rank on CPU (0: leave torch's default)
+    seed: int = 0
+    allreduce_iters: int = 5
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps
+
+
+def build_module(w: Workload):
+    """The recipe's LightningModule for this workload (its ``.model`` is the plain network)."""
+    if w.recipe == "mnist":
+        from ddp_recipes.modules.mnist import MNISTClassifier
+
+        return MNISTClassifier(arch=w.arch)
+    from ddp_recipes.modules.resnet import ResNetClassifier
+
+    return ResNetClassifier(arch=w.arch, num_classes=10, cifar_stem=w.image_size <= 64, lr=0.1)
+
+
+def build_dataset(w: Workload) -> TensorDataset:
+    """Fixed-seed synthetic tensors, enough for every rank to run all steps inside one epoch."""
+    shape = (1, 28, 28) if w.recipe == "mnist" else (3, w.image_size, w.image_size)
+    n = (w.total_steps + 1) * w.batch_size * w.devices
+    g = torch.Generator().manual_seed(w.seed)
+    return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank: CUDA allocator peak on GPU, peak RSS of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def sync_point(device: torch.device) -> float:
+    """End-of-step synchronisation shared by both implementations; returns the timestamp."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return time.perf_counter()
+
+
+def step_stats(ends: list[float], warmup_steps: int, global_batch: int) -> dict[str, float]:
+    """Step-time statistics from end-of-step timestamps, the first ``warmup_steps`` steps dropped."""
+    first = max(warmup_steps - 1, 0)
+    times_s = [b - a for a, b in zip(ends[first:], ends[first + 1:], strict=False)]
+    ms = sorted(t * 1000 for t in times_s)
+    q = statistics.quantiles(ms, n=10) if len(ms) >= 2 else [ms[0]] * 9
+    total = sum(times_s)
+    return {"step_ms_median": statistics.median(ms), "step_ms_p10": q[0], "step_ms_p90": q[-1],
+            "global_samples_per_s": global_batch * len(times_s) / total if total else 0.0,
+            "measured_steps": len(times_s)}
+
+
+def _gather(value: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def measure_allreduce(numel: int, device: torch.device, iters: int) -> dict[str, float]:
+    """Median ms of an all-reduce of the model's gradient size, fp32 and bf16 (the bf16 hook's payload)."""
+    result = {}
+    for name, dtype in (("fp32_ms", torch.float32), ("bf16_ms", torch.bfloat16)):
+        buf = torch.ones(numel, dtype=dtype, device=device)
+        times = []
+        for i in range(iters + 2):
+            start = sync_point(device)
+            dist.all_reduce(buf)
+            end = sync_point(device)
+            if i >= 2:
+                times.append((end - start) * 1000)
+        result[name] = statistics.median(times)
+    return result
+
+
+def _write(path: str, payload: dict) -> None:
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+# ---- pack: the library's path ---------------------------------------------------------------------------
+
+
+def run_pack(w: Workload, out: str) -> None:
+    from lightning.pytorch.callbacks import Callback
+
+    from ddp_recipes.trainer import build_trainer
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.ends.append(sync_point(trainer.strategy.root_device))
+
+    timer = StepTimer()
+    trainer = build_trainer(devices=w.devices, accelerator=w.accelerator, precision=w.precision, seed=w.seed,
+                            max_steps=w.total_steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            callbacks=[timer])
+    module = build_module(w)
+    loader = DataLoader(build_dataset(w), batch_size=w.batch_size, shuffle=True)
+    trainer.fit(module, loader)
+    device = trainer.strategy.root_device
+    peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mb(device), device=device))
+    if trainer.is_global_zero:
+        _write(out, {"impl": "pack", "devices": w.devices, "workload": asdict(w),
+                     "precision_used": str(trainer.precision), "strategy": type(trainer.strategy).__name__,
+                     "torch_threads": torch.get_num_threads(),
+                     "peak_mem_mb_per_rank": [round(float(p), 1) for p in peaks.reshape(-1)],
+                     **step_stats(timer.ends, w.warmup_steps, w.batch_size * w.devices)})
+
+
+# ---- raw: the write-up's loop, and DataParallel ---------------------------------------------------------
+
+
+def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
+    if w.threads:
+        torch.set_num_threads(w.threads)
+    cuda = w.accelerator == "cuda"
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    distributed = w.devices > 1
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=w.devices)
+    torch.manual_seed(w.seed)
+    model = build_module(w).model.to(device)
+    # One device: the single-GPU script the write-up starts from, no process group and no DDP wrap.
+    wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None) \
+        if distributed else model
+    data = build_dataset(w)
+    sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=True, seed=w.seed) \
+        if distributed else torch.utils.data.RandomSampler(data)
+    loader = DataLoader(data, batch_size=w.batch_size, sampler=sampler)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if w.precision == "bf16-mixed"
+                else contextlib.nullcontext())
+    if distributed:
+        sampler.set_epoch(0)
+    ends = []
+    for step, (x, y) in enumerate(loader):
+        if step >= w.total_steps:
+            break
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast:
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        ends.append(sync_point(device))
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    allreduce = measure_allreduce(numel, device, w.allreduce_iters) if distributed else None
+    peaks = _gather(round(peak_memory_mb(device), 1))
+    if local_rank == 0:
+        _write(out, {"impl": "raw", "devices": w.devices, "workload": asdict(w), "params": numel,
+                     "grad_bytes": numel * 4, "torch_threads": torch.get_num_threads(),
+                     "peak_mem_mb_per_rank": peaks, "allreduce": allreduce,
+                     **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
+    if distributed:
+        dist.destroy_process_group()
+
+
+def run_raw(w: Workload, out: str) -> None:
+    if w.devices == 1:
+        _raw_rank(0, w, out)
+        return
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    mp.start_processes(_raw_rank, args=(w, out), nprocs=w.devices, start_method="spawn")
+
+
+def run_dp(w: Workload, out: str) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < w.devices:
+        raise SystemExit(f"--dp needs {w.devices} CUDA GPUs")
+    torch.manual_seed(w.seed)
+    device = torch.device("cuda", 0)
+    model = nn.DataParallel(build_module(w).model.to(device), device_ids=list(range(w.devices)))
+    data = build_dataset(w)
+    loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ends = []
+    for step, (x, y) in enumerate(loader):
+        if step >= w.total_steps:
+            break
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=w.precision == "bf16-mixed"):
+            loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        ends.append(sync_point(device))
+    peaks = [round(torch.cuda.max_memory_allocated(i) / 2**20, 1) for i in range(w.devices)]
+    _write(out, {"impl": "dp", "devices": w.devices, "workload": asdict(w), "peak_mem_mb_per_rank": peaks,
+                 **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ddp_recipes.bench.workers")
+    parser.add_argument("impl", choices=["pack", "raw", "dp"])
+    parser.add_argument("--out", required=True)
+    for name, value in asdict(Workload()).items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=type(value), default=value)
+    args = vars(parser.parse_args(argv))
+    impl, out = args.pop("impl"), args.pop("out")
+    w = Workload(**args)
+    {"pack": run_pack, "raw": run_raw, "dp": run_dp}[impl](w, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,74 @@
+"""`python -m ddp_recipes.bench` end to end at toy size (no timing is asserted), and its bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddp_recipes.bench.__main__ import BenchConfig, main
+
+
+def test_tiny_end_to_end_writes_all_outputs(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp_recipes.bench", "--recipe", "mnist", "--devices", "1,2", "--steps", "2",
+         "--warmup-steps", "1", "--accelerator", "cpu", "--out", str(out)],
+        capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "speedup.png", "runs"}
+    results = json.loads((out / "results.json").read_text())
+    measured = {(r["impl"], r["devices"]) for r in results["runs"]}
+    assert measured == {("pack", 1), ("pack", 2), ("raw", 1), ("raw", 2)}
+    for run in results["runs"]:
+        assert run["measured_steps"] == 2 and run["global_samples_per_s"] > 0
+        assert len(run["peak_mem_mb_per_rank"]) == run["devices"]
+        assert run["torch_threads"] == results["config"]["threads"]  # the stated thread budget was applied
+    assert set(results["overhead_ratio"]) == {"1", "2"}
+    assert results["allreduce"][0]["devices"] == 2 and results["allreduce"][0]["nbytes"] == 101_770 * 4
+    assert results["ceiling"]["workers"] == 2
+    assert len(results["prediction"]["rows"]) == 11 * 4  # every link preset at N = 2, 4, 8, 16
+    assert "| pack | 2 |" in proc.stdout  # the markdown table is printed too
+    assert proc.stdout.strip().splitlines()[-1].startswith("bench: pack_speedup@2=")
+    assert "[4/4] raw" in proc.stderr  # progress display
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--devices", "2,4"], "--devices"),
+        (["--devices", "one"], "--devices"),
+        (["--accelerator", "cpu", "--precision", "16-mixed"], "--precision"),
+        (["--recipe", "mnist", "--arch", "resnet50"], "--arch"),
+        (["--steps", "1"], "--steps"),
+        (["--warmup-steps", "0"], "--warmup-steps"),
+        (["--accelerator", "cuda"], "--accelerator"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(tmp_path, capsys, args, flag):
+    if flag == "--accelerator":
+        pytest.importorskip("torch")
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is visible")
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--out", str(tmp_path / "b")])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "b").exists()
+
+
+def test_defaults_fit_a_cpu_host():
+    settings = BenchConfig(accelerator="cpu").resolve()
+    assert settings["arch"] == "resnet18" and settings["image_size"] == 32 and settings["precision"] == "32-true"
+    assert settings["devices"] == [1, 2] and settings["threads"] >= 1
+
+
+def test_predict_subcommand_prints_json(capsys):
+    assert main(["predict", "--step-ms", "97.26", "--params", "25557032", "--devices", "8", "--link", "nvlink2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert 0 < result["efficiency"] <= 1 and result["speedup"] == pytest.approx(8 * result["efficiency"])
