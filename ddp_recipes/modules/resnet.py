@@ -1,0 +1,239 @@
+"""A torchvision ResNet as a LightningModule: the write-up's ImageNet/CIFAR workload, DDP-ready.
+
+What it adds over ``torchvision.models.resnet*``: a CIFAR stem for small images, gradient checkpointing
+per stage (``--grad-checkpointing``, the write-up's OOM remedy), channels-last memory format, SGD without
+weight decay on BatchNorm and bias parameters, and torchmetrics accuracy that stays exact under DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from lightning import LightningModule
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+from torchvision import models
+from typing_extensions import override
+
+from ddp_recipes.schedules import lightning_scheduler
+
+ARCHS = ("resnet18", "resnet34", "resnet50")
+STAGES = ("layer1", "layer2", "layer3", "layer4")
+# Total downsampling of the torchvision ResNet up to layer4 (tests measure it on the real network):
+# ImageNet stem = conv1 stride 2 x maxpool stride 2, CIFAR stem = none; layer2..layer4 halve again each.
+STEM_STRIDE = {False: 4, True: 1}
+STAGES_STRIDE = 8
+
+
+class _KeepBatchNormStats:
+    """Undo the BatchNorm running-stat updates of a checkpoint's recompute.
+
+    Non-reentrant checkpointing re-runs the stage's forward during backward, still in training mode, so
+    without this every BatchNorm would take two momentum steps per batch and its running statistics
+    would differ from a run without ``--grad-checkpointing``.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                      and m.track_running_stats]
+        self.saved: list[list[torch.Tensor]] = []
+
+    @staticmethod
+    def _buffers(norm: nn.Module) -> tuple[torch.Tensor, ...]:
+        return norm.running_mean, norm.running_var, norm.num_batches_tracked
+
+    def __enter__(self) -> None:
+        self.saved = [[b.clone() for b in self._buffers(n)] for n in self.norms]
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for norm, saved in zip(self.norms, self.saved, strict=True):
+                for buffer, value in zip(self._buffers(norm), saved, strict=True):
+                    buffer.copy_(value)
+        self.saved = []
+
+
+class ResNetClassifier(LightningModule):
+    """ResNet-18/34/50 image classifier trained with SGD; override :meth:`build_model` for another network.
+
+    ``lr`` is used as given: recipes pass the LR already scaled for the global batch (``scale_lr``).
+    """
+
+    def __init__(self, arch: str = "resnet18", num_classes: int = 10, cifar_stem: bool = False,
+                 lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 5e-4,
+                 label_smoothing: float = 0.0, warmup_epochs: float = 0.0, cosine: bool = True,
+                 channels_last: bool = False, grad_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self._check_hparams()
+        # Built here, not in setup(): every rank builds the same module and DDP broadcasts rank 0's weights.
+        self.model = self.build_model()
+        if grad_checkpointing:
+            missing = [n for n in ("conv1", "bn1", "relu", "maxpool", *STAGES, "avgpool", "fc")
+                       if not hasattr(self.model, n)]
+            if missing:
+                raise ValueError(f"--grad-checkpointing needs a torchvision-style ResNet; build_model() "
+                                 f"returned a {type(self.model).__name__} without {', '.join(missing)}")
+        if channels_last:
+            # NHWC lets cuDNN use tensor-core convolution kernels without transposes under AMP.
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.train_loss_epoch = MeanMetric()
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_acc, self.test_acc = self._accuracy(1), self._accuracy(1)
+        # Top-5 of fewer than 5 classes is always 1.0: not worth logging.
+        self.val_acc5 = self._accuracy(5) if num_classes >= 5 else None
+        self.test_acc5 = self._accuracy(5) if num_classes >= 5 else None
+
+    def _check_hparams(self) -> None:
+        hp = self.hparams
+        if hp.num_classes < 1:
+            raise ValueError(f"--num-classes must be >= 1 (got {hp.num_classes})")
+        if hp.lr <= 0:
+            raise ValueError(f"--lr must be > 0 (got {hp.lr})")
+        if not 0 <= hp.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1) (got {hp.momentum})")
+        if hp.nesterov and hp.momentum == 0:
+            raise ValueError("--nesterov needs --momentum > 0")
+        if hp.weight_decay < 0:
+            raise ValueError(f"--weight-decay must be >= 0 (got {hp.weight_decay})")
+        if not 0 <= hp.label_smoothing < 1:
+            raise ValueError(f"--label-smoothing must be in [0, 1) (got {hp.label_smoothing})")
+        if hp.warmup_epochs < 0:
+            raise ValueError(f"--warmup-epochs must be >= 0 (got {hp.warmup_epochs})")
+
+    def _accuracy(self, top_k: int) -> MulticlassAccuracy:
+        # micro: the fraction of samples right, as papers report it (the default "macro" averages classes).
+        return MulticlassAccuracy(num_classes=self.hparams.num_classes, top_k=top_k, average="micro")
+
+    def build_model(self) -> nn.Module:
+        """The network, from ``self.hparams``: the one method to override for another architecture."""
+        arch, num_classes = self.hparams.arch, self.hparams.num_classes
+        if arch not in ARCHS:
+            raise ValueError(f"--arch must be one of {', '.join(ARCHS)} (got {arch!r})")
+        model = getattr(models, arch)(weights=None, num_classes=num_classes)
+        if self.hparams.cifar_stem:
+            # A 7x7/2 conv and a max-pool would leave a 32 px image 8 px wide after the stem.
+            model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+            nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision
+            model.maxpool = nn.Identity()
+        return model
+
+    @staticmethod
+    def min_image_size(cifar_stem: bool) -> int:
+        """The smallest input side for which layer4's feature map covers >= 1x1 real pixels.
+
+        Padding keeps torchvision's ResNet from failing on smaller images (every stride rounds up), but
+        below this size the last stages convolve a 1x1 map made of zero padding: training runs, the
+        deep layers learn nothing useful.
+        """
+        return STEM_STRIDE[bool(cifar_stem)] * STAGES_STRIDE
+
+    @classmethod
+    def check_image_size(cls, image_size: int, cifar_stem: bool) -> None:
+        """Raise a ``ValueError`` naming the flags when ``image_size`` is too small for the stem."""
+        need = cls.min_image_size(cifar_stem)
+        if image_size >= need:
+            return
+        if cifar_stem:
+            raise ValueError(f"--image-size {image_size} is too small even with --cifar-stem: the network "
+                             f"downsamples {need}x, so it needs >= {need} px")
+        raise ValueError(f"--image-size {image_size} is too small for the ImageNet stem (the network "
+                         f"downsamples {need}x, so it needs >= {need} px): use --cifar-stem (>= "
+                         f"{cls.min_image_size(True)} px) or larger images")
+
+    @override
+    def setup(self, stage: str) -> None:
+        # Every rank checks, so a bad flag fails loudly everywhere instead of training on padding.
+        datamodule = getattr(self.trainer, "datamodule", None)
+        image_size = getattr(datamodule, "image_size", None)
+        if isinstance(image_size, int) and type(self).build_model is ResNetClassifier.build_model:
+            self.check_image_size(image_size, self.hparams.cifar_stem)
+        num_classes = getattr(datamodule, "num_classes", None)
+        if isinstance(num_classes, int) and num_classes != self.hparams.num_classes:
+            raise ValueError(f"the data has {num_classes} classes but the model was built with "
+                             f"num_classes={self.hparams.num_classes}")
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hparams.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        if self.hparams.grad_checkpointing and self.training and torch.is_grad_enabled():
+            return self._checkpointed_forward(x)
+        return self.model(x)
+
+    def _checkpointed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """torchvision's ``ResNet._forward_impl``, keeping only each stage's input for backward.
+
+        Activation memory of the four stages drops to their inputs, for one extra forward per stage in
+        backward. ``use_reentrant=False``: works under DDP without ``static_graph`` and with inputs that
+        do not require grad.
+        """
+        m = self.model
+        x = m.maxpool(m.relu(m.bn1(m.conv1(x))))  # the stem is cheap in memory: run it normally
+        for name in STAGES:
+            stage = getattr(m, name)
+            x = checkpoint(stage, x, use_reentrant=False,
+                           context_fn=lambda s=stage: (contextlib.nullcontext(), _KeepBatchNormStats(s)))
+        return m.fc(torch.flatten(m.avgpool(x), 1))
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.label_smoothing)
+        # As MNISTClassifier: the step value is this rank's (no all-reduce per step just to print it); the
+        # epoch value is a MeanMetric, synced once at epoch end over every rank's samples.
+        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False)
+        self.train_loss_epoch.update(loss.detach(), weight=x.shape[0])
+        self.log("train_loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    @override
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:
+        x, y = batch
+        logits = self(x)
+        # Plain cross-entropy (no label smoothing) so val_loss compares across --label-smoothing values.
+        loss_metric: MeanMetric = getattr(self, f"{prefix}_loss")
+        loss_metric.update(F.cross_entropy(logits, y), weight=x.shape[0])
+        self.log(f"{prefix}_loss", loss_metric, on_step=False, on_epoch=True)
+        # Metric objects, not tensors: compute() all-reduces the sums once at epoch end, which stays exact
+        # (and deadlock-free) with the unequal shards of ExactDistributedSampler.
+        for suffix in ("acc", "acc5"):
+            metric: MulticlassAccuracy | None = getattr(self, f"{prefix}_{suffix}")
+            if metric is not None:
+                metric.update(logits, y)
+                self.log(f"{prefix}_{suffix}", metric, on_step=False, on_epoch=True, prog_bar=suffix == "acc")
+
+    def param_groups(self) -> list[dict]:
+        """SGD parameter groups: weight decay on conv/linear weights, none on BatchNorm and biases.
+
+        Decaying BN scales and biases only fights the normalization (Goyal et al. 2017, "no bias decay");
+        the ``ndim <= 1`` rule catches exactly those in any conv net, also in a ``build_model`` override.
+        """
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim <= 1 else decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
+
+    @override
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.param_groups(), lr=self.hparams.lr, momentum=self.hparams.momentum,
+                                    nesterov=self.hparams.nesterov)
+        scheduler = lightning_scheduler(optimizer, self.trainer, self.hparams.warmup_epochs,
+                                        cosine=self.hparams.cosine)
+        if scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
