@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,14 @@ class ThroughputMeter(Callback):
     """Steady-state training samples/s over all ranks, from rank-local wall time between optimizer steps.
 
     DDP's gradient all-reduce makes every step a synchronisation point, so one rank's clock measures the
-    whole group. The first ``warmup_steps`` steps (allocator, first all-reduce, bucket rebuild) and the time
-    spent outside training batches (validation, epoch boundaries) are excluded.
+    whole group. The first ``warmup_steps`` intervals (allocator, first all-reduce, bucket rebuild; at most
+    half of a short run) and the time outside training batches (validation, epoch ends) are excluded.
     """
 
     def __init__(self, warmup_steps: int = 5) -> None:
         self.warmup_steps = warmup_steps
-        self.samples = 0
-        self.seconds = 0.0
+        self.intervals: list[tuple[int, float]] = []  # (samples over all ranks, seconds)
         self._last: float | None = None
-        self._seen = 0
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -43,15 +42,15 @@ class ThroughputMeter(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now = time.perf_counter()
-        self._seen += 1
-        if self._last is not None and self._seen > self.warmup_steps:
-            self.seconds += now - self._last
-            self.samples += _batch_len(batch) * trainer.world_size
+        if self._last is not None:
+            self.intervals.append((_batch_len(batch) * trainer.world_size, now - self._last))
         self._last = now
 
     @property
     def samples_per_sec(self) -> float | None:
-        return self.samples / self.seconds if self.seconds > 0 else None
+        steady = self.intervals[min(self.warmup_steps, len(self.intervals) // 2):]
+        seconds = sum(t for _, t in steady)
+        return sum(n for n, _ in steady) / seconds if seconds > 0 else None
 
 
 def _batch_len(batch: Any) -> int:
@@ -132,14 +131,20 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
     }
 
 
-def run_fit_test(cfg: RunConfig, model: L.LightningModule, datamodule: L.LightningDataModule, lr: float,
+def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], datamodule: L.LightningDataModule,
+                 lr: float,
                  callbacks: list[Callback] | None = None, ckpt_path: str | None = None, test: bool = True,
                  extra: dict[str, Any] | None = None, save_final: bool = True,
                  **trainer_kwargs: Any) -> dict[str, Any]:
-    """Fit, test, and write ``<output-dir>/summary.json`` on rank 0. Returns the summary (every rank)."""
+    """Fit, test, and write ``<output-dir>/summary.json`` on rank 0. Returns the summary (every rank).
+
+    ``build_model`` is called after the trainer has seeded every rank, so the initial weights depend on
+    ``--seed`` only (not on whatever drew random numbers earlier in the process).
+    """
     out = writable_dir(cfg.output_dir, "--output-dir")
     meter = ThroughputMeter()
     trainer = make_trainer(cfg, callbacks=[meter, *(callbacks or [])], **trainer_kwargs)
+    model = build_model()
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, lr), flush=True)
     start = time.perf_counter()

@@ -7,8 +7,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from ddp_recipes.checkpoint import AtomicCheckpointIO, RNGStateCheckpoint
 from ddp_recipes.config import ConfigError, resolve_world
 from ddp_recipes.strategy import TunedDDPStrategy
 
@@ -84,6 +86,12 @@ def build_trainer(
         # Same seed on every rank before the model is built: identical initial weights everywhere.
         L.seed_everything(seed, workers=True, verbose=False)
 
+    plugins = list(trainer_kwargs.pop("plugins", None) or [])
+    if not any(isinstance(p, CheckpointIO) for p in plugins):
+        plugins.append(AtomicCheckpointIO())  # a kill mid-save keeps the previous checkpoint intact
+    callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
+    if not any(isinstance(c, RNGStateCheckpoint) for c in callbacks):
+        callbacks.append(RNGStateCheckpoint())  # resumed runs continue the same random streams
     distributed = devices * num_nodes > 1
     if "strategy" not in trainer_kwargs:
         if distributed:
@@ -110,5 +118,7 @@ def build_trainer(
         accumulate_grad_batches=accumulate_grad_batches,
         max_epochs=max_epochs,
         max_steps=max_steps,
+        plugins=plugins,
+        callbacks=callbacks,
         **trainer_kwargs,
     )

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     try:
         lr = scaled_lr(cfg)
-        return run_fit_test(cfg, build_model(cfg, lr), build_datamodule(cfg), lr,
+        return run_fit_test(cfg, lambda: build_model(cfg, lr), build_datamodule(cfg), lr,
                             enable_checkpointing=False, extra={"arch": cfg.arch})
     except (ConfigError, FileNotFoundError) as err:
         fail(str(err).splitlines()[0], PROG)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning import Trainer
 from lightning.pytorch.trainer.states import RunningStage
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_recipes.data import samplers
@@ -48,7 +48,9 @@ def test_loads_normalized_tensors(data_dir):
     assert len(dm.test_set) == 2000
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (32, 1, 28, 28) and y.shape == (32,)
-    assert isinstance(dm.train_dataloader().sampler, RandomSampler)
+    # Seeded by (seed, epoch) alone, at every world size: a resumed run sees the same order.
+    sampler = dm.train_dataloader().sampler
+    assert isinstance(sampler, DistributedSampler) and sampler.num_replicas == 1 and sampler.shuffle
     assert isinstance(dm.val_dataloader().sampler, SequentialSampler)  # no process group: plain loader
     assert len(dm.test_dataloader().dataset) == 2000
 

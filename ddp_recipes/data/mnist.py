@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import MNIST
 from typing_extensions import override
 
-from ddp_recipes.data.samplers import exact_eval_loader
+from ddp_recipes.data.samplers import exact_eval_loader, resumable_train_loader
 
 MEAN, STD = 0.1307, 0.3081  # over the 60k MNIST training images; the write-up's Normalize values
 _SPLITS = ("train", "t10k")
@@ -166,10 +166,8 @@ class MNISTDataModule(L.LightningDataModule):
 
     @override
     def train_dataloader(self) -> DataLoader:
-        # Under DDP Lightning swaps the RandomSampler for a DistributedSampler and calls set_epoch.
-        return DataLoader(self._require(self.train_set, "fit"), batch_size=self.batch_size, shuffle=True,
-                          drop_last=False, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory)
+        return resumable_train_loader(self._require(self.train_set, "fit"), self.batch_size, self.seed,
+                                      num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     @override
     def val_dataloader(self) -> DataLoader | list:

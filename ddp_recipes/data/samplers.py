@@ -65,3 +65,18 @@ def exact_eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0,
     sampler = ExactDistributedSampler(dataset) if world > 1 else None
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, persistent_workers=num_workers > 0, drop_last=False)
+
+
+def resumable_train_loader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
+                           pin_memory: bool = False, **kwargs) -> DataLoader:
+    """A shuffled training DataLoader whose order depends only on (seed, epoch, rank, world size).
+
+    It is the DistributedSampler Lightning would insert under DDP, used at every world size: a plain
+    RandomSampler draws from the global RNG, so a run resumed from a checkpoint would see a different
+    order than the uninterrupted run. Lightning keeps a DistributedSampler as is and calls set_epoch.
+    Build it when the process group is up (Lightning calls ``train_dataloader`` after that).
+    """
+    world, rank = _world()
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0, **kwargs)

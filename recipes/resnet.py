@@ -1,0 +1,141 @@
+"""ResNet on CIFAR-10, an ImageFolder tree or synthetic data: ``python -m recipes.resnet``.
+
+    python -m recipes.resnet --devices 1 --data synthetic --max-steps 20
+    python -m recipes.resnet --devices 4 --data cifar10 --max-epochs 30 --lr-scaling linear --warmup-epochs 2
+    python -m recipes.resnet --devices 4 --data imagefolder --data-dir /data/imagenet --arch resnet50 \\
+        --image-size 224 --precision bf16-mixed --channels-last --sync-batchnorm --resume auto
+    torchrun --nproc-per-node 4 -m recipes.resnet --data cifar10
+
+Checkpoints: ``<output-dir>/checkpoints/last.ckpt`` (and ``best.ckpt`` by val_acc when there is a
+validation set), saved atomically on rank 0; ``--resume auto`` continues from ``last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ddp_recipes.checkpoint import CHECKPOINT_DIR, check_compatible, read_checkpoint, resolve_resume
+from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
+from ddp_recipes.data.images import (
+    CIFAR10DataModule,
+    ImageFolderDataModule,
+    SyntheticImageDataModule,
+    default_num_workers,
+)
+from ddp_recipes.modules.resnet import ARCHS, ResNetClassifier
+from ddp_recipes.runner import run_fit_test, scaled_lr
+
+PROG = "python -m recipes.resnet"
+DATA = ("synthetic", "cifar10", "imagefolder")
+
+
+@dataclass
+class ResNetConfig(RunConfig):
+    """Run config plus the ResNet recipe's own flags."""
+
+    arch: str = opt("resnet18", "network: resnet18, resnet34 or resnet50", choices=ARCHS)
+    data: str = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder (--data-dir/{train,val})",
+                    choices=DATA)
+    data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
+    image_size: int = opt(32, "input side in pixels (cifar10 is always 32)")
+    num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
+    cifar_stem: bool | None = opt(None, "3x3 stem without max-pool for small images (default: on below 64 px)")
+    synthetic_samples: int = opt(1024, "training images of --data synthetic")
+    synthetic_val_samples: int = opt(256, "validation images of --data synthetic (0: no validation)")
+    momentum: float = opt(0.9, "SGD momentum")
+    nesterov: bool = opt(False, "Nesterov momentum")
+    weight_decay: float = opt(5e-4, "weight decay (never on BatchNorm parameters and biases)")
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
+    cosine: bool = opt(True, "cosine LR decay over the run after the warm-up")
+    channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
+    grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
+    min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
+    resume: str = opt("none", "none, auto (the latest checkpoint in --output-dir) or a checkpoint PATH")
+    checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (0: each epoch end)")
+    output_dir: str = opt("runs/resnet", "where logs, checkpoints and summary.json go")
+
+    DEFAULT_BATCH_SIZE = 128
+    DEFAULT_LR = 0.1
+    DEFAULT_REFERENCE_BATCH = 256
+    DEFAULT_MAX_EPOCHS = 30
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.arch not in ARCHS:
+            raise ConfigError(f"--arch must be one of {', '.join(ARCHS)} (got {self.arch!r})")
+        if self.data not in DATA:
+            raise ConfigError(f"--data must be one of {', '.join(DATA)} (got {self.data!r})")
+        if self.data == "cifar10":
+            self.image_size = 32
+        if self.cifar_stem is None:
+            self.cifar_stem = self.image_size < 64
+        if self.num_classes is not None and self.num_classes < 1:
+            raise ConfigError(f"--num-classes must be >= 1 (got {self.num_classes})")
+        if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
+            raise ConfigError("--synthetic-samples must be >= 1 and --synthetic-val-samples >= 0")
+        if self.checkpoint_every_n_steps < 0:
+            raise ConfigError(f"--checkpoint-every-n-steps must be >= 0 (got {self.checkpoint_every_n_steps})")
+        try:
+            ResNetClassifier.check_image_size(self.image_size, self.cifar_stem)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def build_datamodule(cfg: ResNetConfig):
+    batch = cfg.per_device_batch_size
+    workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(cfg.resolved_devices)
+    if cfg.data == "synthetic":
+        return SyntheticImageDataModule(num_samples=cfg.synthetic_samples, image_size=cfg.image_size,
+                                        num_classes=cfg.num_classes or 10, batch_size=batch, seed=cfg.seed,
+                                        num_workers=0, val_samples=cfg.synthetic_val_samples)
+    if cfg.data == "cifar10":
+        return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed)
+    dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,
+                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed)
+    dm.check_layout()  # before any process starts: a wrong --data-dir fails here, in one line
+    return dm
+
+
+def build_model(cfg: ResNetConfig, num_classes: int, lr: float) -> ResNetClassifier:
+    return ResNetClassifier(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
+                            momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+                            label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
+                            cosine=cfg.cosine, channels_last=cfg.channels_last,
+                            grad_checkpointing=cfg.grad_checkpointing)
+
+
+def checkpoint_callback(cfg: ResNetConfig, has_val: bool) -> ModelCheckpoint:
+    """last.ckpt always; best.ckpt by val_acc when there is validation. Writes go through the atomic IO."""
+    return ModelCheckpoint(
+        dirpath=Path(cfg.output_dir) / CHECKPOINT_DIR, filename="best", monitor="val_acc" if has_val else None,
+        mode="max", save_top_k=1 if has_val else 0, save_last=True, enable_version_counter=False,
+        every_n_train_steps=cfg.checkpoint_every_n_steps or None,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse flags, train (or resume), test; returns the summary written to <output-dir>/summary.json."""
+    cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
+    try:
+        datamodule = build_datamodule(cfg)
+        num_classes = cfg.num_classes or datamodule.num_classes
+        resume = resolve_resume(cfg.resume, cfg.output_dir)
+        if resume:
+            # Every rank reads the same file; a bad one fails here, before training touches anything.
+            check_compatible(read_checkpoint(resume), resume, {"arch": cfg.arch, "num_classes": num_classes,
+                                                               "cifar_stem": cfg.cifar_stem})
+        lr = scaled_lr(cfg)
+        has_val = cfg.data != "synthetic" or cfg.synthetic_val_samples > 0
+        return run_fit_test(cfg, lambda: build_model(cfg, num_classes, lr), datamodule, lr,
+                            callbacks=[checkpoint_callback(cfg, has_val)], ckpt_path=resume, test=has_val,
+                            save_final=False, extra={"arch": cfg.arch, "data": cfg.data, "resumed_from": resume})
+    except (ConfigError, FileNotFoundError) as err:
+        fail(str(err).splitlines()[0], PROG)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""recipes.resnet end to end on synthetic data: smoke, resume, cross-world-size checkpoints, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from recipes import resnet
+from tests.helpers import free_port
+
+# Tiny but real: ResNet-18 with the CIFAR stem on 16 px images, 64 training images, batch 16.
+TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
+        "--synthetic-val-samples", "32", "--batch-size", "16", "--lr", "0.05"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "recipes.resnet", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def test_one_device_smoke(tmp_path):
+    summary = resnet.main([*TINY, "--max-steps", "3", "--output-dir", str(tmp_path)])
+    assert summary["world_size"] == 1 and summary["steps"] == 3 and summary["arch"] == "resnet18"
+    assert 0 <= summary["test_acc"] <= 1 and "test_acc5" in summary
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists() and (tmp_path / "summary.json").exists()
+
+
+def test_two_devices_sync_batchnorm_smoke(tmp_path):
+    proc = run_cli(*TINY, "--devices", "2", "--max-steps", "2", "--sync-batchnorm", "--output-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 32 and summary["steps"] == 2
+    assert "test_acc" in summary
+    # Checkpoints hold plain BatchNorm keys: loadable by the user's unsynced model.
+    state = weights(tmp_path / "checkpoints" / "last.ckpt")
+    model = resnet.ResNetClassifier(arch="resnet18", num_classes=10, cifar_stem=True)
+    model.load_state_dict(state)
+
+
+def test_resume_continues_exactly(tmp_path):
+    """2 epochs straight == 1 epoch, then --resume auto for the 2nd (constant LR: see the README)."""
+    common = [*TINY, "--no-cosine", "--synthetic-val-samples", "0"]
+    resnet.main([*common, "--max-epochs", "2", "--output-dir", str(tmp_path / "straight")])
+    resnet.main([*common, "--max-epochs", "1", "--output-dir", str(tmp_path / "split")])
+    summary = resnet.main([*common, "--max-epochs", "2", "--output-dir", str(tmp_path / "split"), "--resume", "auto"])
+    assert summary["resumed_from"].endswith("last.ckpt") and summary["steps"] == 8
+    straight = weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    resumed = weights(tmp_path / "split" / "checkpoints" / "last.ckpt")
+    for key, value in straight.items():
+        assert torch.allclose(resumed[key].float(), value.float(), rtol=1e-6, atol=1e-7), key
+
+
+def test_checkpoints_cross_world_sizes(tmp_path):
+    two = tmp_path / "two"
+    proc = run_cli(*TINY, "--devices", "2", "--max-epochs", "1", "--output-dir", str(two))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt2 = two / "checkpoints" / "last.ckpt"
+    summary = resnet.main([*TINY, "--max-epochs", "2", "--resume", str(ckpt2), "--output-dir", str(tmp_path / "one")])
+    assert summary["world_size"] == 1 and summary["steps"] == 2 + 4  # 2 steps per epoch at 2 ranks, 4 at 1
+
+    ckpt1 = tmp_path / "one" / "checkpoints" / "last.ckpt"
+    proc = run_cli(*TINY, "--devices", "2", "--max-epochs", "3", "--resume", str(ckpt1),
+                   "--output-dir", str(tmp_path / "back"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "back" / "summary.json").read_text())["steps"] == 6 + 2
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("existing")
+    resnet.main([*TINY, "--max-steps", "1", "--output-dir", str(out)])
+    return out
+
+
+def _bad(tmp_path, existing_run, capsys, *args):
+    last = existing_run / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    with pytest.raises(SystemExit) as exc:
+        resnet.main([*TINY, "--max-steps", "1", "--output-dir", str(existing_run), *args])
+    assert exc.value.code == 2
+    assert last.read_bytes() == before, "a bad run must not touch the existing checkpoint"
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_unknown_arch(tmp_path, existing_run, capsys):
+    assert "--arch" in _bad(tmp_path, existing_run, capsys, "--arch", "resnet152")
+
+
+def test_imagefolder_without_train_and_val(tmp_path, existing_run, capsys):
+    (tmp_path / "imgs" / "train").mkdir(parents=True)
+    line = _bad(tmp_path, existing_run, capsys, "--data", "imagefolder", "--data-dir", str(tmp_path / "imgs"))
+    assert "train" in line and "val" in line and "--data-dir" in line
+
+
+def test_corrupted_checkpoint(tmp_path, existing_run, capsys):
+    broken = tmp_path / "broken.ckpt"
+    broken.write_bytes((existing_run / "checkpoints" / "last.ckpt").read_bytes()[:5000])
+    line = _bad(tmp_path, existing_run, capsys, "--resume", str(broken))
+    assert "--resume" in line and "not a readable checkpoint" in line
+
+
+def test_checkpoint_of_another_architecture(tmp_path, existing_run, capsys):
+    line = _bad(tmp_path, existing_run, capsys, "--resume", "auto", "--arch", "resnet34")
+    assert "--arch" in line and "resnet18" in line
+
+
+def test_image_too_small_for_stem(tmp_path, existing_run, capsys):
+    line = _bad(tmp_path, existing_run, capsys, "--no-cifar-stem")
+    assert "--image-size" in line and "--cifar-stem" in line
