@@ -50,13 +50,13 @@ class LinearClassifier(MNISTClassifier):
 def test_subclass_build_model_is_trained(data_dir):
     model = LinearClassifier(lr=0.05)
     before = model.model[1].weight.detach().clone()
-    trainer = _trainer(max_steps=3)
+    trainer = _trainer(max_steps=3, log_every_n_steps=1)
     trainer.fit(model, datamodule=MNISTDataModule(data_dir, batch_size=32, download=False))
     assert trainer.global_step == 3
     net = trainer.lightning_module.model
     assert isinstance(net[1], nn.Linear) and len(net) == 2  # the subclass's network, not the MLP
     assert not torch.equal(before, net[1].weight)
-    assert "train_loss" in trainer.callback_metrics
+    assert "train_loss" in trainer.callback_metrics  # logged at the logger's cadence (every step here)
 
 
 def test_mlp_one_epoch_reaches_accuracy(data_dir):

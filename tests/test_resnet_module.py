@@ -175,7 +175,7 @@ def test_fit_on_synthetic_data():
     seed_everything(0, verbose=False)
     dm = SyntheticImageDataModule(num_samples=12, image_size=32, batch_size=4, val_samples=8)
     model = ResNetClassifier(num_classes=10, lr=0.05, nesterov=True)  # ImageNet stem: 1x1 at layer4
-    trainer = _trainer(max_steps=3)
+    trainer = _trainer(max_steps=3, log_every_n_steps=1)  # train_loss is logged at the logger cadence
     trainer.fit(model, dm)
     assert trainer.global_step == 3
     metrics = trainer.callback_metrics

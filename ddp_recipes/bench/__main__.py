@@ -49,6 +49,8 @@ class BenchConfig:
                                    "largest device count)")
     raw: bool = opt(True, "also measure the plain PyTorch DDP loop (the overhead baseline)")
     dp: bool = opt(False, "also measure torch.nn.DataParallel (needs 2+ CUDA GPUs; skipped otherwise)")
+    data_dir: str = opt("", "mnist only: real MNIST (torchvision layout) instead of synthetic tensors")
+    writeup: bool = opt(False, "mnist only: also measure the write-up's original script (needs --data-dir)")
     seed: int = opt(0, "seed of the synthetic data and the model")
     out: str = opt("bench-results", "output folder for results.json, report.md and speedup.png")
 
@@ -93,12 +95,19 @@ class BenchConfig:
         batch = self.batch_size or (64 if accelerator == "cuda" else 32)
         if batch < 1:
             raise ConfigError(f"--batch-size must be >= 1 (got {batch})")
+        if (self.writeup or self.data_dir) and self.recipe != "mnist":
+            raise ConfigError("--writeup and --data-dir apply to --recipe mnist only")
+        if self.writeup and not self.data_dir:
+            raise ConfigError("--writeup needs --data-dir (a folder holding MNIST/raw): the script reads real files")
+        if self.data_dir and not (Path(self.data_dir) / "MNIST" / "raw").is_dir():
+            raise ConfigError(f"--data-dir {self.data_dir} has no MNIST/raw folder; pass the folder that holds it")
         threads = self.threads_per_rank or (max(1, usable_cpus() // devices[-1]) if accelerator == "cpu" else 0)
         if threads < 0:
             raise ConfigError(f"--threads-per-rank must be >= 0 (got {threads})")
         return {"recipe": self.recipe, "arch": arch, "devices": devices, "accelerator": accelerator,
                 "precision": precision, "image_size": image_size, "batch_size": batch, "steps": steps,
-                "warmup_steps": self.warmup_steps, "threads": threads, "seed": self.seed, "gpus": gpus}
+                "warmup_steps": self.warmup_steps, "threads": threads, "seed": self.seed, "gpus": gpus,
+                "data_dir": self.data_dir}
 
 
 def _free_port() -> int:
@@ -115,7 +124,7 @@ def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path) -> di
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     args = {k: settings[k] for k in ("recipe", "arch", "image_size", "batch_size", "steps", "warmup_steps",
-                                     "precision", "accelerator", "threads", "seed")}
+                                     "precision", "accelerator", "threads", "seed", "data_dir")}
     cmd = [sys.executable, "-m", "ddp_recipes.bench.workers", impl, "--out", str(out), "--devices", str(n)]
     for key, value in args.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]
@@ -154,7 +163,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             warning = parallel_warning(n, results["ceiling"])
             if warning:
                 results["warnings"].append(warning)
-    impls = ["pack"] + (["raw"] if cfg.raw else [])
+    impls = ["pack"] + (["raw"] if cfg.raw else []) + (["writeup"] if cfg.writeup else [])
     plan = [(impl, n) for n in devices for impl in impls]
     if cfg.dp:
         if settings["accelerator"] == "cuda" and settings["gpus"] >= 2:

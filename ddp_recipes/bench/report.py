@@ -140,6 +140,10 @@ def markdown_report(results: dict[str, Any]) -> str:
     ratios = results.get("overhead_ratio")
     if ratios is None:
         ratios = overhead_ratios(runs)
+    writeup = overhead_ratios(runs, baseline="writeup")
+    if writeup:
+        parts += ["Pack throughput over the write-up's original script: "
+                  + ", ".join(f"N={n}: {v:.2f}x" for n, v in writeup.items()), ""]
     if ratios:
         parts += ["Pack throughput as a fraction of the raw DDP loop's (target >= 0.95): " + ", ".join(f"N={n}: {v:.3f}x" for n, v in ratios.items()), ""]
     if results.get("allreduce"):

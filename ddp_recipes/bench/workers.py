@@ -5,6 +5,7 @@
 * ``raw``: the write-up's plain PyTorch DDP loop (init_process_group, DDP wrap, DistributedSampler, the
   same loop) on the same network, synthetic data, batch, precision and thread budget.
 * ``dp``: torch.nn.DataParallel over N GPUs in one process (the write-up's DP-vs-DDP comparison).
+* ``writeup``: the write-up's MNIST script as published (per-sample PIL transforms, 4 loader workers).
 
 Both DDP paths time a step the same way: barrier (+ cuda.synchronize) at the end of every step, wall
 time between consecutive step ends, warm-up steps dropped. Rank 0 writes one JSON file (``--out``).
@@ -29,6 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+
 
 @dataclass
 class Workload:
@@ -46,6 +49,7 @@ class Workload:
     threads: int = 0  # torch threads per rank on CPU (0: leave torch's default)
     seed: int = 0
     allreduce_iters: int = 5
+    data_dir: str = ""  # mnist: real MNIST (torchvision layout) instead of synthetic tensors
 
     @property
     def total_steps(self) -> int:
@@ -64,11 +68,16 @@ def build_module(w: Workload):
 
 
 def build_dataset(w: Workload) -> TensorDataset:
-    """Fixed-seed synthetic tensors, enough for every rank to run all steps inside one epoch."""
+    """Fixed-seed synthetic tensors, enough for every rank to run all steps inside one epoch; with
+    ``data_dir`` (mnist) the real images, normalised in memory exactly as the recipe's DataModule does."""
+    if w.recipe == "mnist" and w.data_dir:
+        from ddp_recipes.data.mnist import load_split
+
+        return TensorBatchDataset(*load_split(w.data_dir, train=True))
     shape = (1, 28, 28) if w.recipe == "mnist" else (3, w.image_size, w.image_size)
     n = (w.total_steps + 1) * w.batch_size * w.devices
     g = torch.Generator().manual_seed(w.seed)
-    return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+    return TensorBatchDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -148,8 +157,15 @@ def run_pack(w: Workload, out: str) -> None:
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             callbacks=[timer])
     module = build_module(w)
-    loader = DataLoader(build_dataset(w), batch_size=w.batch_size, shuffle=True)
-    trainer.fit(module, loader)
+    if w.recipe == "mnist" and w.data_dir:
+        from ddp_recipes.data.mnist import MNISTDataModule
+
+        # The recipe's own data path (recipes.mnist): in-memory tensors, resumable sampler.
+        trainer.fit(module, datamodule=MNISTDataModule(w.data_dir, batch_size=w.batch_size, seed=w.seed,
+                                                       download=False))
+    else:
+        trainer.fit(module, DataLoader(build_dataset(w), batch_size=w.batch_size, shuffle=True,
+                                       collate_fn=keep_batch))
     device = trainer.strategy.root_device
     peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mb(device), device=device))
     if trainer.is_global_zero:
@@ -181,7 +197,8 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     data = build_dataset(w)
     sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=True, seed=w.seed) \
         if distributed else torch.utils.data.RandomSampler(data)
-    loader = DataLoader(data, batch_size=w.batch_size, sampler=sampler)
+    # The same batched in-memory fetch as the pack: the ratio then measures framework overhead only.
+    loader = DataLoader(data, batch_size=w.batch_size, sampler=sampler, collate_fn=keep_batch)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if w.precision == "bf16-mixed"
                 else contextlib.nullcontext())
@@ -220,6 +237,51 @@ def run_raw(w: Workload, out: str) -> None:
     mp.start_processes(_raw_rank, args=(w, out), nprocs=w.devices, start_method="spawn")
 
 
+def _writeup_rank(rank: int, w: Workload, out: str) -> None:
+    """The write-up's MNIST script as published, on CPU: torchvision MNIST with per-sample
+    ToTensor + Normalize, DataLoader(num_workers=4), DistributedSampler, DDP (even at 1 process)."""
+    from torchvision import datasets, transforms
+
+    if w.threads:
+        torch.set_num_threads(w.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=w.devices)
+    torch.manual_seed(w.seed)
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    data = datasets.MNIST(w.data_dir, train=True, download=False, transform=transform)
+    sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=True, seed=w.seed)
+    loader = DataLoader(data, batch_size=w.batch_size, sampler=sampler, num_workers=4)
+    model = nn.parallel.DistributedDataParallel(build_module(w).model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ends: list[float] = []
+    epoch = 0
+    while len(ends) < w.total_steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ends.append(sync_point(torch.device("cpu")))
+            if len(ends) >= w.total_steps:
+                break
+        epoch += 1
+    peaks = _gather(round(peak_memory_mb(torch.device("cpu")), 1))
+    if rank == 0:
+        _write(out, {"impl": "writeup", "devices": w.devices, "workload": asdict(w),
+                     "torch_threads": torch.get_num_threads(), "peak_mem_mb_per_rank": peaks,
+                     **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
+    dist.destroy_process_group()
+
+
+def run_writeup(w: Workload, out: str) -> None:
+    if w.recipe != "mnist" or not w.data_dir:
+        raise SystemExit("the write-up baseline is MNIST on real data: pass --recipe mnist --data-dir DIR")
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    mp.start_processes(_writeup_rank, args=(w, out), nprocs=w.devices, start_method="spawn")
+
+
 def run_dp(w: Workload, out: str) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < w.devices:
         raise SystemExit(f"--dp needs {w.devices} CUDA GPUs")
@@ -227,7 +289,7 @@ def run_dp(w: Workload, out: str) -> None:
     device = torch.device("cuda", 0)
     model = nn.DataParallel(build_module(w).model.to(device), device_ids=list(range(w.devices)))
     data = build_dataset(w)
-    loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True)
+    loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True, collate_fn=keep_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     ends = []
     for step, (x, y) in enumerate(loader):
@@ -246,14 +308,14 @@ def run_dp(w: Workload, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ddp_recipes.bench.workers")
-    parser.add_argument("impl", choices=["pack", "raw", "dp"])
+    parser.add_argument("impl", choices=["pack", "raw", "dp", "writeup"])
     parser.add_argument("--out", required=True)
     for name, value in asdict(Workload()).items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=type(value), default=value)
     args = vars(parser.parse_args(argv))
     impl, out = args.pop("impl"), args.pop("out")
     w = Workload(**args)
-    {"pack": run_pack, "raw": run_raw, "dp": run_dp}[impl](w, out)
+    {"pack": run_pack, "raw": run_raw, "dp": run_dp, "writeup": run_writeup}[impl](w, out)
 
 
 if __name__ == "__main__":

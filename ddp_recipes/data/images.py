@@ -13,12 +13,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 from typing_extensions import override
 
-from ddp_recipes.data.samplers import exact_eval_loader, resumable_train_loader
+from ddp_recipes.data.samplers import TensorBatchDataset, exact_eval_loader, resumable_train_loader
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied
@@ -146,7 +146,7 @@ class SyntheticImageDataModule(_ImageDataModule):
         for n in (self.num_samples, self.val_samples):  # train first: val_samples leaves train unchanged
             images = torch.randn(n, 3, self._image_size, self._image_size, generator=generator)
             labels = torch.randint(0, self._num_classes, (n,), generator=generator)
-            sets.append(TensorDataset(images, labels))
+            sets.append(TensorBatchDataset(images, labels))
         self.train_set, self.val_set = sets
         self.test_set = self.val_set
 

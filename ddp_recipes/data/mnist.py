@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import MNIST
 from typing_extensions import override
 
-from ddp_recipes.data.samplers import exact_eval_loader, resumable_train_loader
+from ddp_recipes.data.samplers import TensorBatchDataset, exact_eval_loader, resumable_train_loader
 
 MEAN, STD = 0.1307, 0.3081  # over the 60k MNIST training images; the write-up's Normalize values
 _SPLITS = ("train", "t10k")
@@ -152,10 +152,10 @@ class MNISTDataModule(L.LightningDataModule):
             images, labels = load_split(self.data_dir, train=True)
             perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
             self.val_indices, self.train_indices = perm[:self.val_size], perm[self.val_size:]
-            self.train_set = TensorDataset(images[self.train_indices], labels[self.train_indices])
-            self.val_set = TensorDataset(images[self.val_indices], labels[self.val_indices])
+            self.train_set = TensorBatchDataset(images[self.train_indices], labels[self.train_indices])
+            self.val_set = TensorBatchDataset(images[self.val_indices], labels[self.val_indices])
         if stage in (None, "test", "predict") and self.test_set is None:
-            self.test_set = TensorDataset(*load_split(self.data_dir, train=False))
+            self.test_set = TensorBatchDataset(*load_split(self.data_dir, train=False))
 
     @property
     def train_size(self) -> int:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sized
 
+import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 
@@ -64,7 +65,8 @@ def exact_eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0,
     world, _ = _world()
     sampler = ExactDistributedSampler(dataset) if world > 1 else None
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0, drop_last=False)
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0, drop_last=False,
+                      collate_fn=_collate(dataset))
 
 
 def resumable_train_loader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
@@ -79,4 +81,27 @@ def resumable_train_loader(dataset: Dataset, batch_size: int, seed: int, num_wor
     world, rank = _world()
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0, **kwargs)
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0, collate_fn=_collate(dataset),
+                      **kwargs)
+
+
+class TensorBatchDataset(TensorDataset):
+    """A TensorDataset that hands the DataLoader whole batches: one indexing op per tensor per batch.
+
+    The default path indexes sample by sample and stacks them again in ``collate``, which on MNIST costs
+    as much as the model's step. The DataLoader's fetcher calls ``__getitems__`` with the batch's indices;
+    :func:`keep_batch` then passes the ready batch through instead of collating it.
+    """
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return tuple(t[index] for t in self.tensors)
+
+
+def keep_batch(batch):
+    """collate_fn for :class:`TensorBatchDataset` (module-level so worker processes can pickle it)."""
+    return batch
+
+
+def _collate(dataset: Dataset):
+    return keep_batch if isinstance(dataset, TensorBatchDataset) else None

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from lightning import LightningModule
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from ddp_recipes.modules.logging import TrainLossLogging
 from ddp_recipes.schedules import lightning_scheduler
 
 ARCHS = ("mlp", "cnn")
 
 
-class MNISTClassifier(LightningModule):
+class MNISTClassifier(TrainLossLogging):
     """SGD classifier over ``[N, 1, 28, 28]`` images; override :meth:`build_model` to change the network."""
 
     def __init__(self, arch: str = "mlp", lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0,
@@ -29,7 +29,6 @@ class MNISTClassifier(LightningModule):
         self.save_hyperparameters()
         # Built here, not in setup(): DDP then broadcasts rank 0's weights to identical modules.
         self.model = self.build_model()
-        self.train_loss_epoch = MeanMetric()
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
@@ -55,12 +54,7 @@ class MNISTClassifier(LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        # The step value is this rank's (an all-reduce per step only to print it is not worth it); the
-        # epoch value goes through a MeanMetric, which syncs once at epoch end. Both names match what
-        # on_step=True, on_epoch=True would produce, without its rank-0-only epoch mean.
-        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False)
-        self.train_loss_epoch.update(loss.detach(), weight=x.shape[0])
-        self.log("train_loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
+        self.log_train_loss(loss, x.shape[0])
         return loss
 
     @override

@@ -11,7 +11,6 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from lightning import LightningModule
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
@@ -19,6 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchvision import models
 from typing_extensions import override
 
+from ddp_recipes.modules.logging import TrainLossLogging
 from ddp_recipes.schedules import lightning_scheduler
 
 ARCHS = ("resnet18", "resnet34", "resnet50")
@@ -57,7 +57,7 @@ class _KeepBatchNormStats:
         self.saved = []
 
 
-class ResNetClassifier(LightningModule):
+class ResNetClassifier(TrainLossLogging):
     """ResNet-18/34/50 image classifier trained with SGD; override :meth:`build_model` for another network.
 
     ``lr`` is used as given: recipes pass the LR already scaled for the global batch (``scale_lr``).
@@ -81,7 +81,6 @@ class ResNetClassifier(LightningModule):
         if channels_last:
             # NHWC lets cuDNN use tensor-core convolution kernels without transposes under AMP.
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.train_loss_epoch = MeanMetric()
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_acc, self.test_acc = self._accuracy(1), self._accuracy(1)
         # Top-5 of fewer than 5 classes is always 1.0: not worth logging.
@@ -184,11 +183,7 @@ class ResNetClassifier(LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.label_smoothing)
-        # As MNISTClassifier: the step value is this rank's (no all-reduce per step just to print it); the
-        # epoch value is a MeanMetric, synced once at epoch end over every rank's samples.
-        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, sync_dist=False)
-        self.train_loss_epoch.update(loss.detach(), weight=x.shape[0])
-        self.log("train_loss_epoch", self.train_loss_epoch, on_step=False, on_epoch=True)
+        self.log_train_loss(loss, x.shape[0])
         return loss
 
     @override
