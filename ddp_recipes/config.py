@@ -83,7 +83,8 @@ class RunConfig:
     )
     accumulate_grad_batches: int | None = opt(None, "micro-batches per optimizer step (all-reduce only on the last)")
     lr: float | None = opt(None, "base learning rate at --lr-reference-batch (recipe default when unset)")
-    lr_scaling: str = opt("none", "scale the LR with the global batch: none, linear or sqrt", choices=LR_SCALING_RULES)
+    lr_scaling: str = opt("linear", "scale the LR from --lr-reference-batch to the global batch: linear, sqrt or none",
+                          choices=LR_SCALING_RULES)
     lr_reference_batch: int | None = opt(None, "the global batch the base --lr was tuned for (recipe default)")
     warmup_epochs: float = opt(0.0, "linear LR warm-up length in epochs, then cosine decay (0: constant LR)")
     seed: int = opt(42, "base seed; every rank seeds its random streams with seed + global rank")
@@ -95,6 +96,7 @@ class RunConfig:
     timeout_s: float = opt(1800.0, "seconds a collective may wait before the run fails instead of hanging")
     output_dir: str = opt("runs/default", "where logs, checkpoints and summary.json go")
     num_workers: int | None = opt(None, "DataLoader workers per rank (default: fitted to the cores per rank)")
+    diagnostics: bool = opt(True, "check the run for DDP mistakes (unsharded data, drifting weights, ...) and warn once")
 
     # The recipe's defaults, used where the flags above are left unset. Subclasses override these.
     DEFAULT_BATCH_SIZE: typing.ClassVar[int] = 64
@@ -219,6 +221,11 @@ class RunConfig:
             max_epochs=self.resolved_max_epochs if self.resolved_max_epochs is not None else -1,
             max_steps=self.max_steps,
             timeout_s=self.timeout_s,
+            diagnostics=self.diagnostics,
+            lr_scaling=self.lr_scaling,
+            warmup_epochs=self.warmup_epochs,
+            reference_batch=self.reference_batch,
+            global_batch=self.resolved_global_batch_size,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -11,10 +12,13 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ddp_recipes.checkpoint import AtomicCheckpointIO, RNGStateCheckpoint
-from ddp_recipes.config import ConfigError, resolve_world
+from ddp_recipes.config import ConfigError, launched_by_torchrun, resolve_world
+from ddp_recipes.diagnostics import DDPDiagnostics
 from ddp_recipes.strategy import TunedDDPStrategy
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+# Launchers that give every process node 0's address and its own ranks (SLURM, LSF, MPI).
+SCHEDULER_VARS = ("SLURM_NTASKS", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def resolve_accelerator(accelerator: str = "auto") -> str:
@@ -47,6 +51,23 @@ def resolve_precision(precision: str, accelerator: str) -> str:
     return precision
 
 
+def check_node_env(num_nodes: int) -> None:
+    """Several nodes, each started by hand: every node must know node 0's address and its own rank.
+
+    Without MASTER_ADDR Lightning uses 127.0.0.1, which no other node can reach, and node 0 waits the
+    whole --timeout-s (30 minutes by default) for nodes that never arrive; fail now instead.
+    """
+    if num_nodes == 1 or launched_by_torchrun() or any(name in os.environ for name in SCHEDULER_VARS):
+        return
+    if "MASTER_ADDR" not in os.environ:
+        raise ConfigError(f"--num-nodes {num_nodes} needs MASTER_ADDR (node 0's address), MASTER_PORT and NODE_RANK "
+                          f"(0..{num_nodes - 1}) set on every node; or launch with torchrun --nnodes or srun")
+    node_rank = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
+    if not node_rank.isdigit() or int(node_rank) >= num_nodes:
+        raise ConfigError(f"NODE_RANK={node_rank} does not fit --num-nodes {num_nodes}; "
+                          f"set NODE_RANK to 0..{num_nodes - 1}, a different one on each node")
+
+
 def build_trainer(
     *,
     devices: int | None = None,
@@ -63,6 +84,11 @@ def build_trainer(
     max_epochs: int | None = None,
     max_steps: int = -1,
     timeout_s: float | None = None,
+    diagnostics: bool = True,
+    lr_scaling: str | None = None,
+    warmup_epochs: float | None = None,
+    reference_batch: int | None = None,
+    global_batch: int | None = None,
     strategy_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
@@ -72,10 +98,15 @@ def build_trainer(
     :class:`TunedDDPStrategy` with the DDP knobs given here. Works when Lightning launches the processes
     (``devices=N``) and under torchrun (world taken from its environment). ``seed`` seeds every rank
     identically now (identical initial weights) and with seed + rank once the process group is up.
-    Any other keyword goes to ``lightning.Trainer``; ``strategy_kwargs`` to TunedDDPStrategy.
+    ``diagnostics`` adds :class:`DDPDiagnostics` (the troubleshooting table as checks, reported once on
+    rank 0); ``lr_scaling``, ``warmup_epochs``, ``reference_batch`` and ``global_batch`` tell it the run's
+    LR facts, so it can warn when the global batch left the reference batch without LR scaling or warm-up
+    (left unset, that check is skipped). Any other keyword goes to ``lightning.Trainer``;
+    ``strategy_kwargs`` to TunedDDPStrategy.
     """
     accel = resolve_accelerator(accelerator)
     devices, num_nodes = resolve_world(devices, num_nodes)
+    check_node_env(num_nodes)
     if accel == "cuda" and devices > torch.cuda.device_count():
         raise ConfigError(f"--devices {devices} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
                          f"use --devices {torch.cuda.device_count()} or more nodes (--num-nodes)")
@@ -92,6 +123,9 @@ def build_trainer(
     callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
     if not any(isinstance(c, RNGStateCheckpoint) for c in callbacks):
         callbacks.append(RNGStateCheckpoint())  # resumed runs continue the same random streams
+    if diagnostics and not any(isinstance(c, DDPDiagnostics) for c in callbacks):
+        callbacks.append(DDPDiagnostics(lr_scaling=lr_scaling, warmup_epochs=warmup_epochs,
+                                        reference_batch=reference_batch, global_batch=global_batch))
     distributed = devices * num_nodes > 1
     if "strategy" not in trainer_kwargs:
         if distributed:

@@ -96,3 +96,35 @@ def test_missing_or_empty_data_dir(tmp_path, capsys, monkeypatch, download):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--data-dir" in last and str(empty) in last
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_same_seed_same_weights(tmp_path):
+    """The reproducibility contract: same seed, world size and flags give the same weights on CPU."""
+    for name in ("a", "b"):
+        mnist.main(["--data-dir", str(SHARED_DATA), "--output-dir", str(tmp_path / name), "--accelerator", "cpu",
+                    "--max-steps", "30", "--no-download", "--seed", "11"])
+    a = torch.load(tmp_path / "a" / "final.ckpt", weights_only=False)["state_dict"]
+    b = torch.load(tmp_path / "b" / "final.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _five_epoch_default(tmp_path, devices: int) -> dict:
+    out = tmp_path / f"d{devices}"
+    proc = run_recipe("--devices", str(devices), "--accelerator", "cpu", "--data-dir", str(SHARED_DATA),
+                      "--output-dir", str(out), "--no-download", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_five_epoch_default_accuracy_one_device(tmp_path):
+    """The issue's bar: the write-up's own script reaches 0.9475 on this split at 1 process."""
+    summary = _five_epoch_default(tmp_path, 1)
+    assert summary["epochs"] == 5 and summary["global_batch_size"] == 64
+    assert summary["test_acc"] >= 0.945
+
+
+@pytest.mark.slow
+def test_five_epoch_default_accuracy_two_devices(tmp_path):
+    summary = _five_epoch_default(tmp_path, 2)
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 128
+    assert summary["test_acc"] >= 0.945

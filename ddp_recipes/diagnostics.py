@@ -1,0 +1,399 @@
+"""DDPDiagnostics: the write-up's troubleshooting table as checks that run during real training.
+
+Each row is detected from what the run actually does (batches, gradients, weights, losses, memory) and
+reported once, on rank 0, as a ``DDPDiagnosticWarning`` that starts with ``"DDPDiagnostics: [code]"`` and
+ends with the fix (:data:`FIXES`). Codes, what each measures, and when:
+
+* ``unsharded-data``: a rank's DistributedSampler is built for another world size or rank, or its
+  first-batch fingerprint equals another rank's (first batch, one gather).
+* ``sampler-epoch``: a rank's epoch starts with the batch the previous epoch started with, while its
+  sampler shuffles (local at the epoch's first batch, gathered at epoch end).
+* ``param-drift``: float64 parameter checksums differ across ranks (epoch end).
+* ``loss-divergence``: per-rank mean training loss, max > 3 x min and max - min > 0.5 (epoch end).
+* ``unused-params``: requires_grad parameters with ``.grad is None`` at the first optimizer step.
+* ``small-batch-bn``: unsynced BatchNorm at a per-device batch < 16, world size > 1 (first batch).
+* ``lr-not-scaled``: global batch != reference batch, ``--lr-scaling none``, no warm-up (first batch).
+* ``memory-imbalance``: CUDA peak memory, max > 1.5 x min and > 1 GiB apart (epoch end).
+
+Cost: an all-gather of 8 numbers at the first batch and of 5 per epoch end, on every rank in the same
+order; per step only a local loss sum. One process skips the cross-rank checks. ``findings`` holds
+``(code, message)`` on every rank; ``checked`` names the checks that ran.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+from typing_extensions import override
+
+from ddp_recipes.syncbn import CPUSyncBatchNorm
+
+PREFIX = "DDPDiagnostics:"
+SMALL_BN_BATCH = 16
+# Below this chance that two honest shuffles start with the same batch, "same first batch" means "stale".
+COINCIDENCE_LIMIT = 1e-6
+_HEAD = 4  # leading batch elements in the fingerprint: cheap, and they pin down the first sample
+
+# The troubleshooting table's fix for each finding, appended to its message.
+FIXES = {
+    "unsharded-data": "let Lightning insert a DistributedSampler (Trainer(use_distributed_sampler=True), the "
+                      "default) or build DistributedSampler(dataset) with its default num_replicas and rank.",
+    "sampler-epoch": "call sampler.set_epoch(epoch) before each epoch (Lightning does, for samplers whose "
+                     "set_epoch works) and do not iterate the DataLoader outside Lightning's fit loop.",
+    "param-drift": "something changes weights outside DDP (an optimizer step or weight edit on some ranks "
+                   "only, e.g. under `if rank == 0`, or models built differently per rank); every rank must "
+                   "build the same model and step the same optimizer after DDP's all-reduce.",
+    "loss-divergence": "check the data sharding (DistributedSampler), per-rank data differences (another "
+                       "file, split or transform on some rank) and that every rank maps labels the same way.",
+    "unused-params": "use them in the loss, freeze them (requires_grad=False) or remove them; keep "
+                     "--find-unused-parameters only if some steps use them (without it DDP fails next step).",
+    "small-batch-bn": f"--sync-batchnorm (Trainer(sync_batchnorm=True)) or a per-device batch >= {SMALL_BN_BATCH}.",
+    "lr-not-scaled": "--lr-scaling linear (SGD) or sqrt (adaptive optimizers), and/or --warmup-epochs (e.g. 1-5).",
+    "memory-imbalance": "side work (evaluation, logging, metrics) belongs under torch.no_grad(), on CPU, or on "
+                        "all ranks, not on rank 0 only with autograd on the GPU.",
+}
+
+
+class DDPDiagnosticWarning(UserWarning):
+    """A DDP setup problem found while training; the message names the fix."""
+
+
+# ---- pure decisions (unit-tested with made-up numbers) ------------------------------------------------
+
+
+def first_tensor(batch: Any) -> Tensor | None:
+    """The first tensor of a batch (a tensor, or nested mappings / lists / tuples of them)."""
+    if isinstance(batch, Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, list | tuple) else ()
+    for item in items:
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """Samples in a batch: the first tensor's leading dimension (None without one)."""
+    t = first_tensor(batch)
+    return int(t.shape[0]) if t is not None and t.dim() > 0 else None
+
+
+def batch_fingerprint(batch: Any) -> Tensor:
+    """[numel, sum, position-weighted sum of per-sample sums, first elements] in float64 on CPU.
+
+    The weighted sum makes a reordering of the same samples another batch; without a tensor, all NaN.
+    """
+    t = first_tensor(batch)
+    if t is None or t.numel() == 0:
+        return torch.full((3 + _HEAD,), math.nan, dtype=torch.float64)
+    flat = t.detach().reshape(t.shape[0] if t.dim() else 1, -1)
+    per_sample = flat.sum(dim=1, dtype=torch.float64).cpu()
+    weighted = (per_sample * torch.arange(1, per_sample.numel() + 1, dtype=torch.float64)).sum()
+    first = flat.reshape(-1)[:_HEAD].to(torch.float64).cpu()
+    head = torch.nn.functional.pad(first, (0, _HEAD - first.numel()))
+    return torch.cat([torch.tensor([float(t.numel()), per_sample.sum().item(), weighted.item()],
+                                   dtype=torch.float64), head])
+
+
+def identical_ranks(rows: Tensor) -> list[int]:
+    """Ranks whose row equals another rank's row exactly (rows with NaN never match)."""
+    groups: dict[tuple[float, ...], list[int]] = {}
+    for rank, row in enumerate(rows.tolist()):
+        if not any(math.isnan(v) for v in row):
+            groups.setdefault(tuple(row), []).append(rank)
+    return sorted(rank for group in groups.values() if len(group) > 1 for rank in group)
+
+
+def sampler_sharding(sampler: Sampler | None, expected: dict[str, Any] | None) -> float:
+    """1.0: a DistributedSampler with the strategy's num_replicas and rank; -1.0: one with others; 0.0: other."""
+    if not isinstance(sampler, DistributedSampler) or not expected:
+        return 0.0
+    return 1.0 if (sampler.num_replicas, sampler.rank) == (expected["num_replicas"], expected["rank"]) else -1.0
+
+
+def unsharded_ranks(rows: Tensor) -> tuple[list[int], list[int]]:
+    """(ranks with a mis-built sampler, ranks with another's first batch) from rows [fingerprint, sharding].
+    If all ranks shard correctly, alike data (a constant synthetic set, model-parallel replicas) is fine."""
+    wrong = [r for r in range(rows.shape[0]) if rows[r, -1] < 0]
+    return wrong, ([] if bool((rows[:, -1] > 0).all()) else identical_ranks(rows[:, :-1]))
+
+
+def shuffle_coincidence_chance(samples: int, batch: int) -> float:
+    """Chance that two independent shuffles of ``samples`` items begin with the same ``batch`` items."""
+    return math.prod(1.0 / (samples - k) for k in range(min(batch, samples)))
+
+
+def parameter_checksum(module: nn.Module) -> tuple[float, float]:
+    """(sum, squared norm) of all parameters in float64, without copying the weights. DDP keeps replicas
+    bitwise equal, so their checksums are equal; the norm catches edits that keep the sum."""
+    params = [p.detach() for p in module.parameters()]
+    total = sum((p.sum(dtype=torch.float64) for p in params), torch.zeros((), dtype=torch.float64))
+    square = sum((torch.linalg.vector_norm(p, dtype=torch.float64) ** 2 for p in params),
+                 torch.zeros((), dtype=torch.float64))
+    return float(total), float(square)
+
+
+def params_drifted(checksums: Tensor, rtol: float = 1e-6) -> bool:
+    """True when the per-rank parameter checksums (one row per rank) differ beyond ``rtol``."""
+    spread = checksums.max(0).values - checksums.min(0).values
+    return bool((spread > rtol * checksums.abs().max(0).values.clamp_min(1.0)).any())
+
+
+def far_apart(values: Sequence[float], ratio: float, min_diff: float) -> bool:
+    """Largest > ``ratio`` x and > ``min_diff`` above the smallest (NaN left out; no ratio for values <= 0)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return (len(finite) > 1 and min(finite) > 0 and max(finite) > ratio * min(finite)
+            and max(finite) - min(finite) > min_diff)
+
+
+def loss_diverged(means: Sequence[float]) -> bool:
+    """Per-rank mean training losses more than 3x and 0.5 apart."""
+    return far_apart(means, 3.0, 0.5)
+
+
+def memory_imbalance(peaks: Sequence[float]) -> bool:
+    """Per-rank peak memory (bytes) more than 1.5x and 1 GiB apart."""
+    return far_apart(peaks, 1.5, 2**30)
+
+
+def train_sampler(trainer: L.Trainer) -> Sampler | None:
+    """The sampler that orders the training data (a batch sampler's inner one first), if findable."""
+    loader = trainer.train_dataloader
+    if isinstance(loader, Mapping | Sequence):  # several loaders: the first one
+        loader = next(iter(loader.values() if isinstance(loader, Mapping) else loader), None)
+    if not isinstance(loader, DataLoader):
+        return None
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    return inner if isinstance(inner, DistributedSampler | RandomSampler) else loader.sampler
+
+
+def sampler_shuffles(sampler: Sampler | None) -> bool:
+    """True for a DistributedSampler with shuffle=True or a RandomSampler."""
+    return isinstance(sampler, RandomSampler) or bool(isinstance(sampler, DistributedSampler) and sampler.shuffle)
+
+
+def describe_sampler(sampler: Sampler | None) -> str:
+    """'DistributedSampler(num_replicas=1, rank=0, shuffle=True)', or the sampler's class name."""
+    if isinstance(sampler, DistributedSampler):
+        return (f"{type(sampler).__name__}(num_replicas={sampler.num_replicas}, rank={sampler.rank}, "
+                f"shuffle={sampler.shuffle})")
+    return type(sampler).__name__ if sampler is not None else "unknown"
+
+
+def name_ranks(ranks: Sequence[int], world_size: int) -> str:
+    """'all 8 ranks' or 'rank(s) 0, 3' (the first 8 of a long list)."""
+    return f"all {world_size} ranks" if len(ranks) == world_size else "rank(s) " + first_few(list(map(str, ranks)), 8)
+
+
+def extremes(values: Sequence[float], fmt: str) -> str:
+    """The lowest and the highest rank's value, NaN left out: 'rank 0: 1.5 ... rank 1: 15'."""
+    ranked = sorted((v, r) for r, v in enumerate(values) if not math.isnan(v))
+    (low, r_low), (high, r_high) = ranked[0], ranked[-1]
+    return f"rank {r_low}: {low:{fmt}} ... rank {r_high}: {high:{fmt}}"
+
+
+def first_few(names: Sequence[str], n: int) -> str:
+    """'a, b and 3 more'."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def gather_rows(trainer: L.Trainer, row: Tensor) -> Tensor:
+    """Every rank's ``row`` stacked on CPU, shape (world size, len(row)). Must run on every rank."""
+    row = row.to(trainer.strategy.root_device).contiguous()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # The plain collective: Lightning's all_gather goes through a deprecated differentiable one.
+        rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(rows, row)
+        return torch.stack(rows).cpu()
+    return trainer.strategy.all_gather(row).reshape(-1, row.numel()).cpu()
+
+
+class DDPDiagnostics(Callback):
+    """Finds the troubleshooting table's DDP mistakes in a running fit; see the module docstring.
+
+    ``lr_scaling``, ``warmup_epochs``, ``reference_batch`` and ``global_batch`` are the run's LR facts
+    (``--lr-scaling`` etc.); the lr-not-scaled check runs only when ``lr_scaling`` and ``reference_batch``
+    are given (``global_batch`` defaults to per-device batch x world size x accumulation, ``warmup_epochs``
+    to 0).
+    """
+
+    def __init__(self, *, lr_scaling: str | None = None, warmup_epochs: float | None = None,
+                 reference_batch: int | None = None, global_batch: int | None = None) -> None:
+        if lr_scaling not in (None, "none", "linear", "sqrt"):
+            raise ValueError(f"lr_scaling must be none, linear or sqrt (got {lr_scaling!r})")
+        self.lr_scaling, self.warmup_epochs = lr_scaling, warmup_epochs
+        self.reference_batch, self.global_batch = reference_batch, global_batch
+        self.findings: list[tuple[str, str]] = []
+        self.checked: set[str] = set()
+        self.on_train_start()
+
+    @override
+    def on_train_start(self, trainer: L.Trainer | None = None, pl_module: L.LightningModule | None = None) -> None:
+        # Per-fit state; findings persist across fits (each is reported once per callback).
+        self._started = False
+        self._epoch_start: tuple[int, Tensor] | None = None  # (epoch, its first batch's fingerprint)
+        self._stale_epoch = 0.0  # 1.0 when this epoch began like the previous one (gathered at epoch end)
+        self._grads_checked: set[int] = set()
+        self._loss_sum: Tensor | None = None
+        self._loss_count = 0
+
+    def report(self, code: str, problem: str) -> None:
+        """Record a finding (the problem, then its fix) on this rank and warn on rank 0, once per code."""
+        if any(c == code for c, _ in self.findings):
+            return
+        message = f"{problem} Fix: {FIXES[code]}"
+        self.findings.append((code, message))
+        rank_zero_warn(f"{PREFIX} [{code}] {message}", category=DDPDiagnosticWarning)
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stale_epoch = 0.0
+        self._loss_sum, self._loss_count = None, 0
+
+    # ---- first batch of the fit: sharding, BatchNorm, LR facts; of each epoch: the sampler's order ----
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        fingerprint = None
+        if not self._started:
+            self._started = True
+            fingerprint = batch_fingerprint(batch)
+            if trainer.world_size > 1:
+                self._check_sharding(trainer, fingerprint)
+                self._check_batchnorm(trainer, pl_module, batch_size_of(batch))
+            self._check_lr_facts(trainer, batch_size_of(batch))
+        if batch_idx == 0:
+            self._check_epoch_order(trainer, batch, fingerprint)
+
+    def _check_sharding(self, trainer: L.Trainer, fingerprint: Tensor) -> None:
+        # Every rank reaches its first batch, so this gather is matched on all ranks.
+        self.checked.add("unsharded-data")
+        sampler, expected = train_sampler(trainer), trainer.distributed_sampler_kwargs
+        flag = torch.tensor([sampler_sharding(sampler, expected)], dtype=torch.float64)
+        wrong, same = unsharded_ranks(gather_rows(trainer, torch.cat([fingerprint, flag])))
+        problems = [f"{name_ranks(ranks, trainer.world_size)} {what}" for ranks, what in (
+            (same, "got the very same first training batch"),
+            (wrong, "use a DistributedSampler built for another world (this run needs num_replicas="
+                    f"{(expected or {}).get('num_replicas')}, rank=the global rank)")) if ranks]
+        if problems:
+            self.report("unsharded-data", (
+                f"{'; '.join(problems)} (sampler: {describe_sampler(sampler)}): the data is not sharded, so "
+                "the ranks repeat each other's work."))
+
+    def _check_batchnorm(self, trainer: L.Trainer, pl_module: L.LightningModule, per_device: int | None) -> None:
+        if per_device is None:
+            return
+        self.checked.add("small-batch-bn")
+        # Lightning converts the layers for sync_batchnorm before training starts, so the type tells.
+        local = [name for name, m in pl_module.named_modules() if isinstance(m, _BatchNorm) and m.training
+                 and not isinstance(m, nn.SyncBatchNorm | CPUSyncBatchNorm)]
+        if local and per_device < SMALL_BN_BATCH:
+            self.report("small-batch-bn", (
+                f"{len(local)} BatchNorm layer(s) ({first_few(local, 3)}) normalise over a per-device batch "
+                f"of {per_device} at world size {trainer.world_size} without sync: each rank's statistics come "
+                f"from {per_device} samples (noisy, and not what one process at the global batch would learn)."))
+
+    def _check_lr_facts(self, trainer: L.Trainer, per_device: int | None) -> None:
+        derived = per_device * trainer.world_size * trainer.accumulate_grad_batches if per_device else None
+        global_batch = self.global_batch or derived
+        if self.lr_scaling is None or self.reference_batch is None or not global_batch:
+            return
+        self.checked.add("lr-not-scaled")
+        if global_batch != self.reference_batch and self.lr_scaling == "none" and not self.warmup_epochs:
+            self.report("lr-not-scaled", (
+                f"the global batch is {global_batch} but the LR was tuned for batch {self.reference_batch}, "
+                f"with --lr-scaling none and no warm-up: each step averages "
+                f"{global_batch / self.reference_batch:.3g}x the samples at the same LR."))
+
+    def _check_epoch_order(self, trainer: L.Trainer, batch: Any, fingerprint: Tensor | None) -> None:
+        sampler = train_sampler(trainer)
+        if not sampler_shuffles(sampler):
+            return
+        if shuffle_coincidence_chance(len(sampler), batch_size_of(batch) or 1) > COINCIDENCE_LIMIT:
+            return  # too few samples: two honest shuffles may well start alike
+        epoch = trainer.current_epoch
+        current = batch_fingerprint(batch) if fingerprint is None else fingerprint
+        previous, self._epoch_start = self._epoch_start, (epoch, current)
+        if previous is not None and previous[0] == epoch - 1:
+            self.checked.add("sampler-epoch")
+            self._stale_epoch = float(torch.equal(previous[1], current) and not torch.isnan(current).any())
+            if trainer.world_size == 1 and self._stale_epoch:
+                self._report_stale_order(trainer, [0])
+
+    def _report_stale_order(self, trainer: L.Trainer, ranks: list[int]) -> None:
+        epoch = trainer.current_epoch
+        self.report("sampler-epoch", (
+            f"epoch {epoch} began with the same batch as epoch {epoch - 1} on "
+            f"{name_ranks(ranks, trainer.world_size)} although the training sampler "
+            f"({describe_sampler(train_sampler(trainer))}) shuffles: every epoch repeats one order."))
+
+    # ---- per step: the loss (local) and, at the first optimizer step, the gradients ------------------
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            value = loss.detach().to(torch.float64).reshape(())  # stays on the device: no sync per step
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+            self._loss_count += 1
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._grads_checked:
+            return
+        self._grads_checked.add(id(optimizer))
+        self.checked.add("unused-params")
+        # Only this optimizer's parameters: another optimizer's (a GAN's) may rightly have no grad now.
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [name for name, p in pl_module.named_parameters()
+                   if p.requires_grad and id(p) in stepped and p.grad is None]
+        if missing:
+            self.report("unused-params", (
+                f"{len(missing)} parameter(s) received no gradient in the first optimizer step: "
+                f"{first_few(missing, 5)}. They take memory and optimizer state for nothing (and, with "
+                "--find-unused-parameters, an extra autograd traversal every step)."))
+
+    # ---- epoch end: one gather for weights, loss, memory and the sampler's order ---------------------
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.world_size < 2:
+            return
+        device = trainer.strategy.root_device
+        cuda = device.type == "cuda"
+        loss = (self._loss_sum / self._loss_count).item() if self._loss_sum is not None else math.nan
+        peak = float(torch.cuda.max_memory_allocated(device)) if cuda else 0.0
+        row = torch.tensor([*parameter_checksum(pl_module), loss, peak, self._stale_epoch], dtype=torch.float64)
+        rows, epoch = gather_rows(trainer, row), trainer.current_epoch
+        self.checked.update(("param-drift", "loss-divergence"))
+        if params_drifted(rows[:, :2]):
+            self.report("param-drift", (
+                f"the parameters differ across ranks at the end of epoch {epoch} (checksums "
+                f"{extremes(rows[:, 0].tolist(), '.12g')}): the replicas have drifted apart and each rank "
+                "now trains its own model."))
+        if loss_diverged(rows[:, 2].tolist()):
+            self.report("loss-divergence", (
+                f"the mean training loss of epoch {epoch} differs widely across ranks "
+                f"({extremes(rows[:, 2].tolist(), '.4g')}): the ranks do not see comparable data."))
+        if cuda:
+            self.checked.add("memory-imbalance")
+            if memory_imbalance(rows[:, 3].tolist()):
+                self.report("memory-imbalance", (
+                    f"peak CUDA memory differs across ranks ({extremes((rows[:, 3] / 2**30).tolist(), '.2f')} "
+                    "GiB): one rank does extra work and will run out of memory first."))
+        stale = [r for r in range(rows.shape[0]) if rows[r, 4].item() > 0]
+        if stale:
+            self._report_stale_order(trainer, stale)
