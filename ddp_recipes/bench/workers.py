@@ -50,6 +50,7 @@ class Workload:
     seed: int = 0
     allreduce_iters: int = 5
     data_dir: str = ""  # mnist: real MNIST (torchvision layout) instead of synthetic tensors
+    diagnostics: int = 1  # pack: keep build_trainer's DDPDiagnostics on (0 to measure its cost)
 
     @property
     def total_steps(self) -> int:
@@ -153,6 +154,7 @@ def run_pack(w: Workload, out: str) -> None:
 
     timer = StepTimer()
     trainer = build_trainer(devices=w.devices, accelerator=w.accelerator, precision=w.precision, seed=w.seed,
+                            diagnostics=bool(w.diagnostics),
                             max_steps=w.total_steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             callbacks=[timer])
@@ -169,7 +171,7 @@ def run_pack(w: Workload, out: str) -> None:
     device = trainer.strategy.root_device
     peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mb(device), device=device))
     if trainer.is_global_zero:
-        _write(out, {"impl": "pack", "devices": w.devices, "workload": asdict(w),
+        _write(out, {"impl": "pack" if w.diagnostics else "pack-nodiag", "devices": w.devices, "workload": asdict(w),
                      "precision_used": str(trainer.precision), "strategy": type(trainer.strategy).__name__,
                      "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": [round(float(p), 1) for p in peaks.reshape(-1)],
