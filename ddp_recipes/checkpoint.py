@@ -3,8 +3,9 @@
 Lightning's TorchCheckpointIO writes the final path directly: a process killed during the write leaves a
 truncated ``last.ckpt`` and the previous one is gone. :class:`AtomicCheckpointIO` writes a temp file in the
 same folder, fsyncs it and renames it over the old one (``os.replace`` is atomic on POSIX), so a reader
-sees the old checkpoint or the new one, never half of one. Only rank 0 writes (Lightning's strategies
-call ``save_checkpoint`` on rank 0 only); every rank loads the same file.
+sees the old checkpoint or the new one, never half of one; the temp file a killed save leaves behind is
+removed by the next save. Only rank 0 writes (Lightning's strategies call ``save_checkpoint`` on rank 0
+only); every rank loads the same file.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        _remove_stale_temps(target)
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
@@ -46,6 +48,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(target.parent)
+
+
+def _remove_stale_temps(target: Path) -> None:
+    # A save killed between open and rename leaves its temp file (as large as a checkpoint); its writer
+    # is gone when no process has its pid any more.
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -14,16 +14,28 @@ unchanged. What it changes or adds, each for a reason:
   ``PL_GLOBAL_SEED`` is left alone on purpose: Lightning seeds the DistributedSampler from it, and a
   per-rank value there would break the disjointness of the shards.
 * SyncBatchNorm on CPU (gloo) too: ``Trainer(sync_batchnorm=True)`` gets :class:`SyncBatchNormPlugin`.
-* NCCL settings from arguments, exported before the process group starts, never over a user's value.
+* NCCL settings from arguments, exported before the process group starts, never over a user's value;
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` by default, so a collective stuck past ``timeout`` aborts the
+  communicator and ends the process instead of waiting forever (gloo honours ``timeout`` by itself).
 * The "Expected to have finished reduction" error names the parameters without gradients and the flag.
+* A lost or silent peer (gloo "Connection closed by peer", a collective timeout, an NCCL abort) gets one
+  line saying what it means and what to do, printed at once and prepended to the original error. On a
+  failure, the process that launched the other ranks (``--devices N``) stops those still running after
+  a short grace, so a rank stuck outside a collective is not left behind holding its device.
+* torchrun ``--max-restarts`` with the rendezvous store shared with the workers (its default): a restarted
+  group can read the dead attempt's addresses (pytorch#135712); a warning, and the init error, name the fix.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
 import re
+import subprocess
+import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -32,7 +44,7 @@ import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -44,6 +56,19 @@ log = logging.getLogger(__name__)
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 UNUSED_PARAMETERS_PATTERN = "Expected to have finished reduction in the prior iteration"
+# What gloo, NCCL and the c10d store say when a peer process died or stopped calling collectives.
+PEER_FAILURE_PATTERN = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting \d+ms"
+    r"|Watchdog caught collective operation timeout|NCCL communicator was aborted|ncclRemoteError"
+    r"|failed to recv, got 0 bytes|Socket Timeout"
+)
+PEER_FAILURE_PREFIX = "DDP: a peer rank died or stopped responding"
+ASYNC_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")  # new, old name
+# torchrun hands its workers its own rendezvous store; a restarted worker group then finds the previous
+# attempt's process-group keys there and may connect to a dead rank's address (pytorch/pytorch#135712).
+SHARED_STORE_FIX = ("launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --standalone (one node) or --rdzv-backend "
+                    "c10d --rdzv-endpoint HOST:PORT (static --master-addr/--master-port rendezvous always shares it)")
+CHILD_GRACE_S = 5.0  # how long a failed launcher waits for its other ranks to exit on their own
 
 
 def seed_rank(seed: int, rank: int) -> int:
@@ -119,16 +144,34 @@ class TunedDDPStrategy(DDPStrategy):
 
     # ---- process group: NCCL environment first, per-rank seeds after -------------------------------
 
+    def env_defaults(self) -> dict[str, Any]:
+        """The variables exported before the process group starts (each only where the user set none)."""
+        defaults = dict(self._nccl)
+        if not any(name in os.environ for name in ASYNC_ERROR_HANDLING_VARS):
+            # 1 = tear down: a timed-out or failed NCCL collective aborts the communicator and ends the
+            # process with the error, instead of leaving the rank blocked in a kernel forever.
+            defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = 1
+        return defaults
+
     @override
     def setup_environment(self) -> None:
-        applied = apply_env_defaults(self._nccl)
+        applied = apply_env_defaults(self.env_defaults())
         if applied:
             log.info("NCCL settings exported: %s", applied)
+        if restarts_share_store(os.environ) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            rank_zero_warn(f"torchrun --max-restarts with its shared rendezvous store: a restart may reconnect to "
+                           f"the previous attempt's ranks and fail; {SHARED_STORE_FIX}")
         super().setup_environment()
 
     @override
     def setup_distributed(self) -> None:
-        super().setup_distributed()
+        try:
+            super().setup_distributed()
+        except RuntimeError as err:
+            hint = init_failure_hint(err)
+            if hint:
+                err.args = (f"{hint}\n\n{err.args[0] if err.args else ''}", *err.args[1:])
+            raise
         if self.seed is not None:
             seed_rank(self.seed, self.global_rank)
 
@@ -160,6 +203,7 @@ class TunedDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._stop_other_ranks_at_exit()
         if UNUSED_PARAMETERS_PATTERN in str(exception):
             names = self.unused_parameter_names(str(exception))
             listed = ", ".join(names) if names else "(names unknown: set TORCH_DISTRIBUTED_DEBUG=DETAIL)"
@@ -171,7 +215,26 @@ class TunedDDPStrategy(DDPStrategy):
                 *exception.args[1:],
             )
             return
+        if is_peer_failure(exception):
+            hint = self.peer_failure_hint()
+            # Printed now as well: the launcher may SIGKILL this process before its traceback is printed.
+            print(f"[rank {self.global_rank}] {hint}", file=sys.stderr, flush=True)
+            exception.args = (f"{hint}\n\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
         super().on_exception(exception)
+
+    def peer_failure_hint(self) -> str:
+        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+        waited = f"process-group timeout {timeout:g} s, --timeout-s" if timeout else "no timeout set"
+        return (f"{PEER_FAILURE_PREFIX} ({waited}), so this rank stops too. The first error is in the "
+                "other ranks' logs; restart from the last checkpoint (recipes: --resume auto).")
+
+    def _stop_other_ranks_at_exit(self) -> None:
+        # Lightning stops the ranks it launched on Ctrl+C only; after any other failure a rank that is
+        # stuck outside a collective (or waiting on a long timeout) would outlive this process.
+        procs = getattr(self.launcher, "procs", None)
+        if procs and not getattr(self, "_stop_registered", False):
+            self._stop_registered = True
+            atexit.register(stop_processes, list(procs), CHILD_GRACE_S)
 
     def unused_parameter_names(self, message: str = "") -> list[str]:
         """Names of the parameters DDP reports without gradient (from its message, else grad is None)."""
@@ -206,6 +269,41 @@ def ddp_parameter_order(module: nn.Module, ignore: Any = ()) -> list[tuple[str, 
             seen.add(id(param))
             ordered.append((full, param))
     return ordered
+
+
+def restarts_share_store(env: Any) -> bool:
+    """True under torchrun with --max-restarts > 0 whose workers use the agent's rendezvous store."""
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+
+
+def init_failure_hint(err: BaseException) -> str | None:
+    """What to do when the process group cannot start, for the two causes a message can tell apart."""
+    if restarts_share_store(os.environ) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return ("DDP: torchrun restarted the workers on a store that still holds the previous attempt's "
+                f"addresses; {SHARED_STORE_FIX}")
+    if isinstance(err, torch.distributed.DistStoreError) or "clients joined" in str(err):
+        return ("DDP: not every rank reached the rendezvous at MASTER_ADDR:MASTER_PORT within --timeout-s: start "
+                "every node with the same --num-nodes and its own NODE_RANK, with node 0's address and port "
+                "reachable from all (python -m ddp_recipes.doctor checks this)")
+    return None
+
+
+def is_peer_failure(exception: BaseException) -> bool:
+    """True for the errors a rank gets when another rank died or stopped calling collectives."""
+    return isinstance(exception, RuntimeError) and bool(PEER_FAILURE_PATTERN.search(str(exception)))
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the processes to exit, then SIGKILL (and reap) those still running."""
+    deadline = time.monotonic() + grace_s
+    for rank, proc in enumerate(procs, start=1):
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"local rank {rank} (pid {proc.pid}) still running {grace_s:g} s after this rank failed: "
+                  "killing it", file=sys.stderr, flush=True)
+            proc.kill()
+            proc.wait()
 
 
 def apply_env_defaults(values: dict[str, Any]) -> dict[str, str]:

@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
         lr = scaled_lr(cfg)
         return run_fit_test(cfg, lambda: build_model(cfg, lr), build_datamodule(cfg), lr,
                             enable_checkpointing=False, extra={"arch": cfg.arch})
-    except (ConfigError, FileNotFoundError) as err:
+    except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
+        if not isinstance(err, FileNotFoundError) and "--" not in str(err):
+            raise  # a ValueError that names no flag is a bug, not bad input: keep its traceback
         fail(str(err).splitlines()[0], PROG)
 
 

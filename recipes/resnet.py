@@ -133,8 +133,23 @@ def main(argv: list[str] | None = None) -> dict:
         return run_fit_test(cfg, lambda: build_model(cfg, num_classes, lr), datamodule, lr,
                             callbacks=[checkpoint_callback(cfg, has_val)], ckpt_path=resume, test=has_val,
                             save_final=False, extra={"arch": cfg.arch, "data": cfg.data, "resumed_from": resume})
-    except (ConfigError, FileNotFoundError) as err:
-        fail(str(err).splitlines()[0], PROG)
+    except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
+        if not isinstance(err, FileNotFoundError) and "--" not in str(err):
+            raise  # a ValueError that names no flag is a bug, not bad input: keep its traceback
+        line = str(err).splitlines()[0]
+        fail(line if "--" in line else f"--data-dir {cfg.data_dir}: {line}", PROG)  # torchvision's own errors
+    except OSError as err:
+        if not is_image_error(err):
+            raise
+        last = str(err).strip().splitlines()[-1]  # a DataLoader worker's error carries its traceback first
+        fail(f"--data-dir {cfg.data_dir} holds an image that cannot be decoded ({last}); remove or replace it", PROG)
+
+
+def is_image_error(err: OSError) -> bool:
+    """PIL's "cannot identify image file" / "image file is truncated": a corrupt file in the dataset."""
+    from PIL import UnidentifiedImageError
+
+    return isinstance(err, UnidentifiedImageError) or "image file" in str(err)
 
 
 if __name__ == "__main__":
