@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_recipes.config import ACCELERATORS, ConfigError, build_parser, fail, flag, opt
+from ddp_recipes.config import ACCELERATORS, ConfigError, build_parser, fail, flag, opt, writable_dir
 
 BACKENDS = ("auto", "gloo", "nccl")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -92,6 +92,9 @@ class DoctorConfig:
         for name in ("devices", "num_nodes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1 (got {getattr(self, name)})")
+        if self.json:
+            # Checked before any rank starts: a bad path must not cost a whole run and end in a traceback.
+            writable_dir(os.path.dirname(os.path.abspath(self.json)), "--json")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ConfigError(f"--master-port must be in 1..65535 (got {self.master_port}); pick a free port")
         if self.timeout_s <= 0:

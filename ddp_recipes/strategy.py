@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -315,3 +315,7 @@ def apply_env_defaults(values: dict[str, Any]) -> dict[str, str]:
             os.environ[key] = text
             applied[key] = text
     return applied
+
+
+# Like Lightning's own strategies: importing the module makes Trainer(strategy="tuned_ddp") work. Idempotent.
+TunedDDPStrategy.register_strategies(StrategyRegistry)

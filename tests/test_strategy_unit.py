@@ -1,0 +1,50 @@
+"""TunedDDPStrategy as a drop-in DDPStrategy: registry names, arguments, defaults, SyncBN plugin swap."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy
+
+from ddp_recipes import TunedDDPStrategy, build_trainer
+from ddp_recipes.syncbn import SyncBatchNormPlugin
+
+
+def test_registry_names_work_like_lightnings():
+    trainer = L.Trainer(strategy="tuned_ddp", accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy) is TunedDDPStrategy and isinstance(trainer.strategy, DDPStrategy)
+    assert trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is True
+    trainer = L.Trainer(strategy="tuned_ddp_find_unused_parameters_true", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
+
+
+def test_ddpstrategy_arguments_pass_through():
+    strategy = TunedDDPStrategy(process_group_backend="gloo", start_method="spawn", timeout=timedelta(seconds=7),
+                                bucket_cap_mb=10, static_graph=True, broadcast_buffers=False)
+    assert strategy.process_group_backend == "gloo" and strategy._start_method == "spawn"
+    assert strategy._timeout == timedelta(seconds=7)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": False, "static_graph": True,
+                                    "gradient_as_bucket_view": True, "bucket_cap_mb": 10, "broadcast_buffers": False}
+    assert TunedDDPStrategy(timeout=12)._timeout == timedelta(seconds=12)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="--comm-hook"):
+        TunedDDPStrategy(comm_hook="int8")
+    with pytest.raises(ValueError, match="not both"):
+        TunedDDPStrategy(comm_hook="fp16", ddp_comm_hook=lambda state, bucket: None)
+
+
+def test_sync_batchnorm_flag_gets_the_cpu_capable_plugin():
+    trainer = build_trainer(devices=2, accelerator="cpu", sync_batchnorm=True, logger=False)
+    plugin = trainer.strategy._layer_sync
+    assert isinstance(plugin, SyncBatchNormPlugin) and isinstance(plugin, TorchSyncBatchNorm)
+    assert plugin.device_type == "cpu"
+
+
+def test_one_device_has_no_ddp_wrap():
+    trainer = build_trainer(devices=1, accelerator="cpu", logger=False)
+    assert not isinstance(trainer.strategy, DDPStrategy)
