@@ -183,6 +183,7 @@ def test_silent_rank_fails_the_run_within_the_timeout(tmp_path):
 # ---- torchrun restarts ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_crashed_rank_and_the_run_resumes(straight_run, tmp_path):
     """Rank 1 exits 1 once at step 3; torchrun --max-restarts 1 restarts both ranks, which take last.ckpt
     (step 2) through --resume auto, and the run ends with the uninterrupted run's weights."""
@@ -218,6 +219,7 @@ def test_restart_on_a_shared_store_is_named_with_its_fix(monkeypatch):
 
 
 @needs_mnist
+@pytest.mark.slow
 def test_missing_node_fails_the_rendezvous_within_the_timeout(tmp_path):
     """Node 0 of --num-nodes 2 started alone: it fails after --timeout-s, saying what to check."""
     started = time.monotonic()
