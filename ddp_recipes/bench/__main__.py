@@ -51,8 +51,6 @@ class BenchConfig:
     dp: bool = opt(False, "also measure torch.nn.DataParallel (needs 2+ CUDA GPUs; skipped otherwise)")
     data_dir: str = opt("", "mnist only: real MNIST (torchvision layout) instead of synthetic tensors")
     writeup: bool = opt(False, "mnist only: also measure the write-up's original script (needs --data-dir)")
-    diagnostics_overhead: bool = opt(True, "also run the pack without DDPDiagnostics at the largest device "
-                                           "count, to report the diagnostics' cost per step")
     seed: int = opt(0, "seed of the synthetic data and the model")
     out: str = opt("bench-results", "output folder for results.json, report.md and speedup.png")
 
@@ -127,8 +125,6 @@ def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path) -> di
     out.unlink(missing_ok=True)
     args = {k: settings[k] for k in ("recipe", "arch", "image_size", "batch_size", "steps", "warmup_steps",
                                      "precision", "accelerator", "threads", "seed", "data_dir")}
-    if impl == "pack-nodiag":
-        impl, args["diagnostics"] = "pack", 0
     cmd = [sys.executable, "-m", "ddp_recipes.bench.workers", impl, "--out", str(out), "--devices", str(n)]
     for key, value in args.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]
@@ -169,8 +165,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 results["warnings"].append(warning)
     impls = ["pack"] + (["raw"] if cfg.raw else []) + (["writeup"] if cfg.writeup else [])
     plan = [(impl, n) for n in devices for impl in impls]
-    if cfg.diagnostics_overhead:
-        plan.append(("pack-nodiag", devices[-1]))
     if cfg.dp:
         if settings["accelerator"] == "cuda" and settings["gpus"] >= 2:
             plan += [("dp", n) for n in devices if n > 1]
@@ -178,6 +172,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             _progress("--dp skipped: DataParallel needs 2+ CUDA GPUs")
             results["warnings"].append("--dp skipped: DataParallel needs 2+ CUDA GPUs")
     raw_by_n: dict[int, dict[str, Any]] = {}
+    pack_by_n: dict[int, dict[str, Any]] = {}
     for i, (impl, n) in enumerate(plan, 1):
         _progress(f"[{i}/{len(plan)}] {impl:<4} {n} device(s): running {settings['warmup_steps']}+{settings['steps']} steps ...")
         start = time.perf_counter()
@@ -189,6 +184,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             continue
         if impl == "raw":
             raw_by_n[n] = run
+        if impl == "pack":
+            pack_by_n[n] = run
         keep = ("impl", "devices", "global_samples_per_s", "step_ms_median", "step_ms_p10", "step_ms_p90",
                 "peak_mem_mb_per_rank", "measured_steps", "torch_threads")
         row = {k: run[k] for k in keep if k in run}
@@ -196,25 +193,23 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         results["runs"].append(row)
         _progress(f"        {row['global_samples_per_s']:.1f} samples/s, median step {row['step_ms_median']:.1f} ms "
                   f"({time.perf_counter() - start:.0f} s)")
-    _diagnostics_cost(results)
+    _diagnostics_cost(results, pack_by_n)
     _communication(results, raw_by_n, devices)
     _prediction(results, raw_by_n)
     return results
 
 
-def _diagnostics_cost(results: dict[str, Any]) -> None:
-    """DDPDiagnostics' cost: pack with it vs without, same N; the no-diagnostics row leaves the table."""
-    runs = results["runs"]
-    bare = next((r for r in runs if r["impl"] == "pack-nodiag"), None)
-    if bare is None:
-        return
-    runs.remove(bare)
-    with_diag = next((r for r in runs if r["impl"] == "pack" and r["devices"] == bare["devices"]), None)
-    if with_diag:
-        cost = 1 - with_diag["global_samples_per_s"] / bare["global_samples_per_s"]
-        results["diagnostics_overhead"] = {"devices": bare["devices"], "overhead_fraction": cost,
-                                           "with_samples_per_s": with_diag["global_samples_per_s"],
-                                           "without_samples_per_s": bare["global_samples_per_s"]}
+def _diagnostics_cost(results: dict[str, Any], pack_runs: dict[int, dict[str, Any]]) -> None:
+    """DDPDiagnostics' cost per step at each N: time inside its hooks (rank 0) over the steps' wall time."""
+    rows = []
+    for n, run in sorted(pack_runs.items()):
+        if run.get("diagnostics_s") is None or not run.get("steps_run"):
+            continue
+        per_step_ms = run["diagnostics_s"] * 1000 / run["steps_run"]
+        rows.append({"devices": n, "ms_per_step": per_step_ms,
+                     "fraction_of_step": per_step_ms / run["step_ms_median"]})
+    if rows:
+        results["diagnostics_overhead"] = rows
 
 
 def _communication(results: dict[str, Any], raw_by_n: dict[int, dict], devices: list[int]) -> None:

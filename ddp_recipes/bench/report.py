@@ -148,9 +148,9 @@ def markdown_report(results: dict[str, Any]) -> str:
         parts += ["Pack throughput as a fraction of the raw DDP loop's (target >= 0.95): " + ", ".join(f"N={n}: {v:.3f}x" for n, v in ratios.items()), ""]
     diag = results.get("diagnostics_overhead")
     if diag:
-        parts += [f"DDPDiagnostics cost at N={diag['devices']}: {diag['overhead_fraction']:+.2%} of throughput "
-                  f"({diag['with_samples_per_s']:.1f} vs {diag['without_samples_per_s']:.1f} samples/s without it; "
-                  "target < 1%, within run-to-run noise when near 0).", ""]
+        parts += ["DDPDiagnostics cost (time in its hooks on rank 0, per step; target < 1%): "
+                  + ", ".join(f"N={d['devices']}: {d['ms_per_step']:.2f} ms = {d['fraction_of_step']:.3%}"
+                              for d in diag), ""]
     if results.get("allreduce"):
         parts += ["## Communication", "", _allreduce_table(results["allreduce"]), ""]
     prediction = results.get("prediction") or {}

@@ -153,11 +153,12 @@ def run_pack(w: Workload, out: str) -> None:
             self.ends.append(sync_point(trainer.strategy.root_device))
 
     timer = StepTimer()
+    diagnostics = timed_diagnostics() if w.diagnostics else None
     trainer = build_trainer(devices=w.devices, accelerator=w.accelerator, precision=w.precision, seed=w.seed,
                             diagnostics=bool(w.diagnostics),
                             max_steps=w.total_steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            callbacks=[timer])
+                            callbacks=[timer, *([diagnostics] if diagnostics else [])])
     module = build_module(w)
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import MNISTDataModule
@@ -175,7 +176,32 @@ def run_pack(w: Workload, out: str) -> None:
                      "precision_used": str(trainer.precision), "strategy": type(trainer.strategy).__name__,
                      "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": [round(float(p), 1) for p in peaks.reshape(-1)],
+                     "diagnostics_s": diagnostics.seconds if diagnostics else None,
+                     "steps_run": len(timer.ends),
                      **step_stats(timer.ends, w.warmup_steps, w.batch_size * w.devices)})
+
+
+def timed_diagnostics():
+    """build_trainer's DDPDiagnostics with a stopwatch around each of its hooks (collective waits included).
+
+    Its cost is a few hooks against seconds-long steps: timing the hooks themselves is exact, where
+    comparing two whole runs would drown it in run-to-run noise.
+    """
+    from ddp_recipes.diagnostics import DDPDiagnostics
+
+    class TimedDDPDiagnostics(DDPDiagnostics):
+        seconds = 0.0
+
+    for name, hook in vars(DDPDiagnostics).items():
+        if name.startswith("on_") and callable(hook):
+            def timed(self, *args, _hook=hook, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _hook(self, *args, **kwargs)
+                finally:
+                    type(self).seconds += time.perf_counter() - start
+            setattr(TimedDDPDiagnostics, name, timed)
+    return TimedDDPDiagnostics()
 
 
 # ---- raw: the write-up's loop, and DataParallel ---------------------------------------------------------
