@@ -38,7 +38,7 @@ class BenchConfig:
     arch: str = opt("auto", "network: resnet18/34/50 for resnet, mlp/cnn for mnist (auto: resnet50 on CUDA, "
                             "resnet18 on CPU, mlp for mnist)")
     devices: str = opt("auto", "comma list of device counts, e.g. 1,2,4 (auto: 1,2,4 capped at the GPUs; 1,2 on CPU)")
-    steps: int = opt(0, "measured steps per run, after warm-up (0: 50 on CUDA, 10 on CPU)")
+    steps: int = opt(0, "measured steps per run, after warm-up (0: 50 on CUDA, 20 on CPU)")
     warmup_steps: int = opt(3, "steps run before timing starts (allocator, bucket rebuild, first all-reduce)")
     batch_size: int = opt(0, "per-device batch, fixed across device counts (weak scaling); 0: 32 on CPU, 64 on CUDA")
     precision: str = opt("auto", "32-true, bf16-mixed or 16-mixed (auto: bf16-mixed on CUDA, 32-true on CPU)",
@@ -78,7 +78,7 @@ class BenchConfig:
             raise ConfigError("--devices must include 1: speedup is measured against the 1-device run")
         if self.warmup_steps < 1:
             raise ConfigError(f"--warmup-steps must be >= 1 (got {self.warmup_steps})")
-        steps = self.steps or (50 if accelerator == "cuda" else 10)
+        steps = self.steps or (50 if accelerator == "cuda" else 20)
         if steps < 2:
             raise ConfigError(f"--steps must be >= 2 to have a spread (got {self.steps})")
         arch = self.arch if self.arch != "auto" else (
