@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 from typing_extensions import override
 
-from ddp_recipes.data.samplers import TensorBatchDataset, exact_eval_loader, resumable_train_loader
+from ddp_recipes.data.base import SplitDataModule
+from ddp_recipes.data.samplers import TensorBatchDataset
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied
@@ -39,8 +39,8 @@ def default_num_workers(devices_per_node: int = 1) -> int:
     return max(0, min(8, cpus // max(1, devices_per_node) - 1))
 
 
-class _ImageDataModule(L.LightningDataModule):
-    """Loaders shared by the image DataModules; subclasses fill ``train_set``/``val_set``/``test_set``."""
+class _ImageDataModule(SplitDataModule):
+    """Batch, worker and pinning defaults shared by the image DataModules; subclasses fill the splits."""
 
     def __init__(self, batch_size: int, num_workers: int | None, pin_memory: bool | None, seed: int = 0) -> None:
         super().__init__()
@@ -76,33 +76,6 @@ class _ImageDataModule(L.LightningDataModule):
     def pin_memory(self) -> bool:
         """The given ``pin_memory``, or True exactly when CUDA is available (pinning only helps H2D copies)."""
         return torch.cuda.is_available() if self._pin_memory is None else self._pin_memory
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return resumable_train_loader(self._require(self.train_set, "fit"), self.batch_size, self.seed,
-                                      num_workers=self.num_workers, pin_memory=self.pin_memory)
-
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        val_set = self._require(self.val_set, "validate")
-        if len(val_set) == 0:
-            return []  # Lightning skips validation
-        return exact_eval_loader(val_set, self.batch_size, num_workers=self.num_workers,
-                                 pin_memory=self.pin_memory)
-
-    @override
-    def test_dataloader(self) -> DataLoader | list:
-        test_set = self._require(self.test_set, "test")
-        if len(test_set) == 0:
-            return []
-        return exact_eval_loader(test_set, self.batch_size, num_workers=self.num_workers,
-                                 pin_memory=self.pin_memory)
-
-    @staticmethod
-    def _require(dataset: Dataset | None, stage: str) -> Dataset:
-        if dataset is None:
-            raise RuntimeError(f"call setup({stage!r}) before asking for this dataloader")
-        return dataset
 
 
 class SyntheticImageDataModule(_ImageDataModule):

@@ -11,13 +11,13 @@ import os
 import socket
 from pathlib import Path
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 from torchvision.datasets import MNIST
 from typing_extensions import override
 
-from ddp_recipes.data.samplers import TensorBatchDataset, exact_eval_loader, resumable_train_loader
+from ddp_recipes.data.base import SplitDataModule
+from ddp_recipes.data.samplers import TensorBatchDataset
 
 MEAN, STD = 0.1307, 0.3081  # over the 60k MNIST training images; the write-up's Normalize values
 _SPLITS = ("train", "t10k")
@@ -92,7 +92,7 @@ def load_split(data_dir: str | Path, train: bool) -> tuple[torch.Tensor, torch.T
     return images, labels
 
 
-class MNISTDataModule(L.LightningDataModule):
+class MNISTDataModule(SplitDataModule):
     """MNIST train/val/test as ``TensorDataset``s; ``val_size`` images are held out of the train split."""
 
     num_classes = 10
@@ -163,26 +163,3 @@ class MNISTDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return len(self.train_set)
         return check_mnist(self.data_dir)["train"] - self.val_size
-
-    @override
-    def train_dataloader(self) -> DataLoader:
-        return resumable_train_loader(self._require(self.train_set, "fit"), self.batch_size, self.seed,
-                                      num_workers=self.num_workers, pin_memory=self.pin_memory)
-
-    @override
-    def val_dataloader(self) -> DataLoader | list:
-        val_set = self._require(self.val_set, "validate")
-        if len(val_set) == 0:
-            return []  # --val-size 0: Lightning skips validation
-        return exact_eval_loader(val_set, self.batch_size, self.num_workers, self.pin_memory)
-
-    @override
-    def test_dataloader(self) -> DataLoader:
-        return exact_eval_loader(self._require(self.test_set, "test"), self.batch_size, self.num_workers,
-                                 self.pin_memory)
-
-    @staticmethod
-    def _require(dataset: TensorDataset | None, stage: str) -> TensorDataset:
-        if dataset is None:
-            raise RuntimeError(f"call setup({stage!r}) before asking for this dataloader")
-        return dataset

@@ -1,0 +1,45 @@
+"""The loaders every recipe DataModule shares: resumable training order, exact evaluation."""
+
+from __future__ import annotations
+
+import lightning as L
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from ddp_recipes.data.samplers import exact_eval_loader, resumable_train_loader
+
+
+class SplitDataModule(L.LightningDataModule):
+    """A DataModule whose ``setup`` fills ``train_set`` / ``val_set`` / ``test_set``.
+
+    Subclasses provide ``batch_size`` (per device), ``seed`` (of the training order), ``num_workers`` and
+    ``pin_memory`` (attributes or properties). An empty validation or test set disables that stage.
+    """
+
+    train_set: Dataset | None = None
+    val_set: Dataset | None = None
+    test_set: Dataset | None = None
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return resumable_train_loader(self._require(self.train_set, "fit"), self.batch_size, self.seed,
+                                      num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+    @override
+    def val_dataloader(self) -> DataLoader | list:
+        return self._eval_loader(self._require(self.val_set, "validate"))
+
+    @override
+    def test_dataloader(self) -> DataLoader | list:
+        return self._eval_loader(self._require(self.test_set, "test"))
+
+    def _eval_loader(self, dataset: Dataset) -> DataLoader | list:
+        if len(dataset) == 0:
+            return []  # Lightning skips the stage
+        return exact_eval_loader(dataset, self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory)
+
+    @staticmethod
+    def _require(dataset: Dataset | None, stage: str) -> Dataset:
+        if dataset is None:
+            raise RuntimeError(f"call setup({stage!r}) before asking for this dataloader")
+        return dataset
