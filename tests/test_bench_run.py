@@ -22,7 +22,7 @@ def test_tiny_end_to_end_writes_all_outputs(tmp_path):
     assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "speedup.png", "runs"}
     results = json.loads((out / "results.json").read_text())
     measured = {(r["impl"], r["devices"]) for r in results["runs"]}
-    assert measured == {("pack", 1), ("pack", 2), ("raw", 1), ("raw", 2)}
+    assert measured == {("pack", 1), ("pack", 2), ("raw", 1), ("raw", 2)}, (results["warnings"], proc.stderr[-3000:])
     for run in results["runs"]:
         assert run["measured_steps"] == 2 and run["global_samples_per_s"] > 0
         assert len(run["peak_mem_mb_per_rank"]) == run["devices"]

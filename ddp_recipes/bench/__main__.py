@@ -176,11 +176,17 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     for i, (impl, n) in enumerate(plan, 1):
         _progress(f"[{i}/{len(plan)}] {impl:<4} {n} device(s): running {settings['warmup_steps']}+{settings['steps']} steps ...")
         start = time.perf_counter()
-        try:
-            run = run_worker(impl, n, settings, out_dir)
-        except (RuntimeError, subprocess.TimeoutExpired) as err:
-            results["warnings"].append(str(err).splitlines()[0])
-            _progress(f"        failed: {err}")
+        run = None
+        for attempt in (1, 2):
+            try:
+                run = run_worker(impl, n, settings, out_dir)
+                break
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                # A rendezvous can lose a race for its port or a peer on a busy host: one retry on a fresh
+                # port, and the failure stays in the report either way.
+                results["warnings"].append(f"attempt {attempt}: {str(err).splitlines()[0]}")
+                _progress(f"        attempt {attempt} failed: {err}")
+        if run is None:
             continue
         if impl == "raw":
             raw_by_n[n] = run
