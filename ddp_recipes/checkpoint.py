@@ -1,26 +1,25 @@
 """Checkpoints that survive a kill mid-save, and the ``--resume auto|PATH`` rule.
 
-Lightning's TorchCheckpointIO writes the final path directly: a process killed during the write leaves a
-truncated ``last.ckpt`` and the previous one is gone. :class:`AtomicCheckpointIO` writes a temp file in the
-same folder, fsyncs it and renames it over the old one (``os.replace`` is atomic on POSIX), so a reader
-sees the old checkpoint or the new one, never half of one; the temp file a killed save leaves behind is
-removed by the next save. Only rank 0 writes (Lightning's strategies call ``save_checkpoint`` on rank 0
+Lightning's TorchCheckpointIO (``_atomic_save``) writes inside an fsspec transaction: the bytes go to a
+temp file from ``tempfile.mkstemp()``, i.e. in ``$TMPDIR``, which is often another filesystem than the
+checkpoint folder (a node-local /tmp, a network home), so the final "rename" is a copy that a kill can cut
+short, and nothing is fsynced, so a power cut can leave the new name with missing data.
+:class:`AtomicCheckpointIO` writes the temp file in the checkpoint's own folder, fsyncs it, renames it over
+the old one (``os.replace``: atomic on POSIX within one filesystem) and fsyncs the folder, so a reader sees
+the old checkpoint or the new one, never half of one; the temp file a killed save leaves behind is removed
+by the next save. Only rank 0 writes (Lightning's strategies call ``save_checkpoint`` on rank 0
 only); every rank loads the same file.
 """
 
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ddp_recipes.config import ConfigError
@@ -81,65 +80,49 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-class RNGStateCheckpoint(Callback):
-    """Every rank's python/numpy/torch RNG state goes into the checkpoint and comes back on resume.
-
-    Lightning restores weights, optimizer, scheduler and loops, not random streams; without this, a resumed
-    run draws other augmentations and dropout masks (and DataLoader worker seeds, which come from the main
-    process's torch RNG) than the uninterrupted one. ``state_dict`` runs on every rank when a checkpoint is
-    dumped, so gathering there is safe. Restored at train start, after the checkpoint and before the
-    first epoch's loader iterator. A resume at another world size keeps the fresh per-rank seeds.
-    """
-
-    def __init__(self) -> None:
-        self._pending: list[dict[str, Any]] | None = None
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        # Plain lists and tensors only: Lightning may load checkpoints with torch.load(weights_only=True).
-        state = {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
-                 "torch": torch.get_rng_state(),
-                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        if dist.is_available() and dist.is_initialized():
-            ranks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, state)
-            return {"ranks": ranks}
-        return {"ranks": [state]}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = state_dict.get("ranks")
-
-    @override
-    def on_train_start(self, trainer, pl_module) -> None:
-        pending, self._pending = self._pending, None
-        if not pending:
-            return
-        if len(pending) != trainer.world_size:
-            rank_zero_info(f"checkpoint RNG states are for {len(pending)} rank(s), this run has "
-                           f"{trainer.world_size}: keeping fresh per-rank seeds")
-            return
-        state = pending[trainer.global_rank]
-        random.setstate(state["python"])
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        torch.set_rng_state(state["torch"])
-        if state["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
-    """The checkpoint to resume from: None (fresh), the latest in ``<output-dir>/checkpoints`` for "auto"
-    (None when there is none yet), or PATH, which must exist."""
+    """The checkpoint to resume from: None (fresh), the newest complete one under ``output_dir`` for
+    "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must exist."""
     if not resume or resume == "none":
         return None
     if resume == "auto":
-        last = Path(output_dir) / CHECKPOINT_DIR / "last.ckpt"
-        return str(last) if last.exists() else None
+        return newest_checkpoint(output_dir)
     if not Path(resume).is_file():
         raise ConfigError(f"--resume {resume}: no such checkpoint file; pass an existing .ckpt, auto or none")
     return resume
+
+
+def checkpoint_candidates(output_dir: str | os.PathLike) -> list[Path]:
+    """What ``--resume auto`` considers: ``checkpoints/*.ckpt`` (last, best, the recipe's others) and
+    Lightning's SLURM ``hpc_ckpt_*.ckpt`` in the output folder. Temp files of unfinished saves are not."""
+    out = Path(output_dir)
+    found = [*sorted((out / CHECKPOINT_DIR).glob("*.ckpt")), *sorted(out.glob("hpc_ckpt_*.ckpt"))]
+    return [p for p in found if p.is_file() and not p.name.startswith(".")]
+
+
+def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
+    """(global step, epoch) of a checkpoint, read without loading its tensors; raises if unreadable."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError("not a Lightning checkpoint")
+    return int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0))
+
+
+def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The complete checkpoint with the most optimizer steps (ties: the most recently written), skipping
+    truncated or unreadable files with a one-line warning each; None when there is none."""
+    best: tuple[tuple[int, int, float], Path] | None = None
+    for path in checkpoint_candidates(output_dir):
+        try:
+            step, epoch = checkpoint_position(path)
+        except Exception as err:  # truncated zip, garbage, not a checkpoint: skip it, keep looking
+            reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+            rank_zero_warn(f"--resume auto: skipping {path}: not a readable checkpoint ({reason})")
+            continue
+        key = (step, epoch, path.stat().st_mtime)
+        if best is None or key > best[0]:
+            best = (key, path)
+    return str(best[1]) if best else None
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:

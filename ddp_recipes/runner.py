@@ -153,7 +153,7 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     fit_metrics = scalar_metrics(trainer)  # before test(), which replaces the callback metrics
     if save_final:
         # Collective-safe: every rank calls it, rank 0 writes. The weights the test below evaluates.
-        trainer.save_checkpoint(out / "final.ckpt")
+        trainer.save_checkpoint(out / "final.ckpt", weights_only=False)
     test_metrics: dict[str, float] = {}
     if test:
         results = trainer.test(model, datamodule=datamodule, verbose=False)

@@ -8,9 +8,11 @@ unchanged. What it changes or adds, each for a reason:
 * ``comm_hook="fp16"|"bf16"|"powersgd"``: gradient compression registered on *every* device type.
   Lightning registers hooks only on CUDA and silently drops them elsewhere; "fp16 gradients halve the
   all-reduce traffic" is only true when such a hook runs.
-* ``seed=S``: once the process group is up, rank r seeds random/numpy/torch with S + r so dropout,
-  augmentation and noise differ per rank (``seed_everything`` gives every rank the same stream), while the
-  model built before ``fit`` (and DDP's broadcast from rank 0) keeps the initial weights identical.
+* ``seed=S``: when training starts (after every set-up hook, so a DataModule's ``random_split`` or
+  ``configure_model`` sees the same RNG on every rank), rank r seeds random/numpy/torch with S + r so
+  dropout, augmentation and noise differ per rank (``seed_everything`` gives every rank the same stream).
+  With :class:`~ddp_recipes.resume.ResumeState` among the callbacks (``build_trainer`` adds it), that
+  callback does it, and a resumed run gets the checkpoint's streams instead.
   ``PL_GLOBAL_SEED`` is left alone on purpose: Lightning seeds the DistributedSampler from it, and a
   per-rank value there would break the disjointness of the shards.
 * SyncBatchNorm on CPU (gloo) too: ``Trainer(sync_batchnorm=True)`` gets :class:`SyncBatchNormPlugin`.
@@ -31,7 +33,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import random
 import re
 import subprocess
 import sys
@@ -39,17 +40,18 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ddp_recipes.commhooks import ResumablePowerSGD
+from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.syncbn import SyncBatchNormPlugin
 
 log = logging.getLogger(__name__)
@@ -69,15 +71,6 @@ ASYNC_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERRO
 SHARED_STORE_FIX = ("launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --standalone (one node) or --rdzv-backend "
                     "c10d --rdzv-endpoint HOST:PORT (static --master-addr/--master-port rendezvous always shares it)")
 CHILD_GRACE_S = 5.0  # how long a failed launcher waits for its other ranks to exit on their own
-
-
-def seed_rank(seed: int, rank: int) -> int:
-    """Seed python, numpy and torch (all devices) with ``seed + rank``; returns that value."""
-    value = (seed + rank) % 2**32
-    random.seed(value)
-    np.random.seed(value)
-    torch.manual_seed(value)  # also seeds every CUDA device
-    return value
 
 
 class TunedDDPStrategy(DDPStrategy):
@@ -121,6 +114,7 @@ class TunedDDPStrategy(DDPStrategy):
         super().__init__(*args, **ddp_kwargs, **kwargs)
         self.comm_hook = comm_hook
         self._powersgd = (powersgd_rank, powersgd_start_iter)
+        self._powersgd_hook: ResumablePowerSGD | None = None
         self.seed = seed
         nccl = (("NCCL_DEBUG", nccl_debug), ("NCCL_SOCKET_IFNAME", nccl_socket_ifname),
                 ("NCCL_P2P_DISABLE", nccl_p2p_disable))
@@ -172,8 +166,27 @@ class TunedDDPStrategy(DDPStrategy):
             if hint:
                 err.args = (f"{hint}\n\n{err.args[0] if err.args else ''}", *err.args[1:])
             raise
-        if self.seed is not None:
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # ResumeState (when present) seeds or restores the streams itself; doing it again would undo a restore.
+        callbacks = getattr(self.lightning_module.trainer, "callbacks", []) if self.lightning_module else []
+        if self.seed is not None and not any(isinstance(c, ResumeState) for c in callbacks):
             seed_rank(self.seed, self.global_rank)
+
+    # ---- comm-hook state in checkpoints (PowerSGD keeps per-rank state between steps) --------------------
+
+    def comm_hook_state_dict(self) -> list[dict[str, Any]] | None:
+        """Every rank's PowerSGD state on rank 0 (None elsewhere, or without PowerSGD). Collective."""
+        if self._powersgd_hook is None:
+            return None
+        return gather_to_rank0(self._powersgd_hook.state_dict())
+
+    def load_comm_hook_state_dict(self, states: list[dict[str, Any]] | None) -> None:
+        """Load this rank's entry of :meth:`comm_hook_state_dict` (same world size only)."""
+        if self._powersgd_hook is not None and states and len(states) == self.world_size:
+            self._powersgd_hook.load_state_dict(states[self.global_rank], self.root_device)
 
     # ---- comm hooks on every device type ------------------------------------------------------------
 
@@ -183,10 +196,9 @@ class TunedDDPStrategy(DDPStrategy):
         if self.comm_hook == "bf16":
             return None, default_hooks.bf16_compress_hook
         if self.comm_hook == "powersgd":
-            rank, start = self._powersgd
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                                start_powerSGD_iter=start)
-            return state, powerSGD_hook.powerSGD_hook
+            if self._powersgd_hook is None:
+                self._powersgd_hook = ResumablePowerSGD(*self._powersgd)
+            return self._powersgd_hook.state, self._powersgd_hook.hook
         return self._ddp_comm_state, self._ddp_comm_hook
 
     @override

@@ -11,9 +11,10 @@ import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ddp_recipes.checkpoint import AtomicCheckpointIO, RNGStateCheckpoint
+from ddp_recipes.checkpoint import AtomicCheckpointIO
 from ddp_recipes.config import ConfigError, launched_by_torchrun, resolve_world
 from ddp_recipes.diagnostics import DDPDiagnostics
+from ddp_recipes.resume import ResumeState
 from ddp_recipes.strategy import TunedDDPStrategy
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
@@ -97,7 +98,7 @@ def build_trainer(
     One device on one node: no DDP wrap (Lightning's single-device strategy). Otherwise
     :class:`TunedDDPStrategy` with the DDP knobs given here. Works when Lightning launches the processes
     (``devices=N``) and under torchrun (world taken from its environment). ``seed`` seeds every rank
-    identically now (identical initial weights) and with seed + rank once the process group is up.
+    identically now (identical initial weights and set-up) and with seed + rank when training starts.
     ``diagnostics`` adds :class:`DDPDiagnostics` (the troubleshooting table as checks, reported once on
     rank 0); ``lr_scaling``, ``warmup_epochs``, ``reference_batch`` and ``global_batch`` tell it the run's
     LR facts, so it can warn when the global batch left the reference batch without LR scaling or warm-up
@@ -121,8 +122,10 @@ def build_trainer(
     if not any(isinstance(p, CheckpointIO) for p in plugins):
         plugins.append(AtomicCheckpointIO())  # a kill mid-save keeps the previous checkpoint intact
     callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
-    if not any(isinstance(c, RNGStateCheckpoint) for c in callbacks):
-        callbacks.append(RNGStateCheckpoint())  # resumed runs continue the same random streams
+    if not any(isinstance(c, ResumeState) for c in callbacks):
+        # Per-rank streams from seed + rank once training starts; a resumed run gets the checkpoint's
+        # streams, loader position and comm-hook state back instead (and this run's LRs).
+        callbacks.append(ResumeState(seed=seed))
     if diagnostics and not any(isinstance(c, DDPDiagnostics) for c in callbacks):
         callbacks.append(DDPDiagnostics(lr_scaling=lr_scaling, warmup_epochs=warmup_epochs,
                                         reference_batch=reference_batch, global_batch=global_batch))

@@ -6,8 +6,9 @@
         --image-size 224 --precision bf16-mixed --channels-last --sync-batchnorm --resume auto
     torchrun --nproc-per-node 4 -m recipes.resnet --data cifar10
 
-Checkpoints: ``<output-dir>/checkpoints/last.ckpt`` (and ``best.ckpt`` by val_acc when there is a
-validation set), saved atomically on rank 0; ``--resume auto`` continues from ``last.ckpt``.
+Checkpoints: ``<output-dir>/checkpoints/last.ckpt`` at every epoch end, every ``--checkpoint-every-n-steps``
+and on SIGTERM (or SLURM's requeue signal), and ``best.ckpt`` by val_acc when there is a validation set,
+saved atomically on rank 0; ``--resume auto`` continues exactly from the newest complete one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ddp_recipes.data.images import (
     default_num_workers,
 )
 from ddp_recipes.modules.resnet import ARCHS, ResNetClassifier
+from ddp_recipes.preemption import LastCheckpoint
 from ddp_recipes.runner import run_fit_test, scaled_lr
 
 PROG = "python -m recipes.resnet"
@@ -50,12 +52,14 @@ class ResNetConfig(RunConfig):
     nesterov: bool = opt(False, "Nesterov momentum")
     weight_decay: float = opt(5e-4, "weight decay (never on BatchNorm parameters and biases)")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
+    dropout: float = opt(0.0, "dropout before the classifier (0: none)")
     cosine: bool = opt(True, "cosine LR decay over the run after the warm-up")
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
     resume: str = opt("none", "none, auto (the latest checkpoint in --output-dir) or a checkpoint PATH")
-    checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (0: each epoch end)")
+    checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
+                                           "each epoch end and on SIGTERM/SLURM's requeue signal)")
     output_dir: str = opt("runs/resnet", "where logs, checkpoints and summary.json go")
 
     DEFAULT_BATCH_SIZE = 128
@@ -79,6 +83,8 @@ class ResNetConfig(RunConfig):
             raise ConfigError("--synthetic-samples must be >= 1 and --synthetic-val-samples >= 0")
         if self.checkpoint_every_n_steps < 0:
             raise ConfigError(f"--checkpoint-every-n-steps must be >= 0 (got {self.checkpoint_every_n_steps})")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"--dropout must be in [0, 1) (got {self.dropout})")
         try:
             ResNetClassifier.check_image_size(self.image_size, self.cifar_stem)
         except ValueError as err:
@@ -105,16 +111,18 @@ def build_model(cfg: ResNetConfig, num_classes: int, lr: float) -> ResNetClassif
                             momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
                             label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
                             cosine=cfg.cosine, channels_last=cfg.channels_last,
-                            grad_checkpointing=cfg.grad_checkpointing)
+                            grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
 
 
-def checkpoint_callback(cfg: ResNetConfig, has_val: bool) -> ModelCheckpoint:
-    """last.ckpt always; best.ckpt by val_acc when there is validation. Writes go through the atomic IO."""
-    return ModelCheckpoint(
-        dirpath=Path(cfg.output_dir) / CHECKPOINT_DIR, filename="best", monitor="val_acc" if has_val else None,
-        mode="max", save_top_k=1 if has_val else 0, save_last=True, enable_version_counter=False,
-        every_n_train_steps=cfg.checkpoint_every_n_steps or None,
-    )
+def checkpoint_callbacks(cfg: ResNetConfig, has_val: bool) -> list:
+    """last.ckpt at each epoch end, every --checkpoint-every-n-steps and on preemption; best.ckpt by val_acc
+    when there is validation. Writes go through the atomic IO."""
+    folder = Path(cfg.output_dir) / CHECKPOINT_DIR
+    callbacks: list = [LastCheckpoint(folder, every_n_steps=cfg.checkpoint_every_n_steps)]
+    if has_val:
+        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best", monitor="val_acc", mode="max",
+                                         save_top_k=1, save_last=False, enable_version_counter=False))
+    return callbacks
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -127,11 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
         if resume:
             # Every rank reads the same file; a bad one fails here, before training touches anything.
             check_compatible(read_checkpoint(resume), resume, {"arch": cfg.arch, "num_classes": num_classes,
-                                                               "cifar_stem": cfg.cifar_stem})
+                                                               "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout})
         lr = scaled_lr(cfg)
         has_val = cfg.data != "synthetic" or cfg.synthetic_val_samples > 0
         return run_fit_test(cfg, lambda: build_model(cfg, num_classes, lr), datamodule, lr,
-                            callbacks=[checkpoint_callback(cfg, has_val)], ckpt_path=resume, test=has_val,
+                            callbacks=checkpoint_callbacks(cfg, has_val), ckpt_path=resume, test=has_val,
                             save_final=False, extra={"arch": cfg.arch, "data": cfg.data, "resumed_from": resume})
     except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
         if not isinstance(err, FileNotFoundError) and "--" not in str(err):

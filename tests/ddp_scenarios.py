@@ -42,11 +42,13 @@ class Net(L.LightningModule):
         self.record: dict = {"losses": []}
 
     def setup(self, stage: str) -> None:
-        # Runs after the process group is up (per-rank seeds applied) and before DDP's broadcast.
+        # Runs after the process group is up and before DDP's broadcast: every rank's RNG is the same here.
         self.record["initial"] = {k: v.detach().clone() for k, v in self.state_dict().items()}
-        self.record["draws"] = (random.random(), float(np.random.rand()), torch.rand(3).tolist())
+        self.record["setup_draws"] = (random.random(), float(np.random.rand()), torch.rand(3).tolist())
 
     def training_step(self, batch, batch_idx):
+        if "draws" not in self.record:  # training: per-rank streams (seed + rank)
+            self.record["draws"] = (random.random(), float(np.random.rand()), torch.rand(3).tolist())
         x, y, index = batch
         loss = nn.functional.cross_entropy(self.body(x), y)
         self.record["losses"].append(loss.item())

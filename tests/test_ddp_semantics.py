@@ -110,6 +110,8 @@ def test_seed_plus_rank(root):
     again = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "6", "--seed", "7")
     draws0, draws1 = first[0]["record"]["draws"], first[1]["record"]["draws"]
     assert draws0[0] != draws1[0] and draws0[1] != draws1[1] and draws0[2] != draws1[2]
+    # Set-up hooks (a DataModule's random_split, configure_model) see one RNG on every rank.
+    assert first[0]["record"]["setup_draws"] == first[1]["record"]["setup_draws"]
     for key, value in first[0]["record"]["initial"].items():
         assert torch.equal(value, first[1]["record"]["initial"][key]), "initial weights differ before DDP's broadcast"
     # --seed 7 is the default: the second run is a separate launch with the same seed.

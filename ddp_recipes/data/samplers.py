@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_recipes.data.resumable import ignore_preemption_signals, resumable_loader
+
 
 def _world() -> tuple[int, int]:
     """(world size, rank) of the default process group, or (1, 0) when there is none."""
@@ -64,25 +66,29 @@ def exact_eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0,
     """
     world, _ = _world()
     sampler = ExactDistributedSampler(dataset) if world > 1 else None
+    # A private generator: building the iterator must not draw from the global RNG that training's
+    # dropout uses, or a resumed run (whose eval workers start anew) would drift from an uninterrupted one.
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, persistent_workers=num_workers > 0, drop_last=False,
-                      collate_fn=_collate(dataset))
+                      collate_fn=_collate(dataset), generator=torch.Generator(),
+                      worker_init_fn=ignore_preemption_signals)
 
 
 def resumable_train_loader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,
                            pin_memory: bool = False, **kwargs) -> DataLoader:
-    """A shuffled training DataLoader whose order depends only on (seed, epoch, rank, world size).
+    """A shuffled training DataLoader that can stop at any batch and continue exactly.
 
-    It is the DistributedSampler Lightning would insert under DDP, used at every world size: a plain
-    RandomSampler draws from the global RNG, so a run resumed from a checkpoint would see a different
-    order than the uninterrupted run. Lightning keeps a DistributedSampler as is and calls set_epoch.
-    Build it when the process group is up (Lightning calls ``train_dataloader`` after that).
+    Its order depends only on (seed, epoch) and its shards on (rank, world size): it is the
+    DistributedSampler Lightning would insert under DDP, used at every world size (a plain RandomSampler
+    draws from the global RNG). Lightning keeps a DistributedSampler as is and calls ``set_epoch``.
+    Augmentation is seeded per sample and the position is Lightning-``Stateful``
+    (:mod:`ddp_recipes.data.resumable`), so a run resumed mid-epoch, with loader workers, continues with
+    the very next batch and the same random crops. Build it when the process group is up (Lightning
+    calls ``train_dataloader`` after that).
     """
     world, rank = _world()
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=False)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0, collate_fn=_collate(dataset),
-                      **kwargs)
+    return resumable_loader(dataset, batch_size, seed, num_replicas=world, rank=rank, num_workers=num_workers,
+                            pin_memory=pin_memory, collate_fn=_collate(dataset), **kwargs)
 
 
 class TensorBatchDataset(TensorDataset):

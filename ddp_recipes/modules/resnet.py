@@ -66,7 +66,7 @@ class ResNetClassifier(TrainLossLogging):
     def __init__(self, arch: str = "resnet18", num_classes: int = 10, cifar_stem: bool = False,
                  lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 5e-4,
                  label_smoothing: float = 0.0, warmup_epochs: float = 0.0, cosine: bool = True,
-                 channels_last: bool = False, grad_checkpointing: bool = False) -> None:
+                 channels_last: bool = False, grad_checkpointing: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self._check_hparams()
@@ -103,6 +103,8 @@ class ResNetClassifier(TrainLossLogging):
             raise ValueError(f"--label-smoothing must be in [0, 1) (got {hp.label_smoothing})")
         if hp.warmup_epochs < 0:
             raise ValueError(f"--warmup-epochs must be >= 0 (got {hp.warmup_epochs})")
+        if not 0 <= hp.get("dropout", 0.0) < 1:
+            raise ValueError(f"--dropout must be in [0, 1) (got {hp.dropout})")
 
     def _accuracy(self, top_k: int) -> MulticlassAccuracy:
         # micro: the fraction of samples right, as papers report it (the default "macro" averages classes).
@@ -119,6 +121,10 @@ class ResNetClassifier(TrainLossLogging):
             model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
             nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision
             model.maxpool = nn.Identity()
+        if self.hparams.get("dropout", 0.0) > 0:
+            # Before the classifier, as in torchvision's VGG/MobileNet heads; a stage-free spot that keeps
+            # grad checkpointing by stage and the ResNet layout intact.
+            model.fc = nn.Sequential(nn.Dropout(self.hparams.dropout), model.fc)
         return model
 
     @staticmethod

@@ -1,0 +1,183 @@
+"""``last.ckpt`` on a fixed cadence, and preemption that saves it and exits cleanly on every rank.
+
+Clusters stop jobs with a signal and a grace period: Kubernetes, spot/preemptible VMs and torchrun send
+SIGTERM (SIGKILL follows, 30 s later by default); SLURM sends the signal of ``#SBATCH --signal`` (SIGUSR1
+here) before the time limit and SIGTERM on preemption. A rank cannot act on a signal where it lands: a
+collective started from a signal handler (Lightning 2.6 broadcasts from its SIGTERM handler, and its
+SLURM handler saves a checkpoint, which gathers RNG states) runs at a different point on each rank and
+pairs with whatever collective the others are in. So here the handlers only set a flag; at the next
+optimizer-step boundary every rank contributes its flag to one all-reduce, and if any rank was signalled
+all of them save ``last.ckpt`` together, rank 0 requeues the SLURM job if SLURM asked for it, and every
+rank exits with 128 + signal number and one line on rank 0 (no traceback).
+
+:class:`LastCheckpoint` writes ``last.ckpt`` at every epoch end and every ``every_n_steps`` optimizer
+steps, with or without validation and independent of any best-checkpoint callback (Lightning's
+``ModelCheckpoint(save_last=True)`` refreshes it only when it saves a top-k checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+LAST = "last.ckpt"
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is saved; exits with ``128 + signum``."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.message = message
+
+
+class _FlagSignalConnector(_SignalConnector):
+    """Lightning's signal connector, with handlers that only record the signal (while fitting).
+
+    Replaces Lightning's own handlers, which broadcast (SIGTERM) or save a checkpoint (SLURM) from inside
+    the handler. Outside ``fit`` nothing is installed, so SIGTERM keeps its default action. Lightning's
+    ``teardown`` puts back the handlers that were there before.
+    """
+
+    def __init__(self, trainer: L.Trainer) -> None:
+        super().__init__(trainer)
+        self.signum: int | None = None
+
+    def signals(self) -> list[int]:
+        env = self.trainer._accelerator_connector.cluster_environment
+        wanted = [signal.SIGTERM]
+        if isinstance(env, SLURMEnvironment) and env.requeue_signal is not None:
+            wanted.append(env.requeue_signal)
+        return wanted
+
+    @override
+    def register_signal_handlers(self) -> None:
+        self.received_sigterm = False  # Lightning's own SIGTERM path stays off: we act at step boundaries
+        self.signum = None
+        if self.trainer.state.fn != TrainerFn.FITTING or sys.platform == "win32":
+            return
+        self._original_handlers = self._get_current_signal_handlers()
+        for signum in self.signals():
+            self._register_signal(signum, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        if self.signum is None or signum == signal.SIGTERM:  # SIGTERM (the kill is coming) wins
+            self.signum = int(signum)
+
+
+class LastCheckpoint(Checkpoint):
+    """``<dirpath>/last.ckpt`` at every epoch end and every ``every_n_steps`` steps; saves and exits on
+    SIGTERM (and SLURM's requeue signal, requeueing the job when Lightning's SLURM environment has
+    ``auto_requeue``). Saves go through the trainer, so through its (atomic) checkpoint IO, on rank 0.
+
+    A ``Checkpoint`` subclass, so Lightning runs its epoch-end hook after the LightningModule's.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike, every_n_steps: int = 0) -> None:
+        if every_n_steps < 0:
+            raise ValueError(f"--checkpoint-every-n-steps must be >= 0 (got {every_n_steps})")
+        self.dirpath = Path(dirpath)
+        self.every_n_steps = every_n_steps
+        self._seen_step = -1
+        self._saved_step = -1
+        self._signals: _FlagSignalConnector | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / LAST
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == TrainerFn.FITTING and not isinstance(trainer._signal_connector, _FlagSignalConnector):
+            # Before Trainer._run registers handlers: no moment where Lightning's own handlers are live.
+            trainer._signal_connector = self._signals = _FlagSignalConnector(trainer)
+
+    # ---- the cadence -----------------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._seen_step:
+            return  # an accumulation micro-batch: no optimizer step, no boundary
+        self._seen_step = step
+        signum = self._agreed_signal(trainer)
+        last_of_epoch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        due = self.every_n_steps > 0 and step % self.every_n_steps == 0 and not last_of_epoch
+        if signum or due:
+            self.save(trainer)
+        if signum:
+            self._exit(trainer, signum)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save(trainer)
+        signum = self._agreed_signal(trainer)  # a signal during epoch-end validation lands here
+        if signum:
+            self._exit(trainer, signum)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        signum = self._agreed_signal(trainer)
+        if signum:  # training is over and saved; do not start testing inside the grace period
+            self.save(trainer)
+            self._exit(trainer, signum)
+
+    def save(self, trainer: L.Trainer) -> None:
+        """Write last.ckpt (every rank calls; rank 0 writes), once per step."""
+        if trainer.global_step == self._saved_step:  # the same decision on every rank: save is collective
+            return
+        trainer.save_checkpoint(self.path, weights_only=False)
+        self._saved_step = trainer.global_step
+
+    # ---- preemption ----------------------------------------------------------------------------------
+
+    def _agreed_signal(self, trainer: L.Trainer) -> int:
+        """The signal any rank received (0 if none); one all-reduce when there are several ranks."""
+        local = self._signals.signum if self._signals is not None else None
+        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return int(local or 0)
+        device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([local or 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _exit(self, trainer: L.Trainer, signum: int) -> None:
+        requeued = self._requeue(trainer, signum)
+        name = signal.Signals(signum).name
+        message = (f"preempted by {name} at step {trainer.global_step} (epoch {trainer.current_epoch}): checkpoint "
+                   f"saved to {self.path}{requeued}; rerun with --resume auto")
+        if trainer.is_global_zero:
+            print(message, file=sys.stderr, flush=True)
+        raise Preempted(signum, message)
+
+    @staticmethod
+    def _requeue(trainer: L.Trainer, signum: int) -> str:
+        env = trainer._accelerator_connector.cluster_environment
+        if not (isinstance(env, SLURMEnvironment) and env.auto_requeue and signum == env.requeue_signal):
+            return ""
+        array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+        job_id = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID", "")
+        if not trainer.is_global_zero or not job_id:
+            return f"; SLURM job {job_id} requeued by rank 0" if job_id else ""
+        try:
+            result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+            ok = result.returncode == 0
+            detail = (result.stderr or result.stdout).strip().splitlines()[-1:] if not ok else []
+        except (OSError, subprocess.TimeoutExpired) as err:
+            ok, detail = False, [str(err)]
+        return f"; SLURM job {job_id} requeued" if ok else f"; requeueing SLURM job {job_id} failed ({detail})"

@@ -1,0 +1,235 @@
+"""What a checkpoint must carry, beyond Lightning's, for a resumed run to continue exactly.
+
+Lightning saves weights, optimizer, LR schedulers, precision/scaler and loop counters. :class:`ResumeState`
+adds what decides the rest of the run and puts it back at the *training boundary* (``on_train_start``):
+after every set-up hook, after Lightning restored the checkpoint, before the first training batch.
+
+* Every rank's python/numpy/torch(/CUDA) random streams. A fresh run gets ``seed + rank`` there instead,
+  so set-up hooks (a DataModule's ``random_split``, ``configure_model``) see the same RNG on every rank
+  and only training draws per-rank streams.
+* The training loader's position. Lightning builds the training iterator in ``setup_data()``, which
+  ``configure_optimizers`` reaches through ``estimated_stepping_batches`` *before* the loop state is
+  restored: a ``Stateful`` loader's saved position is then never loaded, and a loader with workers has
+  already started epoch 0's order. Both are repaired here (see :func:`reposition_train_loader`).
+* The new run's learning rates. Restoring optimizer and scheduler state brings back the old run's LR and
+  ``base_lrs``; a resume at another world size must use its own scaled LR, so it is re-applied, and the
+  schedule's index is carried over by training progress when an epoch has another number of steps.
+* The comm hook's state (PowerSGD's error feedback and warm-start matrices), via the strategy.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim.lr_scheduler import LambdaLR
+from typing_extensions import override
+
+_STEP_SPAN = 1_000_003  # separates the per-rank seeds of different resume steps
+
+
+def seed_rank(seed: int, rank: int, step: int = 0) -> int:
+    """Seed python, numpy and torch (all devices) with ``seed + rank`` (``+ step * 1000003`` when resuming
+    at another world size, so the streams are not the run's first ones again); returns the value."""
+    value = (seed + rank + step * _STEP_SPAN) % 2**32
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # also seeds every CUDA device
+    return value
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random streams, as plain lists and tensors (loadable with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (None elsewhere); ``[obj]`` without a process group. Collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def steps_per_epoch(trainer: L.Trainer) -> int:
+    """Optimizer steps in one epoch of this run, once its training loader is sized (else 0)."""
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int) or batches <= 0:
+        return 0
+    return math.ceil(batches / max(1, trainer.accumulate_grad_batches))
+
+
+def reposition_train_loader(trainer: L.Trainer) -> None:
+    """Load the checkpoint's loader states Lightning skipped, set the resumed epoch, rebuild the iterator.
+
+    Uses three FitLoop internals of Lightning 2.6 (pinned by the exact-resume tests): the pending loader
+    states, the loader of ``setup_data()``, and its data fetcher.
+    """
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    fit_loop = trainer.fit_loop
+    combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+    if combined is None or fetcher is None:
+        return
+    fit_loop._load_combined_loader_states()  # no-op when Lightning loaded them itself, or there are none
+    epoch = fit_loop.epoch_progress.current.processed  # what on_advance_start will give set_epoch
+    for loader in combined.flattened:
+        _set_sampler_epoch(loader, epoch)
+    iter(fetcher)  # a fresh iterator: workers start at the restored position and epoch
+
+
+class ResumeState(Callback):
+    """Saves and restores the random streams, LR facts and comm-hook state; seeds ``seed + rank``.
+
+    ``seed`` is the run's base seed (None: leave the streams alone on a fresh run). Collectives: its
+    ``state_dict`` gathers every rank's state to rank 0, so it runs where Lightning dumps checkpoints, on
+    every rank at the same point (never from a signal handler: see :mod:`ddp_recipes.preemption`).
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._trainer: L.Trainer | None = None
+        self._pending: dict[str, Any] | None = None
+        self._fresh_lrs: list[list[float]] = []
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    # ---- saving --------------------------------------------------------------------------------------
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        state: dict[str, Any] = {"rng": gather_to_rank0(rng_state())}
+        if trainer is None:
+            return state
+        state["world_size"] = trainer.world_size
+        per_device = getattr(trainer.train_dataloader, "batch_size", None)
+        state["global_batch_size"] = (per_device * trainer.world_size * trainer.accumulate_grad_batches
+                                      if isinstance(per_device, int) else None)
+        state["steps_per_epoch"] = steps_per_epoch(trainer)
+        state["base_lrs"] = [list(c.scheduler.base_lrs) for c in trainer.lr_scheduler_configs
+                             if hasattr(c.scheduler, "base_lrs")]
+        hook_state = getattr(trainer.strategy, "comm_hook_state_dict", None)
+        if callable(hook_state):
+            state["comm_hook"] = hook_state()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "ranks" in state_dict and "rng" not in state_dict:  # checkpoints of ddp-recipes 0.1
+            state_dict = {"rng": state_dict["ranks"], "world_size": len(state_dict["ranks"])}
+        self._pending = state_dict
+
+    # ---- restoring, at the training boundary ------------------------------------------------------------
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # configure_optimizers has run, the checkpoint's optimizer state is not loaded yet: these are the
+        # LRs this run was configured with.
+        self._fresh_lrs = [[g.get("initial_lr", g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers]
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pending, self._pending = self._pending, None
+        resuming = trainer.ckpt_path is not None
+        saved_world = (pending or {}).get("world_size")
+        same_world = pending is not None and saved_world == trainer.world_size
+        if same_world and pending.get("rng") and len(pending["rng"]) == trainer.world_size:
+            set_rng_state(pending["rng"][trainer.global_rank])
+        elif self.seed is not None:
+            seed_rank(self.seed, trainer.global_rank, step=trainer.global_step if resuming else 0)
+        if not resuming:
+            return
+        reposition_train_loader(trainer)
+        lr_change = self._reapply_lrs(trainer, pending or {})
+        if same_world and pending.get("comm_hook") is not None:
+            loader = getattr(trainer.strategy, "load_comm_hook_state_dict", None)
+            if callable(loader):
+                loader(pending["comm_hook"])
+        if pending is not None and not same_world:
+            self._report_resize(trainer, pending, lr_change)
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning 2.6 gives set_epoch the count of processed epochs; resumed from a checkpoint taken at
+        # an epoch end of a --max-steps run ("restarted on epoch end") that count runs one ahead of the
+        # epoch it trains, and the sampler would shuffle another epoch's order. The trained epoch decides.
+        from lightning.fabric.utilities.data import _set_sampler_epoch
+
+        combined = trainer.fit_loop._combined_loader
+        for loader in combined.flattened if combined is not None else []:
+            _set_sampler_epoch(loader, trainer.current_epoch)
+
+    def _reapply_lrs(self, trainer: L.Trainer, pending: dict[str, Any]) -> str:
+        """Put this run's LRs back over the checkpoint's and re-index step schedules; returns a summary."""
+        old_spe, new_spe = int(pending.get("steps_per_epoch") or 0), steps_per_epoch(trainer)
+        reindex = old_spe > 0 and new_spe > 0 and old_spe != new_spe and trainer.max_steps == -1
+        scheduled: set[int] = set()
+        notes = []
+        for config in trainer.lr_scheduler_configs:
+            sched = config.scheduler
+            opt = sched.optimizer
+            if opt not in trainer.optimizers or not hasattr(sched, "base_lrs"):
+                continue
+            fresh = self._fresh_lrs[trainer.optimizers.index(opt)]
+            old_base = list(sched.base_lrs)
+            sched.base_lrs = list(fresh)
+            if isinstance(sched, LambdaLR):
+                if reindex and config.interval == "step":
+                    before = sched.last_epoch
+                    sched.last_epoch = round(before * new_spe / old_spe)
+                    notes.append(f"LR schedule at step {sched.last_epoch} of this run (step {before} of the "
+                                 f"checkpoint's, {old_spe} -> {new_spe} steps per epoch)")
+                lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+            else:  # any other multiplicative schedule: keep its position, rescale by the new base LR
+                lrs = [g["lr"] * (new / old if old else 1.0)
+                       for g, new, old in zip(opt.param_groups, fresh, old_base, strict=True)]
+            for group, base, lr in zip(opt.param_groups, fresh, lrs, strict=True):
+                group["initial_lr"], group["lr"] = base, lr
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
+            scheduled.add(id(opt))
+            if any(abs(a - b) > 1e-12 * max(abs(a), 1e-30) for a, b in zip(old_base, fresh, strict=True)):
+                notes.insert(0, f"peak LR {old_base[0]:g} -> {fresh[0]:g} re-applied")
+        for opt, fresh in zip(trainer.optimizers, self._fresh_lrs, strict=True):
+            if id(opt) not in scheduled:
+                for group, lr in zip(opt.param_groups, fresh, strict=True):
+                    group["lr"] = lr
+        return "; ".join(notes)
+
+    @staticmethod
+    def _report_resize(trainer: L.Trainer, pending: dict[str, Any], lr_change: str) -> None:
+        old_world, old_batch = pending.get("world_size"), pending.get("global_batch_size")
+        per_device = getattr(trainer.train_dataloader, "batch_size", None)
+        new_batch = per_device * trainer.world_size * trainer.accumulate_grad_batches if per_device else None
+        batch = (f"global batch {new_batch} kept" if old_batch == new_batch
+                 else f"global batch {old_batch} -> {new_batch} (keep it with --global-batch-size)")
+        parts = [f"resumed at world size {trainer.world_size} from a world-size-{old_world} checkpoint: {batch} "
+                 f"({per_device} per device x {trainer.world_size} x {trainer.accumulate_grad_batches} "
+                 "accumulation)", lr_change, "the epoch's remaining samples re-sharded, per-rank random streams "
+                 "re-seeded (exact weights need the same world size)"]
+        rank_zero_info("; ".join(p for p in parts if p))
+        if old_world is None:
+            rank_zero_warn("the checkpoint records no world size (not written by ddp-recipes >= 0.2)")
