@@ -222,3 +222,48 @@ def test_powersgd_state_is_checkpointed(images, tmp_path):
     resumed = run([*common, "--output-dir", str(tmp_path / "split"), "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", last)
+
+
+# ---- in-process, one device: the cadence and the --resume auto rule ------------------------------------
+
+TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
+        "--batch-size", "16", "--lr", "0.05"]  # 4 steps per epoch
+
+
+@pytest.mark.parametrize("val_samples", ["32", "0"])
+def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
+    """last.ckpt at every epoch end (validation or not, improving or not) and every N steps, once per step."""
+    from ddp_recipes.preemption import LastCheckpoint
+    from recipes import resnet
+
+    saved: list[int] = []
+    original = LastCheckpoint.save
+
+    def spy(self, trainer):
+        before = self._saved_step
+        original(self, trainer)
+        if self._saved_step != before:
+            saved.append(trainer.global_step)
+
+    monkeypatch.setattr(LastCheckpoint, "save", spy)
+    resnet.main([*TINY, "--synthetic-val-samples", val_samples, "--max-epochs", "3", "--checkpoint-every-n-steps", "3",
+                 "--lr", "1e-9", "--output-dir", str(tmp_path)])  # lr ~0: val_acc never improves after epoch 1
+    assert saved == [3, 4, 6, 8, 9, 12]
+    assert saved_step(tmp_path / "checkpoints" / "last.ckpt") == 12
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path, capsys):
+    from ddp_recipes.checkpoint import newest_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    assert newest_checkpoint(tmp_path) is None
+    for name, step in (("last.ckpt", 8), ("best.ckpt", 4)):
+        torch.save({"state_dict": {}, "global_step": step, "epoch": 1}, folder / name)
+    torch.save({"state_dict": {}, "global_step": 10, "epoch": 2}, tmp_path / "hpc_ckpt_1.ckpt")
+    assert newest_checkpoint(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
+    whole = (tmp_path / "hpc_ckpt_1.ckpt").read_bytes()
+    (tmp_path / "hpc_ckpt_2.ckpt").write_bytes(whole[: len(whole) // 2])  # a save cut short (not ours: Lightning's)
+    (folder / ".last.ckpt.tmp-1").write_bytes(whole)  # an unfinished atomic save is never a candidate
+    with pytest.warns(UserWarning, match=r"--resume auto: skipping .*hpc_ckpt_2\.ckpt: not a readable checkpoint"):
+        assert newest_checkpoint(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
