@@ -36,6 +36,28 @@ from typing_extensions import override
 LAST = "last.ckpt"
 
 
+def die_with_launcher() -> bool:
+    """Have the kernel send this rank SIGTERM when the rank that launched it exits (Linux only).
+
+    Lightning's ``--devices N`` launcher starts ranks 1..N-1 as children of rank 0 with rank 0's own command
+    line. If rank 0 dies before training (a SIGTERM during set-up keeps its default action), a child waiting
+    in the rendezvous would otherwise wait out the whole process-group timeout. Applied only when the
+    parent runs this process's exact command line, i.e. is that launcher (not a shell, not torchrun).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        if parent != Path("/proc/self/cmdline").read_bytes():
+            return False
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        return ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint is saved; exits with ``128 + signum``."""
 
@@ -107,6 +129,12 @@ class LastCheckpoint(Checkpoint):
             trainer._signal_connector = self._signals = _FlagSignalConnector(trainer)
 
     # ---- the cadence -----------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The step this process starts at is a boundary already passed (and saved, when resuming): the
+        # first micro-batch of an accumulation window must not look like a new optimizer step.
+        self._seen_step = self._saved_step = trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -113,6 +113,12 @@ class ResumeState(Callback):
         self._pending: dict[str, Any] | None = None
         self._fresh_lrs: list[list[float]] = []
 
+    @property
+    @override
+    def _legacy_state_key(self) -> str:
+        # ddp-recipes 0.1 saved the RNG states under its RNGStateCheckpoint callback; read them from there.
+        return "RNGStateCheckpoint"
+
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer

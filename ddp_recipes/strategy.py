@@ -51,6 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_recipes.commhooks import ResumablePowerSGD
+from ddp_recipes.preemption import die_with_launcher
 from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.syncbn import SyncBatchNormPlugin
 
@@ -155,6 +156,8 @@ class TunedDDPStrategy(DDPStrategy):
         if restarts_share_store(os.environ) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             rank_zero_warn(f"torchrun --max-restarts with its shared rendezvous store: a restart may reconnect to "
                            f"the previous attempt's ranks and fail; {SHARED_STORE_FIX}")
+        if self.local_rank > 0:
+            die_with_launcher()  # rank 0 killed during set-up must not leave this rank in the rendezvous
         super().setup_environment()
 
     @override

@@ -110,7 +110,8 @@ class SeededDataset(Dataset):
         return self._seeded(key, lambda: self.dataset[int(key)])
 
     def __getitems__(self, keys: list[Any]) -> Any:
-        # One seed per batch (from its first sample) for datasets that fetch whole batches at once.
+        # Datasets that fetch whole batches at once (in-memory tensors) get one seed per batch, from its
+        # first sample: the same batches at the same world size and batch size draw the same numbers.
         plain = [int(k) for k in keys]
         many = getattr(self.dataset, "__getitems__", None)
         if many is None:
@@ -137,6 +138,11 @@ class ResumableSampler(DistributedSampler):
     def resume_at(self, epoch: int, samples_seen: int) -> None:
         """Start ``epoch`` (when it comes) after its first ``samples_seen`` samples over all ranks."""
         self._resume = (int(epoch), max(0, int(samples_seen)))
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if self._resume is not None and self._resume[0] != epoch:
+            self._resume = None  # the resumed epoch is over: a later re-iteration starts at its beginning
 
     def epoch_order(self) -> list[int]:
         """The whole epoch's permutation (unpadded), identical on every rank and at every world size."""
