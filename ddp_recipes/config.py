@@ -95,6 +95,9 @@ class RunConfig:
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     timeout_s: float = opt(1800.0, "seconds a collective may wait before the run fails instead of hanging")
     output_dir: str = opt("runs/default", "where logs, checkpoints and summary.json go")
+    resume: str = opt("none", "none, auto (the newest complete checkpoint in --output-dir) or a checkpoint PATH")
+    checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
+                                           "each epoch end and on SIGTERM/SLURM's requeue signal)")
     num_workers: int | None = opt(None, "DataLoader workers per rank (default: fitted to the cores per rank)")
     diagnostics: bool = opt(True, "check the run for DDP mistakes (unsharded data, drifting weights, ...) and warn once")
 
@@ -124,6 +127,8 @@ class RunConfig:
             raise ConfigError(f"--bucket-cap-mb must be > 0 (got {self.bucket_cap_mb})")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0 (got {self.num_workers})")
+        if self.checkpoint_every_n_steps < 0:
+            raise ConfigError(f"--checkpoint-every-n-steps must be >= 0 (got {self.checkpoint_every_n_steps})")
         resolve_world(self.devices, self.num_nodes)  # torchrun agreement, with the flag named
         # Resolve the batch arithmetic now, so that a bad combination fails before any process starts.
         self.batch_plan()

@@ -12,11 +12,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
+from ddp_recipes.checkpoint import CHECKPOINT_DIR, check_compatible, read_checkpoint, resolve_resume
 from ddp_recipes.config import RunConfig, writable_dir
+from ddp_recipes.preemption import LastCheckpoint
 from ddp_recipes.schedules import scale_lr
 from ddp_recipes.trainer import build_trainer
 
@@ -68,6 +70,28 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 def scaled_lr(cfg: RunConfig) -> float:
     """The peak LR for this run: ``--lr`` scaled from ``--lr-reference-batch`` to the global batch."""
     return scale_lr(cfg.base_lr, cfg.resolved_global_batch_size, cfg.reference_batch, cfg.lr_scaling)
+
+
+def checkpoint_callbacks(cfg: RunConfig, has_val: bool) -> list[Callback]:
+    """``last.ckpt`` at each epoch end, every ``--checkpoint-every-n-steps`` and on preemption; ``best.ckpt``
+    by ``val_acc`` when there is validation. Both in ``<output-dir>/checkpoints``, through the atomic IO."""
+    folder = Path(cfg.output_dir) / CHECKPOINT_DIR
+    callbacks: list[Callback] = [LastCheckpoint(folder, every_n_steps=cfg.checkpoint_every_n_steps)]
+    if has_val:
+        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best", monitor="val_acc", mode="max",
+                                         save_top_k=1, save_last=False, enable_version_counter=False))
+    return callbacks
+
+
+def resume_checkpoint(cfg: RunConfig, expected: dict[str, Any]) -> str | None:
+    """The checkpoint ``--resume`` names (None: start fresh), checked against this run's model flags.
+
+    Every rank resolves and reads the same file; a bad one fails here, before training touches anything.
+    """
+    resume = resolve_resume(cfg.resume, cfg.output_dir)
+    if resume:
+        check_compatible(read_checkpoint(resume), resume, expected)
+    return resume
 
 
 def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwargs: Any) -> L.Trainer:

@@ -210,6 +210,8 @@ class TunedDDPStrategy(DDPStrategy):
         state, hook = self._resolve_comm_hook()
         if hook is None and self._ddp_comm_wrapper is None:
             return
+        if self._powersgd_hook is not None:
+            self._powersgd_hook.set_module(self.model.module)
         _register_ddp_comm_hook(model=self.model, ddp_comm_state=state, ddp_comm_hook=hook,
                                 ddp_comm_wrapper=self._ddp_comm_wrapper)
         rank_zero_info(f"DDP comm hook registered on {self.root_device.type}: {getattr(hook, '__name__', hook)}")

@@ -6,6 +6,8 @@
     python -m recipes.mnist --devices 4 --lr-scaling linear --warmup-epochs 1
 
 Defaults are the write-up's: MLP 784-128-10, SGD lr 0.01 momentum 0.9, per-device batch 64, 5 epochs.
+``<output-dir>/checkpoints/last.ckpt`` is saved at every epoch end (and on SIGTERM); ``--resume auto``
+continues from the newest checkpoint exactly.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-from ddp_recipes.runner import run_fit_test, scaled_lr
+from ddp_recipes.runner import checkpoint_callbacks, resume_checkpoint, run_fit_test, scaled_lr
 
 PROG = "python -m recipes.mnist"
 
@@ -64,8 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     try:
         lr = scaled_lr(cfg)
+        resume = resume_checkpoint(cfg, {"arch": cfg.arch})
         return run_fit_test(cfg, lambda: build_model(cfg, lr), build_datamodule(cfg), lr,
-                            enable_checkpointing=False, extra={"arch": cfg.arch})
+                            callbacks=checkpoint_callbacks(cfg, has_val=cfg.val_size > 0), ckpt_path=resume,
+                            extra={"arch": cfg.arch, "resumed_from": resume})
     except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
         if not isinstance(err, FileNotFoundError) and "--" not in str(err):
             raise  # a ValueError that names no flag is a bug, not bad input: keep its traceback

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-from lightning.pytorch.callbacks import ModelCheckpoint
-
-from ddp_recipes.checkpoint import CHECKPOINT_DIR, check_compatible, read_checkpoint, resolve_resume
 from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.images import (
     CIFAR10DataModule,
@@ -28,8 +24,7 @@ from ddp_recipes.data.images import (
     default_num_workers,
 )
 from ddp_recipes.modules.resnet import ARCHS, ResNetClassifier
-from ddp_recipes.preemption import LastCheckpoint
-from ddp_recipes.runner import run_fit_test, scaled_lr
+from ddp_recipes.runner import checkpoint_callbacks, resume_checkpoint, run_fit_test, scaled_lr
 
 PROG = "python -m recipes.resnet"
 DATA = ("synthetic", "cifar10", "imagefolder")
@@ -57,9 +52,6 @@ class ResNetConfig(RunConfig):
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
-    resume: str = opt("none", "none, auto (the latest checkpoint in --output-dir) or a checkpoint PATH")
-    checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
-                                           "each epoch end and on SIGTERM/SLURM's requeue signal)")
     output_dir: str = opt("runs/resnet", "where logs, checkpoints and summary.json go")
 
     DEFAULT_BATCH_SIZE = 128
@@ -81,8 +73,6 @@ class ResNetConfig(RunConfig):
             raise ConfigError(f"--num-classes must be >= 1 (got {self.num_classes})")
         if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
             raise ConfigError("--synthetic-samples must be >= 1 and --synthetic-val-samples >= 0")
-        if self.checkpoint_every_n_steps < 0:
-            raise ConfigError(f"--checkpoint-every-n-steps must be >= 0 (got {self.checkpoint_every_n_steps})")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"--dropout must be in [0, 1) (got {self.dropout})")
         try:
@@ -114,28 +104,14 @@ def build_model(cfg: ResNetConfig, num_classes: int, lr: float) -> ResNetClassif
                             grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
 
 
-def checkpoint_callbacks(cfg: ResNetConfig, has_val: bool) -> list:
-    """last.ckpt at each epoch end, every --checkpoint-every-n-steps and on preemption; best.ckpt by val_acc
-    when there is validation. Writes go through the atomic IO."""
-    folder = Path(cfg.output_dir) / CHECKPOINT_DIR
-    callbacks: list = [LastCheckpoint(folder, every_n_steps=cfg.checkpoint_every_n_steps)]
-    if has_val:
-        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best", monitor="val_acc", mode="max",
-                                         save_top_k=1, save_last=False, enable_version_counter=False))
-    return callbacks
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Parse flags, train (or resume), test; returns the summary written to <output-dir>/summary.json."""
     cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
     try:
         datamodule = build_datamodule(cfg)
         num_classes = cfg.num_classes or datamodule.num_classes
-        resume = resolve_resume(cfg.resume, cfg.output_dir)
-        if resume:
-            # Every rank reads the same file; a bad one fails here, before training touches anything.
-            check_compatible(read_checkpoint(resume), resume, {"arch": cfg.arch, "num_classes": num_classes,
-                                                               "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout})
+        resume = resume_checkpoint(cfg, {"arch": cfg.arch, "num_classes": num_classes, "cifar_stem": cfg.cifar_stem,
+                                         "dropout": cfg.dropout})
         lr = scaled_lr(cfg)
         has_val = cfg.data != "synthetic" or cfg.synthetic_val_samples > 0
         return run_fit_test(cfg, lambda: build_model(cfg, num_classes, lr), datamodule, lr,

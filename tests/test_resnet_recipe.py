@@ -60,6 +60,7 @@ def test_resume_continues_exactly(tmp_path):
         assert torch.allclose(resumed[key].float(), value.float(), rtol=1e-6, atol=1e-7), key
 
 
+@pytest.mark.slow  # tests/test_resume.py resizes 2 -> 1 rank in the fast set
 def test_checkpoints_cross_world_sizes(tmp_path):
     two = tmp_path / "two"
     proc = run_cli(*TINY, "--devices", "2", "--max-epochs", "1", "--output-dir", str(two))
