@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -32,9 +33,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        if not _is_local_file_protocol(path):
+            # s3://, gs://, memory://...: object stores have no rename; Lightning's writer uploads the
+            # whole object in one request (visible complete or not at all).
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
         if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO does not take storage_options")
-        target = Path(path)
+            raise TypeError("AtomicCheckpointIO does not take storage_options for local paths")
+        target = Path(os.fspath(path).removeprefix("file://"))
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         _remove_stale_temps(target)

@@ -71,6 +71,7 @@ ASYNC_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERRO
 # attempt's process-group keys there and may connect to a dead rank's address (pytorch/pytorch#135712).
 SHARED_STORE_FIX = ("launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --standalone (one node) or --rdzv-backend "
                     "c10d --rdzv-endpoint HOST:PORT (static --master-addr/--master-port rendezvous always shares it)")
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank remembers for a hang's post-mortem (a few hundred KB)
 CHILD_GRACE_S = 5.0  # how long a failed launcher waits for its other ranks to exit on their own
 
 
@@ -140,19 +141,26 @@ class TunedDDPStrategy(DDPStrategy):
     # ---- process group: NCCL environment first, per-rank seeds after -------------------------------
 
     def env_defaults(self) -> dict[str, Any]:
-        """The variables exported before the process group starts (each only where the user set none)."""
+        """The NCCL variables exported before an NCCL process group starts (each only where the user set none)."""
         defaults = dict(self._nccl)
         if not any(name in os.environ for name in ASYNC_ERROR_HANDLING_VARS):
             # 1 = tear down: a timed-out or failed NCCL collective aborts the communicator and ends the
             # process with the error, instead of leaving the rank blocked in a kernel forever.
             defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = 1
+        if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+            # The flight recorder: every rank keeps its last collectives (op, sizes, sequence number, state)
+            # and, on a timeout, dumps them to TORCH_FR_DUMP_TEMP_FILE<rank> (default /tmp/nccl_trace_rank_).
+            defaults["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
+        defaults.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", 1)
         return defaults
 
     @override
     def setup_environment(self) -> None:
-        applied = apply_env_defaults(self.env_defaults())
-        if applied:
-            log.info("NCCL settings exported: %s", applied)
+        # NCCL's variables only for NCCL (gloo reads none of them); what was exported goes at teardown.
+        if self._get_process_group_backend() == "nccl":
+            self._exported = apply_env_defaults(self.env_defaults())
+            if self._exported:
+                log.info("NCCL settings exported: %s", self._exported)
         if restarts_share_store(os.environ) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             rank_zero_warn(f"torchrun --max-restarts with its shared rendezvous store: a restart may reconnect to "
                            f"the previous attempt's ranks and fail; {SHARED_STORE_FIX}")
@@ -169,6 +177,14 @@ class TunedDDPStrategy(DDPStrategy):
             if hint:
                 err.args = (f"{hint}\n\n{err.args[0] if err.args else ''}", *err.args[1:])
             raise
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        for key, value in getattr(self, "_exported", {}).items():
+            if os.environ.get(key) == value:  # still ours: the process leaves as it came
+                del os.environ[key]
+        self._exported = {}
 
     @override
     def on_train_start(self) -> None:

@@ -53,8 +53,9 @@ def all_reduce_sum(tensor: Tensor, group: Any = None) -> Tensor:
 class CPUSyncBatchNorm(_BatchNorm):
     """BatchNorm over the global batch of all ranks, for any device and backend (gloo included).
 
-    Outside training, or without an initialised process group of more than one rank, it is plain
-    BatchNorm. Statistics are reduced in float32 (two all-reduces: count+sum, then the centred sum of
+    Outside training (also with ``track_running_stats=False``, where evaluation normalises with this rank's
+    batch statistics, as torch's SyncBatchNorm does), or without an initialised process group of more
+    than one rank, it is plain BatchNorm. Statistics are reduced in float32 (two all-reduces: count+sum, then the centred sum of
     squares, which is numerically safer than E[x^2] - E[x]^2).
     """
 
@@ -82,7 +83,9 @@ class CPUSyncBatchNorm(_BatchNorm):
             # momentum=None means a cumulative moving average, as in torch's BatchNorm.
             momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or self._world() == 1:
+        # Only training synchronises (as torch's SyncBatchNorm): evaluation shards differ in size per rank
+        # (ExactDistributedSampler), so a collective there would pair with another rank's next batch.
+        if not self.training or self._world() == 1:
             return F.batch_norm(
                 input,
                 self.running_mean if not self.training or self.track_running_stats else None,

@@ -234,21 +234,43 @@ def test_missing_node_fails_the_rendezvous_within_the_timeout(tmp_path):
 # ---- hangs become errors: the pieces -------------------------------------------------------------------
 
 
+NCCL_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG", "TORCH_FR_BUFFER_SIZE",
+             "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
+
+
 def test_nccl_async_error_handling_is_a_default_never_an_override(monkeypatch):
     monkeypatch.setattr("lightning.pytorch.strategies.DDPStrategy.setup_environment", lambda self: None)
-    for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG"):
+    monkeypatch.setattr("lightning.pytorch.strategies.DDPStrategy.teardown", lambda self: None)
+    for name in NCCL_VARS:
         monkeypatch.delenv(name, raising=False)
-    TunedDDPStrategy(nccl_debug="WARN").setup_environment()
+    strategy = TunedDDPStrategy(nccl_debug="WARN", process_group_backend="nccl")
+    strategy.setup_environment()
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and os.environ["NCCL_DEBUG"] == "WARN"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    strategy.teardown()  # the process leaves as it came: nothing of ours is left in its environment
+    assert not [name for name in NCCL_VARS if name in os.environ]
 
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    TunedDDPStrategy().setup_environment()
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the flight recorder's old name
+    strategy = TunedDDPStrategy(process_group_backend="nccl")
+    strategy.setup_environment()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "TORCH_FR_BUFFER_SIZE" not in os.environ
+    strategy.teardown()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's own value stays
 
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     monkeypatch.setenv("NCCL_ASYNC_ERROR_HANDLING", "0")  # the old name counts as the user's choice too
-    TunedDDPStrategy().setup_environment()
+    TunedDDPStrategy(process_group_backend="nccl").setup_environment()
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+def test_gloo_exports_no_nccl_variables(monkeypatch):
+    monkeypatch.setattr("lightning.pytorch.strategies.DDPStrategy.setup_environment", lambda self: None)
+    for name in NCCL_VARS:
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    TunedDDPStrategy(nccl_debug="INFO", process_group_backend="gloo").setup_environment()
+    assert dict(os.environ) == before
 
 
 def test_timeout_reaches_the_process_group():
@@ -520,3 +542,16 @@ def test_bad_input_fails_in_one_line(case, program, template, expected, inputs, 
     assert "Traceback" not in output
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert {p: after.get(p) for p in before} == before, "an earlier run's file was changed"
+
+
+def test_remote_checkpoint_paths_go_through_lightnings_writer(tmp_path, monkeypatch):
+    """s3://bucket/x.ckpt must not become a local folder named 's3:'; memory:// stands in for an object store."""
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    ckpt_io.AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "step": 5}, "memory://runs/x.ckpt")
+    assert list(tmp_path.iterdir()) == []  # nothing written locally
+    with fsspec.open("memory://runs/x.ckpt", "rb") as f:
+        assert torch.load(f, weights_only=True)["step"] == 5
+    ckpt_io.AtomicCheckpointIO().save_checkpoint({"state_dict": {}, "step": 6}, f"file://{tmp_path}/local.ckpt")
+    assert torch.load(tmp_path / "local.ckpt", weights_only=True)["step"] == 6

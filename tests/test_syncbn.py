@@ -53,3 +53,22 @@ def test_cuda_plugin_chooses_torch_syncbatchnorm():
     converted = SyncBatchNormPlugin("cuda").apply(_net())
     assert isinstance(converted[1], nn.SyncBatchNorm)
     assert type(revert_sync_batchnorm(converted)[1]) is nn.BatchNorm2d
+
+
+def test_no_collective_outside_training(monkeypatch):
+    """With track_running_stats=False evaluation uses batch statistics, but this rank's own (as torch's
+    SyncBatchNorm): evaluation shards differ in size per rank, so a collective there would hang or pair up
+    mismatched batches. Training at world size 2 does reduce."""
+    from ddp_recipes import syncbn
+
+    calls = []
+    monkeypatch.setattr(CPUSyncBatchNorm, "_world", lambda self: 2)
+    monkeypatch.setattr(syncbn, "all_reduce_sum", lambda t, group=None: calls.append(t.shape) or t * 2)
+    bn = CPUSyncBatchNorm(3, track_running_stats=False)
+    x = torch.randn(5, 3, 4, 4)
+    bn.eval()
+    assert torch.allclose(bn(x), nn.BatchNorm2d(3, track_running_stats=False).eval()(x), atol=1e-6)
+    assert calls == []
+    bn.train()
+    bn(x)
+    assert len(calls) == 2  # count + sums, then the centred squares
