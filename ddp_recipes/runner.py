@@ -56,8 +56,11 @@ class ThroughputMeter(Callback):
 
 
 def _batch_len(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, list | tuple) else batch
-    return int(first.shape[0]) if hasattr(first, "shape") else len(first)
+    """Samples in a batch: the leading dimension of its first tensor (a dict's first value, not its keys)."""
+    first = batch
+    while isinstance(first, list | tuple | dict) and len(first):
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    return int(first.shape[0]) if hasattr(first, "shape") and first.ndim else len(first)
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

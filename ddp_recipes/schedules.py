@@ -58,8 +58,9 @@ def lightning_scheduler(optimizer: torch.optim.Optimizer, trainer, warmup_epochs
     The step counts come from the trainer, so they are right for any world size, accumulation and
     ``--max-steps``/``--max-epochs``. Returns None when there is nothing to schedule (no warm-up, no cosine).
     """
-    total = int(trainer.estimated_stepping_batches) if trainer is not None else 0
-    total = total if 0 < total < 2**62 else 0  # inf when neither max_steps nor max_epochs bounds the fit
+    estimate = trainer.estimated_stepping_batches if trainer is not None else 0
+    # inf when neither max_steps nor max_epochs bounds the fit (max_epochs=-1): nothing to decay over.
+    total = int(estimate) if math.isfinite(estimate) and 0 < estimate < 2**62 else 0
     steps_per_epoch = _steps_per_epoch(trainer)
     warmup_steps = int(round(warmup_epochs * steps_per_epoch)) if warmup_epochs > 0 else 0
     if warmup_steps == 0 and not (cosine and total):

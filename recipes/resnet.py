@@ -87,7 +87,8 @@ def build_datamodule(cfg: ResNetConfig):
     if cfg.data == "synthetic":
         return SyntheticImageDataModule(num_samples=cfg.synthetic_samples, image_size=cfg.image_size,
                                         num_classes=cfg.num_classes or 10, batch_size=batch, seed=cfg.seed,
-                                        num_workers=0, val_samples=cfg.synthetic_val_samples)
+                                        # in-memory tensors: no decode to overlap, so no workers unless asked
+                                        num_workers=cfg.num_workers or 0, val_samples=cfg.synthetic_val_samples)
     if cfg.data == "cifar10":
         return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed)
     dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,

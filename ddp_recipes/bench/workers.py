@@ -65,7 +65,7 @@ def build_module(w: Workload):
         return MNISTClassifier(arch=w.arch)
     from ddp_recipes.modules.resnet import ResNetClassifier
 
-    return ResNetClassifier(arch=w.arch, num_classes=10, cifar_stem=w.image_size <= 64, lr=0.1)
+    return ResNetClassifier(arch=w.arch, num_classes=10, cifar_stem=w.image_size < 64, lr=0.1)  # as the recipe
 
 
 def build_dataset(w: Workload) -> TensorDataset:
@@ -207,6 +207,27 @@ def timed_diagnostics():
 # ---- raw: the write-up's loop, and DataParallel ---------------------------------------------------------
 
 
+def mixed_precision(precision: str, device: torch.device) -> tuple[Any, Any]:
+    """The autocast context and GradScaler (or None) of Lightning's precision plugin for ``precision``, so
+    the baselines run the arithmetic the pack runs: fp16 autocast + GradScaler for 16-mixed on CUDA, bf16
+    autocast for bf16-mixed (and for 16-mixed on CPU, which the pack switches to bf16-mixed)."""
+    if precision == "16-mixed" and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler("cuda")
+    if precision in ("16-mixed", "bf16-mixed"):
+        return torch.autocast(device.type, dtype=torch.bfloat16), None
+    return contextlib.nullcontext(), None
+
+
+def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+        return
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
 def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     if w.threads:
         torch.set_num_threads(w.threads)
@@ -228,8 +249,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     # The same batched in-memory fetch as the pack: the ratio then measures framework overhead only.
     loader = DataLoader(data, batch_size=w.batch_size, sampler=sampler, collate_fn=keep_batch)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if w.precision == "bf16-mixed"
-                else contextlib.nullcontext())
+    autocast, scaler = mixed_precision(w.precision, device)
     if distributed:
         sampler.set_epoch(0)
     ends = []
@@ -240,8 +260,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
         with autocast:
             loss = nn.functional.cross_entropy(wrapped(x), y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        backward_and_step(loss, optimizer, scaler)
         ends.append(sync_point(device))
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     allreduce = measure_allreduce(numel, device, w.allreduce_iters) if distributed else None
@@ -319,15 +338,15 @@ def run_dp(w: Workload, out: str) -> None:
     data = build_dataset(w)
     loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True, collate_fn=keep_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    autocast, scaler = mixed_precision(w.precision, device)
     ends = []
     for step, (x, y) in enumerate(loader):
         if step >= w.total_steps:
             break
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=w.precision == "bf16-mixed"):
+        with autocast:
             loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        backward_and_step(loss, optimizer, scaler)
         ends.append(sync_point(device))
     peaks = [round(torch.cuda.max_memory_allocated(i) / 2**20, 1) for i in range(w.devices)]
     _write(out, {"impl": "dp", "devices": w.devices, "workload": asdict(w), "peak_mem_mb_per_rank": peaks,

@@ -1,8 +1,9 @@
 """Image DataModules for the ResNet recipes: synthetic tensors, CIFAR-10, and an ImageNet-style folder.
 
-All three share one base: a shuffled training loader (Lightning swaps in a ``DistributedSampler`` under
-DDP and calls ``set_epoch``), exact unpadded evaluation loaders, and loader defaults fitted to the
-machine (:func:`default_num_workers`, pinned memory only with CUDA). Each exposes ``num_classes`` and
+All three share one base (:class:`~ddp_recipes.data.base.SplitDataModule`): a resumable training loader
+(a ``DistributedSampler`` order built at every world size, seeded per-sample augmentation, a position that
+checkpoints save; Lightning keeps it and calls ``set_epoch``), exact unpadded evaluation loaders, and
+loader defaults fitted to the machine (:func:`default_num_workers`, pinned memory only with CUDA). Each exposes ``num_classes`` and
 ``image_size`` so a recipe can size the model and check the stem before training.
 """
 
