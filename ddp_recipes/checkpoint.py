@@ -14,6 +14,8 @@ only); every rank loads the same file.
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +134,19 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
-    """Load a checkpoint on CPU, turning any failure into one line naming ``--resume``."""
+    """Load a checkpoint on CPU as plain data, turning any failure into one line naming ``--resume``.
+
+    ``weights_only=True``: a ``.ckpt`` is a pickle, and a full unpickle runs whatever code the file names,
+    on every rank. The pack's checkpoints hold only tensors, numbers, strings, lists and dicts, so they
+    need no allow-list; a file with anything else is refused before any of it runs.
+    """
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        names = re.findall(r"GLOBAL ([\w.]+)", str(err))
+        raise ConfigError(f"--resume {path} holds Python objects, not only tensors and plain data"
+                          f"{' (' + names[0] + ')' if names else ''}; loading it would run code from the file, so "
+                          "it is refused: pass a checkpoint written by this pack, or --resume none") from None
     except Exception as err:  # truncated zip, pickle garbage, wrong format: all mean "not a checkpoint"
         raise ConfigError(f"--resume {path} is not a readable checkpoint ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); "

@@ -175,7 +175,8 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, lr), flush=True)
     start = time.perf_counter()
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    # weights_only: Lightning's restore must not unpickle code either (read_checkpoint already vetted it).
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
     fit_seconds = time.perf_counter() - start
     fit_metrics = scalar_metrics(trainer)  # before test(), which replaces the callback metrics
     if save_final:

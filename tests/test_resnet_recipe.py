@@ -118,3 +118,23 @@ def test_checkpoint_of_another_architecture(tmp_path, existing_run, capsys):
 def test_image_too_small_for_stem(tmp_path, existing_run, capsys):
     line = _bad(tmp_path, existing_run, capsys, "--no-cifar-stem")
     assert "--image-size" in line and "--cifar-stem" in line
+
+
+class _Payload:
+    """What a malicious .ckpt carries: unpickling it calls open(path, "w"), creating the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_checkpoint_that_would_run_code_is_refused(tmp_path, existing_run, capsys):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.ckpt"
+    state = torch.load(existing_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    torch.save({**state, "extra": _Payload(str(marker))}, evil)
+    line = _bad(tmp_path, existing_run, capsys, "--resume", str(evil))
+    assert "--resume" in line and "refused" in line and "io.open" in line  # names what it would have run
+    assert not marker.exists(), "the checkpoint's code ran"
