@@ -41,7 +41,8 @@ TORCHRUN_FLAGS = {"devices": "--nproc-per-node", "num_nodes": "--nnodes", "node_
                   "master_addr": "--master-addr", "master_port": "--master-port"}
 COMM_VARS = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_SOCKET_IFNAME", "NCCL_P2P_DISABLE", "NCCL_IB_DISABLE",
              "NCCL_SHM_DISABLE", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-             "TORCH_NCCL_BLOCKING_WAIT", "GLOO_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG")
+             "TORCH_NCCL_BLOCKING_WAIT", "GLOO_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG", "TORCH_FR_BUFFER_SIZE",
+             "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE")
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 MIN_BYTES = 4 << 10
 CPU_BYTES_BUDGET = 128 << 20  # bytes all-reduced per size on CPU: the default sweep stays at a few seconds
@@ -381,6 +382,11 @@ def print_preflight(cfg: DoctorConfig, info: dict[str, Any]) -> None:
     print("NCCL/gloo env: " + (", ".join(f"{k}={val}" for k, val in info["comm_env"].items()) or "none set"))
     if "NCCL_ASYNC_ERROR_HANDLING" in info["comm_env"]:
         print("note: torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING; NCCL_ASYNC_ERROR_HANDLING is the deprecated name")
+    if cfg.backend == "nccl":
+        print(f"hang forensics: on a collective timeout every rank dumps its last collectives to "
+              f"{os.environ.get('TORCH_FR_DUMP_TEMP_FILE', '/tmp/nccl_trace_rank_')}<rank> (TunedDDPStrategy sets "
+              "TORCH_FR_BUFFER_SIZE=2000, TORCH_NCCL_DUMP_ON_TIMEOUT=1); read them with python -m "
+              "torch.distributed.flight_recorder.fr_trace <folder> to see which rank stopped at which collective")
 
 
 def print_outcome(cfg: DoctorConfig, outcome: dict[str, Any]) -> None:
