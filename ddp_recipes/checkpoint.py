@@ -117,8 +117,10 @@ def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
 
 
 def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The complete checkpoint with the most optimizer steps (ties: the most recently written), skipping
-    truncated or unreadable files with a one-line warning each; None when there is none."""
+    """The complete checkpoint with the most optimizer steps, skipping truncated or unreadable files with a
+    one-line warning each; None when there is none. Ties go to last.ckpt, then the newest hpc_ckpt_N, then
+    by name: every rank resolves this on its own before the process group exists, so the rule uses what
+    the files say, not their write times."""
     best: tuple[tuple[int, int, float], Path] | None = None
     for path in checkpoint_candidates(output_dir):
         try:
@@ -127,10 +129,19 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
             reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
             rank_zero_warn(f"--resume auto: skipping {path}: not a readable checkpoint ({reason})")
             continue
-        key = (step, epoch, path.stat().st_mtime)
+        key = (step, epoch, _tie_rank(path))
         if best is None or key > best[0]:
             best = (key, path)
     return str(best[1]) if best else None
+
+
+def _tie_rank(path: Path) -> tuple[int, int, str]:
+    number = path.stem.removeprefix("hpc_ckpt_")
+    if path.name == "last.ckpt":
+        return (2, 0, path.name)
+    if path.name.startswith("hpc_ckpt_") and number.isdigit():
+        return (1, int(number), path.name)
+    return (0, 0, path.name)
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
@@ -157,11 +168,19 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     return checkpoint
 
 
-def check_compatible(checkpoint: dict[str, Any], path: str, expected: dict[str, Any]) -> None:
-    """Fail naming the flag when the checkpoint's hyper-parameters disagree with this run's model."""
+def check_compatible(checkpoint: dict[str, Any], path: str, expected: dict[str, Any],
+                     accepted: dict[str, tuple] | None = None) -> None:
+    """Fail naming the flag when the checkpoint's hyper-parameters disagree with this run's model.
+
+    ``accepted`` lists the values this recipe can build (e.g. its ``--arch`` choices): a checkpoint with
+    another one comes from another recipe, and suggesting its value would only fail again.
+    """
     saved = checkpoint.get("hyper_parameters") or {}
     for key, value in expected.items():
         if key in saved and saved[key] != value:
             flag = "--" + key.replace("_", "-")
+            if accepted and key in accepted and saved[key] not in accepted[key]:
+                raise ConfigError(f"--resume {path} was trained with {flag} {saved[key]}, which this recipe does not "
+                                  "build (a checkpoint of another recipe?); pass a checkpoint written by this recipe")
             raise ConfigError(f"--resume {path} was trained with {flag} {saved[key]} but this run has {flag} "
                               f"{value}; pass {flag} {saved[key]} or another checkpoint")

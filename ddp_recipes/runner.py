@@ -86,14 +86,14 @@ def checkpoint_callbacks(cfg: RunConfig, has_val: bool) -> list[Callback]:
     return callbacks
 
 
-def resume_checkpoint(cfg: RunConfig, expected: dict[str, Any]) -> str | None:
+def resume_checkpoint(cfg: RunConfig, expected: dict[str, Any], accepted: dict[str, tuple] | None = None) -> str | None:
     """The checkpoint ``--resume`` names (None: start fresh), checked against this run's model flags.
 
     Every rank resolves and reads the same file; a bad one fails here, before training touches anything.
     """
     resume = resolve_resume(cfg.resume, cfg.output_dir)
     if resume:
-        check_compatible(read_checkpoint(resume), resume, expected)
+        check_compatible(read_checkpoint(resume), resume, expected, accepted)
     return resume
 
 

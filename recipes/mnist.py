@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     try:
         lr = scaled_lr(cfg)
-        resume = resume_checkpoint(cfg, {"arch": cfg.arch})
+        resume = resume_checkpoint(cfg, {"arch": cfg.arch}, accepted={"arch": ARCHS})
         return run_fit_test(cfg, lambda: build_model(cfg, lr), build_datamodule(cfg), lr,
                             callbacks=checkpoint_callbacks(cfg, has_val=cfg.val_size > 0), ckpt_path=resume,
                             extra={"arch": cfg.arch, "resumed_from": resume})

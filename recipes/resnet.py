@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         datamodule = build_datamodule(cfg)
         num_classes = cfg.num_classes or datamodule.num_classes
         resume = resume_checkpoint(cfg, {"arch": cfg.arch, "num_classes": num_classes, "cifar_stem": cfg.cifar_stem,
-                                         "dropout": cfg.dropout})
+                                         "dropout": cfg.dropout}, accepted={"arch": ARCHS})
         lr = scaled_lr(cfg)
         has_val = cfg.data != "synthetic" or cfg.synthetic_val_samples > 0
         return run_fit_test(cfg, lambda: build_model(cfg, num_classes, lr), datamodule, lr,

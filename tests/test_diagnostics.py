@@ -171,3 +171,16 @@ def test_build_trainer_and_cli_wiring():
     off = parse_config(RunConfig, ["--devices", "1", "--no-diagnostics"]).trainer_kwargs()
     trainer = build_trainer(**off, logger=False, enable_checkpointing=False)
     assert not any(isinstance(c, DDPDiagnostics) for c in trainer.callbacks)
+
+
+def test_accumulation_remainder_is_reported_with_the_numbers():
+    """10 micro-batches, accumulation 4: the last step sums 2 but Lightning divides by 4."""
+    diag = DDPDiagnostics()
+    diag._check_accumulation(4, 12)
+    assert diag.findings == [] and "accum-remainder" in diag.checked
+    with pytest.warns(DDPDiagnosticWarning, match=r"\[accum-remainder\] 10 batches per epoch with accumulation 4"):
+        diag._check_accumulation(4, 10)
+    assert "2/4 of a full step's" in diag.findings[0][1] and "--accumulate-grad-batches" in diag.findings[0][1]
+    fresh = DDPDiagnostics()
+    fresh._check_accumulation(1, 10)
+    assert fresh.checked == set()

@@ -138,3 +138,15 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path, existing_run, capsy
     line = _bad(tmp_path, existing_run, capsys, "--resume", str(evil))
     assert "--resume" in line and "refused" in line and "io.open" in line  # names what it would have run
     assert not marker.exists(), "the checkpoint's code ran"
+
+
+def test_checkpoint_of_the_other_recipe(tmp_path, existing_run, capsys):
+    from recipes import mnist
+    from tests.helpers import SHARED_DATA
+
+    with pytest.raises(SystemExit) as exc:
+        mnist.main(["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--max-steps", "1",
+                    "--output-dir", str(tmp_path), "--resume", str(existing_run / "checkpoints" / "last.ckpt")])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--arch resnet18, which this recipe does not build" in line and "pass --arch resnet18" not in line
