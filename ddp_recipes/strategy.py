@@ -189,10 +189,30 @@ class TunedDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._check_equal_batches()
         # ResumeState (when present) seeds or restores the streams itself; doing it again would undo a restore.
         callbacks = getattr(self.lightning_module.trainer, "callbacks", []) if self.lightning_module else []
         if self.seed is not None and not any(isinstance(c, ResumeState) for c in callbacks):
             seed_rank(self.seed, self.global_rank)
+
+    def _check_equal_batches(self) -> None:
+        """Fail on every rank, before the first step, when ranks have different numbers of training batches.
+
+        The rank with more batches would wait forever (or --timeout-s) in a gradient all-reduce the others
+        never start: the classic DDP hang (Lightning#9851). One gather of the counts, once per fit.
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or self.world_size < 2:
+            return
+        counts: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(counts, trainer.num_training_batches)
+        if len(set(counts)) > 1:
+            listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            raise RuntimeError(
+                f"DDP: the ranks have different numbers of training batches per epoch ({listed}); the rank with "
+                "more would wait forever in a gradient all-reduce the others never start. Shard with a "
+                "DistributedSampler (Lightning inserts one unless use_distributed_sampler=False; it pads the "
+                "shards to one length) or give every rank the same number of batches.")
 
     # ---- comm-hook state in checkpoints (PowerSGD keeps per-rank state between steps) --------------------
 
@@ -326,17 +346,29 @@ def is_peer_failure(exception: BaseException) -> bool:
     return isinstance(exception, RuntimeError) and bool(PEER_FAILURE_PATTERN.search(str(exception)))
 
 
-def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """Wait up to ``grace_s`` for the processes to exit, then SIGKILL (and reap) those still running."""
+def stop_processes(procs: list[Any], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the processes to exit, then SIGKILL (and reap) those still running.
+
+    Takes ``subprocess.Popen`` (Lightning's default launcher) and ``multiprocessing`` processes (its
+    ``spawn``/``fork`` launcher), which wait with ``join`` and have no ``wait``.
+    """
     deadline = time.monotonic() + grace_s
     for rank, proc in enumerate(procs, start=1):
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"local rank {rank} (pid {proc.pid}) still running {grace_s:g} s after this rank failed: "
-                  "killing it", file=sys.stderr, flush=True)
-            proc.kill()
-            proc.wait()
+        left = max(0.0, deadline - time.monotonic())
+        if isinstance(proc, subprocess.Popen):
+            try:
+                proc.wait(timeout=left)
+                continue
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            proc.join(timeout=left)
+            if not proc.is_alive():
+                continue
+        print(f"local rank {rank} (pid {proc.pid}) still running {grace_s:g} s after this rank failed: "
+              "killing it", file=sys.stderr, flush=True)
+        proc.kill()
+        proc.wait() if isinstance(proc, subprocess.Popen) else proc.join()
 
 
 def apply_env_defaults(values: dict[str, Any]) -> dict[str, str]:

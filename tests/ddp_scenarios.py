@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_recipes import build_trainer  # noqa: E402
+from ddp_recipes import TunedDDPStrategy, build_trainer  # noqa: E402
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 64, 16, 4
 
@@ -66,6 +66,14 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class UserStrategy(TunedDDPStrategy):
+    """A user's own subclass, defined in the script Lightning launches: must pickle into spawned ranks."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.marker = "user"
+
+
 def counting_allreduce_hook(state: dict, bucket):
     """Plain averaging all-reduce that counts its calls, to prove accumulation skips communication."""
     state["calls"] += 1
@@ -75,7 +83,7 @@ def counting_allreduce_hook(state: dict, bucket):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["train", "unused"])
+    p.add_argument("scenario", choices=["train", "unused", "uneven"])
     p.add_argument("out")
     p.add_argument("--devices", type=int, default=None)
     p.add_argument("--batch", type=int, default=8)
@@ -88,18 +96,27 @@ def main() -> None:
     p.add_argument("--count-allreduce", action="store_true")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--start-method", default=None, help="Lightning's launcher: spawn or fork (default: subprocess)")
+    p.add_argument("--subclass", action="store_true", help="a user's subclass of TunedDDPStrategy")
     args = p.parse_args()
 
     calls = {"calls": 0}
     strategy_kwargs = {"powersgd_start_iter": 2} if args.comm_hook == "powersgd" else {}
     if args.count_allreduce:
         strategy_kwargs.update(ddp_comm_state=calls, ddp_comm_hook=counting_allreduce_hook)
+    if args.start_method:
+        strategy_kwargs["start_method"] = args.start_method
+    extra = {}
+    if args.subclass:
+        extra["strategy"] = UserStrategy(seed=args.seed, **strategy_kwargs)
+    if args.scenario == "uneven":
+        extra["use_distributed_sampler"] = False  # the user shards by hand, unevenly
     trainer = build_trainer(
         devices=args.devices, accelerator="cpu", precision=args.precision, seed=args.seed,
         sync_batchnorm=args.sync_batchnorm, find_unused_parameters=args.find_unused_parameters,
         comm_hook=args.comm_hook, accumulate_grad_batches=args.accumulate, max_steps=args.steps,
         strategy_kwargs=strategy_kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        enable_model_summary=False, num_sanity_val_steps=0, **extra,
     )
     model = Net(batchnorm=args.batchnorm, aux_head=args.scenario == "unused")
     data = dataset()
@@ -109,9 +126,15 @@ def main() -> None:
         # process at batch W*B, step for step.
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=args.seed)
         loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    elif args.scenario == "uneven":
+        # Rank 0 keeps all 64 samples (8 batches), rank 1 drops 8 (7 batches): DDP's classic hang.
+        rank = trainer.global_rank
+        loader = DataLoader(torch.utils.data.Subset(data, range(N_SAMPLES - 8 * rank)), batch_size=args.batch)
     else:
         loader = DataLoader(data, batch_size=args.batch, shuffle=True)
     trainer.fit(model, loader)
+    if trainer.global_rank != 0 and args.start_method:
+        return  # spawn/fork: the workers' results come back to the main process (rank 0) through Lightning
     model.record["calls"] = calls["calls"]
     model.record["global_step"] = trainer.global_step
     out = Path(args.out)

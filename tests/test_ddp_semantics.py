@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,29 @@ def test_torchrun_launch_matches_lightning_launch(root):
     assert torchrun[0]["record"]["world_size"] == 2
     assert_same_across_ranks(torchrun)
     assert max_rel_diff(torchrun[0]["state"], launched[0]["state"]) <= 1e-6
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_spawn_and_fork_launchers_train_like_the_default_one(root, start_method):
+    """A user's TunedDDPStrategy subclass with CPU SyncBatchNorm, pickled into spawned ranks: the weights
+    rank 0 ends with equal the default (subprocess) launcher's."""
+    flags = ("--devices", "2", "--batch", "8", "--steps", "6", "--batchnorm", "--sync-batchnorm", "--subclass")
+    default = run_scenario(root, "train", *flags)
+    other = run_scenario(root, "train", *flags, "--start-method", start_method)
+    for key, value in default[0]["state"].items():
+        assert torch.equal(value, other[0]["state"][key]), key
+
+
+def test_a_failure_under_spawn_leaves_no_cleanup_crash(root):
+    proc = run_scenario(root, "unused", "--devices", "2", "--steps", "3", "--start-method", "spawn", expect_ok=False)
+    assert proc.returncode != 0 and "aux_head.weight" in proc.stderr
+    assert "Exception ignored" not in proc.stderr and "has no attribute 'wait'" not in proc.stderr
+
+
+def test_unequal_batches_per_rank_fail_before_the_first_step(root):
+    """Rank 0 has 8 batches, rank 1 has 7: both stop at once with the counts, instead of rank 0 hanging."""
+    started = time.monotonic()
+    proc = run_scenario(root, "uneven", "--devices", "2", "--steps", "20", expect_ok=False)
+    assert proc.returncode != 0 and time.monotonic() - started < 120
+    assert "different numbers of training batches per epoch (rank 0: 8, rank 1: 7)" in proc.stderr
+    assert "DistributedSampler" in proc.stderr

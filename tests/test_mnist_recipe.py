@@ -131,3 +131,15 @@ def test_five_epoch_default_accuracy_two_devices(tmp_path):
     summary = _five_epoch_default(tmp_path, 2)
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 128
     assert summary["test_acc"] >= 0.945
+
+
+def test_validation_set_smaller_than_the_world_stops_every_rank(tmp_path):
+    """1 validation sample, 2 ranks: exact sharding leaves rank 1 empty. Every rank stops with one line at
+    once, instead of Lightning failing rank 1 alone and rank 0 waiting out --timeout-s for it."""
+    data = write_mnist_subset(tmp_path / "data", 256, 16)
+    proc = run_recipe("--accelerator", "cpu", "--devices", "2", "--data-dir", str(data), "--no-download",
+                      "--val-size", "1", "--max-epochs", "1", "--timeout-s", "120", "--output-dir", str(tmp_path / "o"),
+                      timeout=100)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = "error: the validation set has 1 sample(s) for 2 ranks"
+    assert proc.stderr.count(line) == 2 and "Traceback" not in proc.stderr  # both ranks, one line each

@@ -6,7 +6,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from ddp_recipes.data.samplers import exact_eval_loader, resumable_train_loader
+from ddp_recipes.data.samplers import _world, exact_eval_loader, resumable_train_loader
 
 
 class SplitDataModule(L.LightningDataModule):
@@ -27,15 +27,21 @@ class SplitDataModule(L.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader | list:
-        return self._eval_loader(self._require(self.val_set, "validate"))
+        return self._eval_loader(self._require(self.val_set, "validate"), "validation")
 
     @override
     def test_dataloader(self) -> DataLoader | list:
-        return self._eval_loader(self._require(self.test_set, "test"))
+        return self._eval_loader(self._require(self.test_set, "test"), "test")
 
-    def _eval_loader(self, dataset: Dataset) -> DataLoader | list:
+    def _eval_loader(self, dataset: Dataset, what: str) -> DataLoader | list:
         if len(dataset) == 0:
             return []  # Lightning skips the stage
+        world = _world()[0]
+        if len(dataset) < world:
+            # Exact (unpadded) sharding would leave a rank without a batch; Lightning then fails on that rank
+            # only and the others wait for it. Every rank knows the sizes, so every rank stops here.
+            raise ValueError(f"the {what} set has {len(dataset)} sample(s) for {world} ranks: with exact sharding "
+                             f"every rank needs one; give it at least {world} (e.g. --val-size) or use fewer --devices")
         return exact_eval_loader(dataset, self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     @staticmethod
