@@ -100,6 +100,26 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     return resume
 
 
+def _safe_globals() -> list[Any]:
+    """Plain-data types a user's hyper-parameters commonly hold (an argparse Namespace, a Path, numpy
+    scalars): rebuilding them runs no code of the file's choosing, so ``weights_only`` loads may accept them."""
+    import argparse
+    import pathlib
+
+    import numpy as np
+
+    multiarray = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray
+    dtypes = [t for t in vars(getattr(np, "dtypes", object)).values() if isinstance(t, type)]
+    return [argparse.Namespace, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath,
+            pathlib.PureWindowsPath, multiarray.scalar, np.dtype, *dtypes]
+
+
+def plain_data():
+    """The context for every checkpoint load of the pack (its reader, Lightning's restore):
+    ``weights_only`` plus the plain-data types of :func:`_safe_globals`."""
+    return torch.serialization.safe_globals(_safe_globals())
+
+
 def checkpoint_candidates(output_dir: str | os.PathLike) -> list[Path]:
     """What ``--resume auto`` considers: ``checkpoints/*.ckpt`` (last, best, the recipe's others) and
     Lightning's SLURM ``hpc_ckpt_*.ckpt`` in the output folder. Temp files of unfinished saves are not."""
@@ -110,7 +130,8 @@ def checkpoint_candidates(output_dir: str | os.PathLike) -> list[Path]:
 
 def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
     """(global step, epoch) of a checkpoint, read without loading its tensors; raises if unreadable."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    with plain_data():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError("not a Lightning checkpoint")
     return int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0))
@@ -148,11 +169,13 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     """Load a checkpoint on CPU as plain data, turning any failure into one line naming ``--resume``.
 
     ``weights_only=True``: a ``.ckpt`` is a pickle, and a full unpickle runs whatever code the file names,
-    on every rank. The pack's checkpoints hold only tensors, numbers, strings, lists and dicts, so they
-    need no allow-list; a file with anything else is refused before any of it runs.
+    on every rank. The pack's checkpoints hold only tensors, numbers, strings, lists and dicts; a user's
+    hyper-parameters may add a Namespace, a Path or numpy scalars (:func:`plain_data`). A file with anything
+    else is refused before any of it runs.
     """
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        with plain_data():
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         names = re.findall(r"GLOBAL ([\w.]+)", str(err))
         raise ConfigError(f"--resume {path} holds Python objects, not only tensors and plain data"

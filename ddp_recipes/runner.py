@@ -14,9 +14,17 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from ddp_recipes.checkpoint import CHECKPOINT_DIR, check_compatible, read_checkpoint, resolve_resume
+from ddp_recipes.checkpoint import (
+    CHECKPOINT_DIR,
+    check_compatible,
+    plain_data,
+    read_checkpoint,
+    resolve_resume,
+)
 from ddp_recipes.config import RunConfig, writable_dir
 from ddp_recipes.preemption import LastCheckpoint
 from ddp_recipes.schedules import scale_lr
@@ -56,11 +64,12 @@ class ThroughputMeter(Callback):
 
 
 def _batch_len(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor (a dict's first value, not its keys)."""
-    first = batch
-    while isinstance(first, list | tuple | dict) and len(first):
-        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-    return int(first.shape[0]) if hasattr(first, "shape") and first.ndim else len(first)
+    """Samples in a batch, by Lightning's own rule (the first tensor's leading dimension, also inside dicts
+    and lists; a dict's keys are not samples); 1 when nothing in it has a length."""
+    try:
+        return int(extract_batch_size(batch))
+    except (MisconfigurationException, RecursionError, TypeError):
+        return 1
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -176,7 +185,8 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
         print(describe_setup(cfg, trainer, lr), flush=True)
     start = time.perf_counter()
     # weights_only: Lightning's restore must not unpickle code either (read_checkpoint already vetted it).
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+    with plain_data():
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
     fit_seconds = time.perf_counter() - start
     fit_metrics = scalar_metrics(trainer)  # before test(), which replaces the callback metrics
     if save_final:

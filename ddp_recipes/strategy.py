@@ -208,6 +208,12 @@ class TunedDDPStrategy(DDPStrategy):
         torch.distributed.all_gather_object(counts, trainer.num_training_batches)
         if len(set(counts)) > 1:
             listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            needed = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+            if trainer.max_steps != -1 and needed <= min(counts):
+                rank_zero_warn(f"DDP: the ranks have different numbers of training batches per epoch ({listed}); "
+                               f"--max-steps ends this run before the shortest epoch does, but a longer run would "
+                               "hang: shard with a DistributedSampler")
+                return
             raise RuntimeError(
                 f"DDP: the ranks have different numbers of training batches per epoch ({listed}); the rank with "
                 "more would wait forever in a gradient all-reduce the others never start. Shard with a "

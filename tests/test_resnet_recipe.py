@@ -150,3 +150,20 @@ def test_checkpoint_of_the_other_recipe(tmp_path, existing_run, capsys):
     assert exc.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--arch resnet18, which this recipe does not build" in line and "pass --arch resnet18" not in line
+
+
+def test_plain_data_hyperparameters_still_load(tmp_path, existing_run):
+    """A user's hparams holding a Path, an argparse Namespace or numpy scalars rebuild no code: accepted."""
+    import argparse
+    from pathlib import Path
+
+    import numpy as np
+
+    from ddp_recipes.checkpoint import read_checkpoint
+
+    state = torch.load(existing_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    state["hyper_parameters"] = {**state["hyper_parameters"], "root": Path("/data"), "args": argparse.Namespace(a=1),
+                                 "score": np.float64(0.5), "n": np.int64(3)}
+    torch.save(state, tmp_path / "user.ckpt")
+    loaded = read_checkpoint(str(tmp_path / "user.ckpt"))["hyper_parameters"]
+    assert loaded["root"] == Path("/data") and loaded["args"].a == 1 and loaded["score"] == 0.5

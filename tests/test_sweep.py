@@ -29,6 +29,8 @@ def test_schedule_of_an_unbounded_fit_is_warmup_then_constant():
     ({"image": torch.zeros(7, 3, 4, 4), "label": torch.zeros(7), "id": torch.zeros(7)}, 7),  # not 3 keys
     ([{"x": torch.zeros(2, 1)}], 2),
     (torch.zeros(4, 2), 4),
+    ({"input_ids": [[1, 2, 3], [4, 5, 6]], "label": torch.zeros(2)}, 2),  # a collator without return_tensors
+    ((["a", "bb", "ccc", "dddd"], torch.zeros(4)), 4),  # not len("a")
 ])
 def test_throughput_counts_samples_not_keys(batch, size):
     assert _batch_len(batch) == size
