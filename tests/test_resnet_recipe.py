@@ -47,6 +47,7 @@ def test_two_devices_sync_batchnorm_smoke(tmp_path):
     model.load_state_dict(state)
 
 
+@pytest.mark.slow  # tests/test_resume.py kills and resumes at random steps in the fast set
 def test_resume_continues_exactly(tmp_path):
     """2 epochs straight == 1 epoch, then --resume auto for the 2nd (constant LR: see the README)."""
     common = [*TINY, "--no-cosine", "--synthetic-val-samples", "0"]
