@@ -136,8 +136,6 @@ class ResumeState(Callback):
         state["global_batch_size"] = (per_device * trainer.world_size * trainer.accumulate_grad_batches
                                       if isinstance(per_device, int) else None)
         state["steps_per_epoch"] = steps_per_epoch(trainer)
-        state["base_lrs"] = [list(c.scheduler.base_lrs) for c in trainer.lr_scheduler_configs
-                             if hasattr(c.scheduler, "base_lrs")]
         hook_state = getattr(trainer.strategy, "comm_hook_state_dict", None)
         if callable(hook_state):
             state["comm_hook"] = hook_state()
