@@ -36,26 +36,52 @@ from typing_extensions import override
 LAST = "last.ckpt"
 
 
-def die_with_launcher() -> bool:
-    """Have the kernel send this rank SIGTERM when the rank that launched it exits (Linux only).
+LAUNCHER_PID_VAR = "DDP_RECIPES_LAUNCHER_PID"  # in the environment of the ranks Lightning launched, only
 
-    Lightning's ``--devices N`` launcher starts ranks 1..N-1 as children of rank 0 with rank 0's own command
-    line. If rank 0 dies before training (a SIGTERM during set-up keeps its default action), a child waiting
-    in the rendezvous would otherwise wait out the whole process-group timeout. Applied only when the
-    parent runs this process's exact command line, i.e. is that launcher (not a shell, not torchrun).
+
+def tag_children_with_launcher(launcher: Any) -> None:
+    """Make the ranks Lightning's subprocess launcher starts know their launcher's pid (for
+    :func:`die_with_launcher`). Set only while the children are started: this process's environment
+    is left as it was."""
+    start_children = launcher._call_children_scripts
+
+    def call_children_scripts(*args: Any, **kwargs: Any) -> Any:
+        os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
+        try:
+            return start_children(*args, **kwargs)
+        finally:
+            os.environ.pop(LAUNCHER_PID_VAR, None)
+
+    launcher._call_children_scripts = call_children_scripts
+
+
+def die_with_launcher(enable: bool = True) -> bool:
+    """Have the kernel send this rank SIGTERM when the rank that launched it exits (Linux only); with
+    ``enable=False``, stop that again.
+
+    Lightning's ``--devices N`` launcher starts ranks 1..N-1 as children of rank 0. If rank 0 dies during
+    set-up (a SIGTERM there keeps its default action), a child waiting in the rendezvous or on rank 0's
+    store would otherwise wait out the whole process-group timeout. Applied only to ranks that launcher
+    started (:func:`tag_children_with_launcher`; not to shells' or torchrun's children); a rank whose
+    launcher is already gone stops at once. The strategy undoes it at teardown, so a rank's own work after
+    ``fit`` does not die with rank 0.
     """
-    if not sys.platform.startswith("linux"):
+    launcher = os.environ.get(LAUNCHER_PID_VAR, "")
+    if not sys.platform.startswith("linux") or not launcher.isdigit() or int(launcher) == os.getpid():
         return False
     try:
-        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-        if parent != Path("/proc/self/cmdline").read_bytes():
-            return False
         import ctypes
 
         pr_set_pdeathsig = 1
-        return ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) == 0
+        signum = int(signal.SIGTERM) if enable else 0
+        linked = ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signum, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+    if enable and os.getppid() != int(launcher):  # it exited before the kernel could be told: follow it now
+        print(f"rank 0 (pid {launcher}), which launched this rank, has exited: stopping", file=sys.stderr,
+              flush=True)
+        raise SystemExit(128 + signal.SIGTERM)
+    return linked
 
 
 class Preempted(SystemExit):

@@ -44,6 +44,7 @@ import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -51,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_recipes.commhooks import ResumablePowerSGD
-from ddp_recipes.preemption import die_with_launcher
+from ddp_recipes.preemption import die_with_launcher, tag_children_with_launcher
 from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.syncbn import SyncBatchNormPlugin
 
@@ -164,8 +165,9 @@ class TunedDDPStrategy(DDPStrategy):
         if restarts_share_store(os.environ) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             rank_zero_warn(f"torchrun --max-restarts with its shared rendezvous store: a restart may reconnect to "
                            f"the previous attempt's ranks and fail; {SHARED_STORE_FIX}")
-        if self.local_rank > 0:
-            die_with_launcher()  # rank 0 killed during set-up must not leave this rank in the rendezvous
+        # Rank 0 killed during the fit (before training, a SIGTERM keeps its default action) must not strand
+        # this rank in the rendezvous or a store wait; undone at teardown, so work after fit is this rank's.
+        self._linked_to_launcher = self.local_rank > 0 and die_with_launcher()
         super().setup_environment()
 
     @override
@@ -179,12 +181,21 @@ class TunedDDPStrategy(DDPStrategy):
             raise
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _SubprocessScriptLauncher):
+            tag_children_with_launcher(self._launcher)
+
+    @override
     def teardown(self) -> None:
         super().teardown()
         for key, value in getattr(self, "_exported", {}).items():
             if os.environ.get(key) == value:  # still ours: the process leaves as it came
                 del os.environ[key]
         self._exported = {}
+        if getattr(self, "_linked_to_launcher", False):
+            die_with_launcher(enable=False)
+            self._linked_to_launcher = False
 
     @override
     def on_train_start(self) -> None:

@@ -48,3 +48,43 @@ def test_sync_batchnorm_flag_gets_the_cpu_capable_plugin():
 def test_one_device_has_no_ddp_wrap():
     trainer = build_trainer(devices=1, accelerator="cpu", logger=False)
     assert not isinstance(trainer.strategy, DDPStrategy)
+
+
+def test_only_ranks_our_launcher_started_follow_it(monkeypatch):
+    """Ranks 1..N-1 started by Lightning's launcher die with rank 0 during the fit; others never do."""
+    import os
+
+    from ddp_recipes import preemption
+
+    monkeypatch.delenv(preemption.LAUNCHER_PID_VAR, raising=False)
+    assert preemption.die_with_launcher() is False  # a shell's or torchrun's child: left alone
+    monkeypatch.setenv(preemption.LAUNCHER_PID_VAR, str(os.getpid()))
+    assert preemption.die_with_launcher() is False  # rank 0 itself
+    monkeypatch.setenv(preemption.LAUNCHER_PID_VAR, str(os.getppid()))
+    try:
+        assert preemption.die_with_launcher() is True
+    finally:
+        assert preemption.die_with_launcher(enable=False) is True
+    monkeypatch.setenv(preemption.LAUNCHER_PID_VAR, "1")  # a launcher that already exited: stop now
+    try:
+        with pytest.raises(SystemExit):
+            preemption.die_with_launcher()
+    finally:
+        preemption.die_with_launcher(enable=False)
+
+
+def test_launcher_pid_reaches_children_only(monkeypatch):
+    import os
+
+    from ddp_recipes import preemption
+
+    seen = {}
+
+    class Launcher:
+        def _call_children_scripts(self):
+            seen["pid"] = os.environ.get(preemption.LAUNCHER_PID_VAR)
+
+    launcher = Launcher()
+    preemption.tag_children_with_launcher(launcher)
+    launcher._call_children_scripts()
+    assert seen["pid"] == str(os.getpid()) and preemption.LAUNCHER_PID_VAR not in os.environ
