@@ -170,6 +170,7 @@ def test_spawn_and_fork_launchers_train_like_the_default_one(root, start_method)
         assert torch.equal(value, other[0]["state"][key]), key
 
 
+@pytest.mark.slow
 def test_a_failure_under_spawn_leaves_no_cleanup_crash(root):
     proc = run_scenario(root, "unused", "--devices", "2", "--steps", "3", "--start-method", "spawn", expect_ok=False)
     assert proc.returncode != 0 and "aux_head.weight" in proc.stderr
@@ -185,6 +186,7 @@ def test_unequal_batches_per_rank_fail_before_the_first_step(root):
     assert "DistributedSampler" in proc.stderr
 
 
+@pytest.mark.slow
 def test_unequal_batches_bounded_by_max_steps_only_warn(root):
     """Rank 1's 7 batches outlast --max-steps 5: this run cannot hang, so it trains (with a warning)."""
     proc = run_scenario(root, "uneven", "--devices", "2", "--steps", "5", expect_ok=False)
