@@ -24,6 +24,7 @@ _EXPORTS = {
     "convert_sync_batchnorm": "ddp_recipes.syncbn",
     "revert_sync_batchnorm": "ddp_recipes.syncbn",
     "build_trainer": "ddp_recipes.trainer",
+    "ImageClassifier": "ddp_recipes.modules.classifier",
     "MNISTClassifier": "ddp_recipes.modules.mnist",
     "MNISTDataModule": "ddp_recipes.data.mnist",
     "ResNetClassifier": "ddp_recipes.modules.resnet",

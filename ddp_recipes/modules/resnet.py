@@ -3,25 +3,33 @@
 What it adds over ``torchvision.models.resnet*``: a CIFAR stem for small images, gradient checkpointing
 per stage (``--grad-checkpointing``, the write-up's OOM remedy), channels-last memory format, SGD without
 weight decay on BatchNorm and bias parameters, and torchmetrics accuracy that stays exact under DDP.
+
+``arch`` is any torchvision classification model (``torchvision.models.get_model``). The ResNet family
+(resnet*, resnext*, wide_resnet*) gets every feature above; other models train with channels-last, the
+optimizer split and the metrics, but the CIFAR stem and grad checkpointing by stage need the ResNet layout
+(conv1/maxpool stem, layer1..layer4), and ``dropout`` goes to the model's own head option where it has one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torchmetrics import MeanMetric
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision import models
 from typing_extensions import override
 
-from ddp_recipes.modules.logging import TrainLossLogging
-from ddp_recipes.schedules import lightning_scheduler
+from ddp_recipes.modules.classifier import ImageClassifier
 
-ARCHS = ("resnet18", "resnet34", "resnet50")
+# Every torchvision classification model (not detection/segmentation/video: those take other inputs).
+ARCHS = tuple(models.list_models(module=models))
+RESNET_FAMILY = tuple(a for a in ARCHS if a.startswith(("resnet", "resnext", "wide_resnet")))
+# Builder options some models need to return plain logits in training (no auxiliary heads).
+ARCH_KWARGS = {"inception_v3": {"aux_logits": False}, "googlenet": {"aux_logits": False}}
 STAGES = ("layer1", "layer2", "layer3", "layer4")
 # Total downsampling of the torchvision ResNet up to layer4 (tests measure it on the real network):
 # ImageNet stem = conv1 stride 2 x maxpool stride 2, CIFAR stem = none; layer2..layer4 halve again each.
@@ -57,8 +65,9 @@ class _KeepBatchNormStats:
         self.saved = []
 
 
-class ResNetClassifier(TrainLossLogging):
-    """ResNet-18/34/50 image classifier trained with SGD; override :meth:`build_model` for another network.
+class ResNetClassifier(ImageClassifier):
+    """A torchvision image classifier (ResNet family by default) trained with SGD; override
+    :meth:`build_model` for another network, or ``loss``/``param_groups``/``build_optimizer``/``build_metrics``.
 
     ``lr`` is used as given: recipes pass the LR already scaled for the global batch (``scale_lr``).
     """
@@ -81,11 +90,7 @@ class ResNetClassifier(TrainLossLogging):
         if channels_last:
             # NHWC lets cuDNN use tensor-core convolution kernels without transposes under AMP.
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        self.val_acc, self.test_acc = self._accuracy(1), self._accuracy(1)
-        # Top-5 of fewer than 5 classes is always 1.0: not worth logging.
-        self.val_acc5 = self._accuracy(5) if num_classes >= 5 else None
-        self.test_acc5 = self._accuracy(5) if num_classes >= 5 else None
+        self.init_metrics()
 
     def _check_hparams(self) -> None:
         hp = self.hparams
@@ -106,30 +111,24 @@ class ResNetClassifier(TrainLossLogging):
         if not 0 <= hp.get("dropout", 0.0) < 1:
             raise ValueError(f"--dropout must be in [0, 1) (got {hp.dropout})")
 
-    def _accuracy(self, top_k: int) -> MulticlassAccuracy:
-        # micro: the fraction of samples right, as papers report it (the default "macro" averages classes).
-        return MulticlassAccuracy(num_classes=self.hparams.num_classes, top_k=top_k, average="micro")
+    @override
+    def build_metrics(self) -> dict[str, Metric]:
+        """Top-1 and, from 5 classes up, top-5 accuracy (``val_acc``, ``val_acc5``; top-5 of fewer classes
+        is always 1.0)."""
+        metrics = super().build_metrics()
+        if self.hparams.num_classes >= 5:
+            metrics["acc5"] = MulticlassAccuracy(num_classes=self.hparams.num_classes, top_k=5, average="micro")
+        return metrics
 
+    @override
     def build_model(self) -> nn.Module:
         """The network, from ``self.hparams``: the one method to override for another architecture."""
-        arch, num_classes = self.hparams.arch, self.hparams.num_classes
-        if arch not in ARCHS:
-            raise ValueError(f"--arch must be one of {', '.join(ARCHS)} (got {arch!r})")
-        model = getattr(models, arch)(weights=None, num_classes=num_classes)
-        if self.hparams.cifar_stem:
-            # A 7x7/2 conv and a max-pool would leave a 32 px image 8 px wide after the stem.
-            model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-            nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision
-            model.maxpool = nn.Identity()
-        if self.hparams.get("dropout", 0.0) > 0:
-            # Before the classifier, as in torchvision's VGG/MobileNet heads; a stage-free spot that keeps
-            # grad checkpointing by stage and the ResNet layout intact.
-            model.fc = nn.Sequential(nn.Dropout(self.hparams.dropout), model.fc)
-        return model
+        hp = self.hparams
+        return build_arch(hp.arch, hp.num_classes, bool(hp.cifar_stem), float(hp.get("dropout", 0.0)))
 
     @staticmethod
     def min_image_size(cifar_stem: bool) -> int:
-        """The smallest input side for which layer4's feature map covers >= 1x1 real pixels.
+        """The smallest input side for which a ResNet's layer4 feature map covers >= 1x1 real pixels.
 
         Padding keeps torchvision's ResNet from failing on smaller images (every stride rounds up), but
         below this size the last stages convolve a 1x1 map made of zero padding: training runs, the
@@ -139,7 +138,7 @@ class ResNetClassifier(TrainLossLogging):
 
     @classmethod
     def check_image_size(cls, image_size: int, cifar_stem: bool) -> None:
-        """Raise a ``ValueError`` naming the flags when ``image_size`` is too small for the stem."""
+        """Raise a ``ValueError`` naming the flags when ``image_size`` is too small for a ResNet's stem."""
         need = cls.min_image_size(cifar_stem)
         if image_size >= need:
             return
@@ -155,7 +154,8 @@ class ResNetClassifier(TrainLossLogging):
         # Every rank checks, so a bad flag fails loudly everywhere instead of training on padding.
         datamodule = getattr(self.trainer, "datamodule", None)
         image_size = getattr(datamodule, "image_size", None)
-        if isinstance(image_size, int) and type(self).build_model is ResNetClassifier.build_model:
+        if (isinstance(image_size, int) and type(self).build_model is ResNetClassifier.build_model
+                and self.hparams.arch in RESNET_FAMILY):
             self.check_image_size(image_size, self.hparams.cifar_stem)
         num_classes = getattr(datamodule, "num_classes", None)
         if isinstance(num_classes, int) and num_classes != self.hparams.num_classes:
@@ -186,35 +186,6 @@ class ResNetClassifier(TrainLossLogging):
         return m.fc(torch.flatten(m.avgpool(x), 1))
 
     @override
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.label_smoothing)
-        self.log_train_loss(loss, x.shape[0])
-        return loss
-
-    @override
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
-
-    @override
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._evaluate(batch, "test")
-
-    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:
-        x, y = batch
-        logits = self(x)
-        # Plain cross-entropy (no label smoothing) so val_loss compares across --label-smoothing values.
-        loss_metric: MeanMetric = getattr(self, f"{prefix}_loss")
-        loss_metric.update(F.cross_entropy(logits, y), weight=x.shape[0])
-        self.log(f"{prefix}_loss", loss_metric, on_step=False, on_epoch=True)
-        # Metric objects, not tensors: compute() all-reduces the sums once at epoch end, which stays exact
-        # (and deadlock-free) with the unequal shards of ExactDistributedSampler.
-        for suffix in ("acc", "acc5"):
-            metric: MulticlassAccuracy | None = getattr(self, f"{prefix}_{suffix}")
-            if metric is not None:
-                metric.update(logits, y)
-                self.log(f"{prefix}_{suffix}", metric, on_step=False, on_epoch=True, prog_bar=suffix == "acc")
-
     def param_groups(self) -> list[dict]:
         """SGD parameter groups: weight decay on conv/linear weights, none on BatchNorm and biases.
 
@@ -229,12 +200,78 @@ class ResNetClassifier(TrainLossLogging):
                   {"params": no_decay, "weight_decay": 0.0}]
         return [g for g in groups if g["params"]]
 
-    @override
-    def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.param_groups(), lr=self.hparams.lr, momentum=self.hparams.momentum,
-                                    nesterov=self.hparams.nesterov)
-        scheduler = lightning_scheduler(optimizer, self.trainer, self.hparams.warmup_epochs,
-                                        cosine=self.hparams.cosine)
-        if scheduler is None:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+def arch_features(arch: str, cifar_stem: bool, dropout: float, grad_checkpointing: bool) -> None:
+    """Raise a ``ValueError`` naming the flag when ``arch`` lacks what a feature needs."""
+    if arch not in ARCHS:
+        raise ValueError(f"--arch must be a torchvision classification model, e.g. resnet50, resnext50_32x4d, "
+                         f"wide_resnet50_2, efficientnet_b0 (torchvision.models.list_models()); got {arch!r}")
+    if arch in RESNET_FAMILY:
+        return
+    if cifar_stem:
+        raise ValueError(f"--cifar-stem replaces a ResNet's conv1/maxpool stem; --arch {arch} has none "
+                         "(use --no-cifar-stem, or a ResNet-family --arch)")
+    if grad_checkpointing:
+        raise ValueError(f"--grad-checkpointing recomputes a ResNet's layer1..layer4 stages; --arch {arch} has "
+                         "no such stages (drop the flag, or use a ResNet-family --arch)")
+    if dropout > 0 and "dropout" not in _builder_options(arch):
+        raise ValueError(f"--dropout: --arch {arch} has no dropout option in torchvision (drop the flag, or use "
+                         "a model that has one, e.g. efficientnet_b0, mobilenet_v3_large, vit_b_16)")
+
+
+def _builder_options(arch: str) -> set[str]:
+    """Keyword options of torchvision's builder and of the model class it returns (builders pass
+    ``**kwargs`` on to the class, e.g. EfficientNet's ``dropout``)."""
+    builder = inspect.signature(models.get_model_builder(arch))
+    options = set(builder.parameters)
+    returned = builder.return_annotation  # a class, or its name under postponed annotations
+    target = getattr(models, returned, None) if isinstance(returned, str) else returned
+    if isinstance(target, type):
+        options |= set(inspect.signature(target).parameters)
+    return options
+
+
+def build_arch(arch: str, num_classes: int, cifar_stem: bool = False, dropout: float = 0.0) -> nn.Module:
+    """``torchvision.models.get_model(arch)`` with random weights, adapted to the recipe's flags."""
+    arch_features(arch, cifar_stem, dropout, grad_checkpointing=False)
+    kwargs = dict(ARCH_KWARGS.get(arch, {}))
+    if arch not in RESNET_FAMILY and dropout > 0:
+        kwargs["dropout"] = dropout  # the model's own head dropout; 0 keeps torchvision's default
+    model = models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+    if arch not in RESNET_FAMILY:
+        return model
+    if cifar_stem:
+        # A 7x7/2 conv and a max-pool would leave a 32 px image 8 px wide after the stem.
+        model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision
+        model.maxpool = nn.Identity()
+    if dropout > 0:
+        # Before the classifier, as in torchvision's VGG/MobileNet heads; a stage-free spot that keeps
+        # grad checkpointing by stage and the ResNet layout intact.
+        model.fc = nn.Sequential(nn.Dropout(dropout), model.fc)
+    return model
+
+
+def check_arch_input(arch: str, num_classes: int, image_size: int, cifar_stem: bool = False,
+                     dropout: float = 0.0) -> None:
+    """Raise a ``ValueError`` naming the flags when ``arch`` cannot take ``image_size`` px images.
+
+    ResNets pad their way through any size (:meth:`ResNetClassifier.check_image_size` says which sizes
+    are useful); other models are traced once on the meta device, which checks every shape in
+    milliseconds without allocating weights. A model that cannot be built there is not checked.
+    """
+    if arch in RESNET_FAMILY:
+        ResNetClassifier.check_image_size(image_size, cifar_stem)
+        return
+    try:
+        with torch.device("meta"):
+            model = build_arch(arch, num_classes, cifar_stem, dropout).eval()
+    except (RuntimeError, NotImplementedError):  # e.g. RegNet computes its widths with tensor data
+        return
+    try:
+        with torch.device("meta"), torch.no_grad():
+            model(torch.empty(1, 3, image_size, image_size))
+    except (RuntimeError, ValueError, AssertionError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--image-size {image_size} does not fit --arch {arch} ({reason}); pick an image size "
+                         "the model takes (e.g. 224)") from None

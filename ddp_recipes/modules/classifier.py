@@ -1,0 +1,127 @@
+"""The training, evaluation and optimizer code both recipe modules share, as small overridable hooks.
+
+A subclass changes one thing by overriding one method, and keeps everything the recipes add (LR scaling
+and schedule, DDP-exact metrics, checkpoints, resume):
+
+==========================  ==========================================================================
+``build_model()``           the network (called once in ``__init__``; read ``self.hparams``)
+``loss(logits, y, stage)``  the loss of a batch; ``stage`` is ``"train"``, ``"val"`` or ``"test"``
+``param_groups()``          the optimizer's parameter groups (e.g. no weight decay on norms and biases)
+``build_optimizer(groups)`` the optimizer; use ``self.hparams.lr``, which is already scaled for the
+                            global batch. The recipe's warm-up/cosine schedule is attached to it.
+``build_metrics()``         evaluation metrics by name: ``{"acc": ...}`` is logged as ``val_acc``/``test_acc``
+==========================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torchmetrics import MeanMetric, Metric
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+from ddp_recipes.modules.logging import TrainLossLogging
+from ddp_recipes.schedules import lightning_scheduler
+
+STAGES = ("val", "test")
+
+
+class ImageClassifier(TrainLossLogging):
+    """An ``(x, y)`` classifier: cross-entropy, SGD, top-1 (and top-5) accuracy exact under DDP.
+
+    Concrete classes call ``save_hyperparameters()``, build ``self.model = self.build_model()`` and then
+    :meth:`init_metrics`. Hyper-parameters read here: ``lr``, ``momentum``, ``warmup_epochs``, ``cosine``,
+    ``num_classes`` and, when present, ``nesterov``, ``weight_decay``, ``label_smoothing``.
+    """
+
+    #: The logged metric ``best.ckpt`` keeps the maximum of (it must be one of ``build_metrics``' names).
+    monitor: ClassVar[str] = "val_acc"
+
+    def build_model(self) -> nn.Module:
+        """The network, from ``self.hparams``: the one method to override for another architecture."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    # ---- hooks ---------------------------------------------------------------------------------------
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, stage: str) -> torch.Tensor:
+        """Mean loss of a batch. Label smoothing applies in training only, so ``val_loss`` stays plain
+        cross-entropy and compares across ``--label-smoothing`` values."""
+        smoothing = float(self.hparams.get("label_smoothing", 0.0)) if stage == "train" else 0.0
+        return F.cross_entropy(logits, target, label_smoothing=smoothing)
+
+    def param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups; by default one group of every trainable parameter."""
+        return [{"params": [p for p in self.parameters() if p.requires_grad]}]
+
+    def build_optimizer(self, param_groups: list[dict]) -> torch.optim.Optimizer:
+        """SGD at ``self.hparams.lr`` (the LR already scaled for the global batch)."""
+        hp = self.hparams
+        return torch.optim.SGD(param_groups, lr=hp.lr, momentum=hp.momentum, nesterov=bool(hp.get("nesterov", False)),
+                               weight_decay=float(hp.get("weight_decay", 0.0)))
+
+    def build_metrics(self) -> dict[str, Metric]:
+        """Evaluation metrics by name, each updated with ``(logits, y)``; by default top-1 accuracy.
+
+        ``micro``: the fraction of samples right, as papers report it (torchmetrics' default averages classes).
+        """
+        return {"acc": MulticlassAccuracy(num_classes=int(self.hparams.num_classes), average="micro")}
+
+    # ---- the shared steps --------------------------------------------------------------------------
+
+    def init_metrics(self) -> None:
+        """One fresh set of :meth:`build_metrics` per evaluation stage, plus the loss means."""
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_metrics = nn.ModuleDict(self.build_metrics())
+        self.test_metrics = nn.ModuleDict(self.build_metrics())
+        names = [f"val_{name}" for name in self.val_metrics] + ["val_loss"]
+        if self.monitor not in names:
+            raise ValueError(f"{type(self).__name__}.monitor is {self.monitor!r} but the logged validation "
+                             f"metrics are {', '.join(names)}; set monitor to one of them")
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss(self(x), y, "train")
+        self.log_train_loss(loss, x.shape[0])
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    @override
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        x, y = batch
+        logits = self(x)
+        loss_metric: MeanMetric = getattr(self, f"{stage}_loss")
+        # Weighted by batch size so a short last batch counts per sample, as in a 1-device run.
+        loss_metric.update(self.loss(logits, y, stage), weight=x.shape[0])
+        self.log(f"{stage}_loss", loss_metric, on_step=False, on_epoch=True)
+        # Metric objects, not tensors: compute() all-reduces the sums once at epoch end, which stays exact
+        # (and deadlock-free) with the unequal shards of ExactDistributedSampler; a per-step sync_dist would not.
+        for name, metric in getattr(self, f"{stage}_metrics").items():
+            metric.update(logits, y)
+            self.log(f"{stage}_{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "acc")
+
+    @override
+    def configure_optimizers(self):
+        optimizer = self.build_optimizer(self.param_groups())
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        if self.hparams.lr not in lrs:
+            # Legitimate for a fixed-LR optimizer, but then --lr and --lr-scaling are silently ignored.
+            rank_zero_warn(f"{type(self).__name__}.build_optimizer() put no parameter group at self.hparams.lr "
+                           f"({self.hparams.lr:g}, the LR scaled for the global batch; groups have {lrs}): --lr and "
+                           "--lr-scaling have no effect on it")
+        scheduler = lightning_scheduler(optimizer, self.trainer, self.hparams.warmup_epochs,
+                                        cosine=self.hparams.cosine)
+        if scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
