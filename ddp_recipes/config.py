@@ -99,6 +99,10 @@ class RunConfig:
     checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
                                            "each epoch end and on SIGTERM/SLURM's requeue signal)")
     num_workers: int | None = opt(None, "DataLoader workers per rank (default: fitted to the cores per rank)")
+    model_class: str | None = opt(None, "your LightningModule, package.module:ClassName (a subclass of the recipe's "
+                                        "module; recorded in checkpoints so --resume rebuilds it)")
+    datamodule_class: str | None = opt(None, "your LightningDataModule, package.module:ClassName (its __init__ gets "
+                                             "batch_size and the recipe's data flags it declares)")
     diagnostics: bool = opt(True, "check the run for DDP mistakes (unsharded data, drifting weights, ...) and warn once")
 
     # The recipe's defaults, used where the flags above are left unset. Subclasses override these.

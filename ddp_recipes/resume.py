@@ -99,6 +99,19 @@ def reposition_train_loader(trainer: L.Trainer) -> None:
     iter(fetcher)  # a fresh iterator: workers start at the restored position and epoch
 
 
+def _warn_unresumable_loader(trainer: L.Trainer) -> None:
+    """A mid-epoch resume with a loader that cannot skip what it already gave: say so, once."""
+    from ddp_recipes.data.resumable import ResumableDataLoader
+
+    done, total = trainer.fit_loop.epoch_loop.batch_progress.current.completed, trainer.num_training_batches
+    loader = trainer.train_dataloader
+    if isinstance(total, int) and 0 < done < total and loader is not None and not isinstance(loader, ResumableDataLoader):
+        rank_zero_warn(f"resumed {done} batches into epoch {trainer.current_epoch} with a training loader that cannot "
+                       f"skip them ({type(loader).__name__}): this epoch revisits its first batches instead of "
+                       "continuing after the last one; build it with ddp_recipes.data.samplers.resumable_train_loader "
+                       "(or subclass SplitDataModule) for an exact resume")
+
+
 class ResumeState(Callback):
     """Saves and restores the random streams, LR facts and comm-hook state; seeds ``seed + rank``.
 
@@ -168,6 +181,7 @@ class ResumeState(Callback):
         if not resuming:
             return
         reposition_train_loader(trainer)
+        _warn_unresumable_loader(trainer)
         lr_change = self._reapply_lrs(trainer, pending or {})
         if same_world and pending.get("comm_hook") is not None:
             loader = getattr(trainer.strategy, "load_comm_hook_state_dict", None)

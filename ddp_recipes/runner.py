@@ -29,6 +29,7 @@ from ddp_recipes.config import RunConfig, writable_dir
 from ddp_recipes.preemption import LastCheckpoint
 from ddp_recipes.schedules import scale_lr
 from ddp_recipes.trainer import build_trainer
+from ddp_recipes.userclass import RecipeClasses, RecordClasses, class_path
 
 
 class ThroughputMeter(Callback):
@@ -84,26 +85,61 @@ def scaled_lr(cfg: RunConfig) -> float:
     return scale_lr(cfg.base_lr, cfg.resolved_global_batch_size, cfg.reference_batch, cfg.lr_scaling)
 
 
-def checkpoint_callbacks(cfg: RunConfig, has_val: bool) -> list[Callback]:
+def checkpoint_callbacks(cfg: RunConfig, has_val: bool, model_class: type | None = None) -> list[Callback]:
     """``last.ckpt`` at each epoch end, every ``--checkpoint-every-n-steps`` and on preemption; ``best.ckpt``
-    by ``val_acc`` when there is validation. Both in ``<output-dir>/checkpoints``, through the atomic IO."""
+    by the model class's ``monitor`` (``val_acc``) when there is validation. Both in
+    ``<output-dir>/checkpoints``, through the atomic IO."""
     folder = Path(cfg.output_dir) / CHECKPOINT_DIR
     callbacks: list[Callback] = [LastCheckpoint(folder, every_n_steps=cfg.checkpoint_every_n_steps)]
     if has_val:
-        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best", monitor="val_acc", mode="max",
+        monitor = getattr(model_class, "monitor", "val_acc")
+        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best", monitor=monitor,
+                                         mode="min" if monitor.endswith("loss") else "max",
                                          save_top_k=1, save_last=False, enable_version_counter=False))
     return callbacks
 
 
-def resume_checkpoint(cfg: RunConfig, expected: dict[str, Any], accepted: dict[str, tuple] | None = None) -> str | None:
-    """The checkpoint ``--resume`` names (None: start fresh), checked against this run's model flags.
+def has_loader(datamodule: L.LightningDataModule, stage: str) -> bool:
+    """Whether a DataModule defines ``<stage>_dataloader`` (a user's may have no validation or test set)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return is_overridden(f"{stage}_dataloader", datamodule, L.LightningDataModule)
+
+
+def open_resume(cfg: RunConfig) -> tuple[str | None, dict[str, Any] | None]:
+    """The checkpoint ``--resume`` names and its contents ((None, None): start fresh).
 
     Every rank resolves and reads the same file; a bad one fails here, before training touches anything.
     """
     resume = resolve_resume(cfg.resume, cfg.output_dir)
+    return (resume, read_checkpoint(resume)) if resume else (None, None)
+
+
+def resume_checkpoint(cfg: RunConfig, expected: dict[str, Any], accepted: dict[str, tuple] | None = None) -> str | None:
+    """The checkpoint ``--resume`` names (None: start fresh), checked against this run's model flags."""
+    resume, checkpoint = open_resume(cfg)
     if resume:
-        check_compatible(read_checkpoint(resume), resume, expected, accepted)
+        check_compatible(checkpoint, resume, expected, accepted)
     return resume
+
+
+class PlannedBatch(Callback):
+    """Fails every rank before the first step when the training loader's batch is not the run's plan.
+
+    A user's DataModule that ignores the ``batch_size`` it was given would make the printed global batch,
+    the LR scaling and the resume arithmetic silently wrong.
+    """
+
+    def __init__(self, per_device: int, source: str) -> None:
+        self.per_device, self.source = per_device, source
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        batch = getattr(trainer.train_dataloader, "batch_size", None)
+        if isinstance(batch, int) and batch != self.per_device:
+            raise ValueError(f"--datamodule-class {self.source}: its training loader has batch_size {batch} but the "
+                             f"run plans {self.per_device} per device; build the loader with the batch_size given to "
+                             "__init__")
 
 
 def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwargs: Any) -> L.Trainer:
@@ -171,7 +207,7 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
                  lr: float,
                  callbacks: list[Callback] | None = None, ckpt_path: str | None = None, test: bool = True,
                  extra: dict[str, Any] | None = None, save_final: bool = True,
-                 **trainer_kwargs: Any) -> dict[str, Any]:
+                 classes: RecipeClasses | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
     """Fit, test, and write ``<output-dir>/summary.json`` on rank 0. Returns the summary (every rank).
 
     ``build_model`` is called after the trainer has seeded every rank, so the initial weights depend on
@@ -179,7 +215,13 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     """
     out = writable_dir(cfg.output_dir, "--output-dir")
     meter = ThroughputMeter()
-    trainer = make_trainer(cfg, callbacks=[meter, *(callbacks or [])], **trainer_kwargs)
+    callbacks = [meter, *(callbacks or [])]
+    if classes is not None:
+        callbacks.append(RecordClasses(classes))
+        extra = {**classes.record(), **(extra or {})}
+        if classes.datamodule is not None:
+            callbacks.append(PlannedBatch(cfg.per_device_batch_size, class_path(classes.datamodule)))
+    trainer = make_trainer(cfg, callbacks=callbacks, **trainer_kwargs)
     model = build_model()
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, lr), flush=True)

@@ -15,10 +15,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import lightning as L
+
+from ddp_recipes.checkpoint import check_compatible
 from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-from ddp_recipes.runner import checkpoint_callbacks, resume_checkpoint, run_fit_test, scaled_lr
+from ddp_recipes.runner import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
+from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, resolve_classes
 
 PROG = "python -m recipes.mnist"
 
@@ -51,27 +55,43 @@ class MNISTConfig(RunConfig):
             raise ConfigError(f"--momentum must be in [0, 1) (got {self.momentum})")
 
 
-def build_datamodule(cfg: MNISTConfig) -> MNISTDataModule:
-    return MNISTDataModule(data_dir=cfg.data_dir, batch_size=cfg.per_device_batch_size, val_size=cfg.val_size,
-                           seed=cfg.seed, num_workers=cfg.num_workers or 0, download=cfg.download)
+def build_datamodule(cfg: MNISTConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
+    """The recipe's MNIST, or a user's DataModule class given the values of the flags it declares."""
+    offered = dict(data_dir=cfg.data_dir, batch_size=cfg.per_device_batch_size, val_size=cfg.val_size,
+                   seed=cfg.seed, num_workers=cfg.num_workers or 0, download=cfg.download)
+    return construct_datamodule(cls, offered) if cls is not None else MNISTDataModule(**offered)
 
 
-def build_model(cfg: MNISTConfig, lr: float) -> MNISTClassifier:
-    return MNISTClassifier(arch=cfg.arch, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                           warmup_epochs=cfg.warmup_epochs, cosine=cfg.cosine)
+def build_model(cfg: MNISTConfig, lr: float, cls: type[MNISTClassifier] = MNISTClassifier) -> MNISTClassifier:
+    return cls(arch=cfg.arch, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+               warmup_epochs=cfg.warmup_epochs, cosine=cfg.cosine)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Parse flags, train, test; returns the summary (also written to <output-dir>/summary.json)."""
+def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None = None,
+         datamodule_cls: type[L.LightningDataModule] | None = None) -> dict:
+    """Parse flags, train, test; returns the summary (also written to <output-dir>/summary.json).
+
+    ``model_cls``: your subclass of :class:`MNISTClassifier` (as ``--model-class``); ``datamodule_cls``: your
+    LightningDataModule (as ``--datamodule-class``). Call it from your script's ``if __name__ == "__main__":``
+    block with ``sys.argv[1:]``: with ``--devices N`` Lightning starts each rank by running your script again.
+    """
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     try:
+        classes = resolve_classes(MNISTClassifier, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
+        resume, checkpoint = open_resume(cfg)
+        if resume:
+            classes = follow_checkpoint(classes, checkpoint, resume)
+            check_compatible(checkpoint, resume, {"arch": cfg.arch}, accepted={"arch": ARCHS})
         lr = scaled_lr(cfg)
-        resume = resume_checkpoint(cfg, {"arch": cfg.arch}, accepted={"arch": ARCHS})
-        return run_fit_test(cfg, lambda: build_model(cfg, lr), build_datamodule(cfg), lr,
-                            callbacks=checkpoint_callbacks(cfg, has_val=cfg.val_size > 0), ckpt_path=resume,
+        datamodule = build_datamodule(cfg, classes.datamodule)
+        own_data = classes.datamodule is None
+        has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")
+        return run_fit_test(cfg, lambda: build_model(cfg, lr, classes.model_class), datamodule, lr,
+                            callbacks=checkpoint_callbacks(cfg, has_val, classes.model_class), ckpt_path=resume,
+                            test=own_data or has_loader(datamodule, "test"), classes=classes,
                             extra={"arch": cfg.arch, "resumed_from": resume})
     except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
-        if not isinstance(err, FileNotFoundError) and "--" not in str(err):
+        if not isinstance(err, FileNotFoundError | ConfigError) and "--" not in str(err):
             raise  # a ValueError that names no flag is a bug, not bad input: keep its traceback
         fail(str(err).splitlines()[0], PROG)
 

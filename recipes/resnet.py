@@ -16,6 +16,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import lightning as L
+
+from ddp_recipes.checkpoint import check_compatible
 from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.images import (
     CIFAR10DataModule,
@@ -23,8 +26,9 @@ from ddp_recipes.data.images import (
     SyntheticImageDataModule,
     default_num_workers,
 )
-from ddp_recipes.modules.resnet import ARCHS, ResNetClassifier
-from ddp_recipes.runner import checkpoint_callbacks, resume_checkpoint, run_fit_test, scaled_lr
+from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
+from ddp_recipes.runner import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
+from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, resolve_classes
 
 PROG = "python -m recipes.resnet"
 DATA = ("synthetic", "cifar10", "imagefolder")
@@ -34,20 +38,24 @@ DATA = ("synthetic", "cifar10", "imagefolder")
 class ResNetConfig(RunConfig):
     """Run config plus the ResNet recipe's own flags."""
 
-    arch: str = opt("resnet18", "network: resnet18, resnet34 or resnet50", choices=ARCHS)
+    arch: str = opt("resnet18", "any torchvision classification model: the ResNet family (resnet18..resnet152, "
+                                "resnext*, wide_resnet*) with every feature; others (efficientnet_b0, vit_b_16, ...) "
+                                "without --cifar-stem and --grad-checkpointing")
     data: str = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder (--data-dir/{train,val})",
                     choices=DATA)
     data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
     image_size: int = opt(32, "input side in pixels (cifar10 is always 32)")
     num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
-    cifar_stem: bool | None = opt(None, "3x3 stem without max-pool for small images (default: on below 64 px)")
+    cifar_stem: bool | None = opt(None, "3x3 stem without max-pool for small images (default: on below 64 px for "
+                                        "the ResNet family)")
     synthetic_samples: int = opt(1024, "training images of --data synthetic")
     synthetic_val_samples: int = opt(256, "validation images of --data synthetic (0: no validation)")
     momentum: float = opt(0.9, "SGD momentum")
     nesterov: bool = opt(False, "Nesterov momentum")
     weight_decay: float = opt(5e-4, "weight decay (never on BatchNorm parameters and biases)")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
-    dropout: float = opt(0.0, "dropout before the classifier (0: none)")
+    dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own head "
+                              "dropout, 0 keeps torchvision's default)")
     cosine: bool = opt(True, "cosine LR decay over the run after the warm-up")
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
@@ -61,14 +69,12 @@ class ResNetConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.arch not in ARCHS:
-            raise ConfigError(f"--arch must be one of {', '.join(ARCHS)} (got {self.arch!r})")
         if self.data not in DATA:
             raise ConfigError(f"--data must be one of {', '.join(DATA)} (got {self.data!r})")
         if self.data == "cifar10":
             self.image_size = 32
         if self.cifar_stem is None:
-            self.cifar_stem = self.image_size < 64
+            self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY
         if self.num_classes is not None and self.num_classes < 1:
             raise ConfigError(f"--num-classes must be >= 1 (got {self.num_classes})")
         if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
@@ -76,14 +82,21 @@ class ResNetConfig(RunConfig):
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"--dropout must be in [0, 1) (got {self.dropout})")
         try:
-            ResNetClassifier.check_image_size(self.image_size, self.cifar_stem)
+            arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
 
-def build_datamodule(cfg: ResNetConfig):
+def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
+    """The recipe's data (--data), or a user's DataModule class given the values of the flags it declares."""
     batch = cfg.per_device_batch_size
     workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(cfg.resolved_devices)
+    if cls is not None:
+        offered = dict(data_dir=cfg.data_dir, batch_size=batch, seed=cfg.seed, num_workers=workers,
+                       image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale)
+        if cfg.num_classes is not None:
+            offered["num_classes"] = cfg.num_classes
+        return construct_datamodule(cls, offered)
     if cfg.data == "synthetic":
         return SyntheticImageDataModule(num_samples=cfg.synthetic_samples, image_size=cfg.image_size,
                                         num_classes=cfg.num_classes or 10, batch_size=batch, seed=cfg.seed,
@@ -97,32 +110,68 @@ def build_datamodule(cfg: ResNetConfig):
     return dm
 
 
-def build_model(cfg: ResNetConfig, num_classes: int, lr: float) -> ResNetClassifier:
-    return ResNetClassifier(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
-                            momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-                            label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
-                            cosine=cfg.cosine, channels_last=cfg.channels_last,
-                            grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
+def build_model(cfg: ResNetConfig, num_classes: int, lr: float,
+                cls: type[ResNetClassifier] = ResNetClassifier) -> ResNetClassifier:
+    return cls(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
+               momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+               label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
+               cosine=cfg.cosine, channels_last=cfg.channels_last,
+               grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Parse flags, train (or resume), test; returns the summary written to <output-dir>/summary.json."""
+def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
+    """The class count: --num-classes, else the DataModule's ``num_classes``."""
+    if cfg.num_classes is not None:
+        return cfg.num_classes
+    found = getattr(datamodule, "num_classes", None)
+    if not isinstance(found, int) or found < 1:
+        raise ConfigError(f"--num-classes is needed: {type(datamodule).__name__} has no num_classes attribute "
+                          "(set it in __init__, or pass --num-classes)")
+    return found
+
+
+def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None = None,
+         datamodule_cls: type[L.LightningDataModule] | None = None) -> dict:
+    """Parse flags, train (or resume), test; returns the summary written to <output-dir>/summary.json.
+
+    ``model_cls``: your subclass of :class:`ResNetClassifier` (as ``--model-class``); ``datamodule_cls``: your
+    LightningDataModule (as ``--datamodule-class``; replaces ``--data``). Call it from your script's
+    ``if __name__ == "__main__":`` block with ``sys.argv[1:]``: with ``--devices N`` Lightning starts each
+    rank by running your script again.
+    """
     cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
     try:
-        datamodule = build_datamodule(cfg)
-        num_classes = cfg.num_classes or datamodule.num_classes
-        resume = resume_checkpoint(cfg, {"arch": cfg.arch, "num_classes": num_classes, "cifar_stem": cfg.cifar_stem,
-                                         "dropout": cfg.dropout}, accepted={"arch": ARCHS})
+        classes = resolve_classes(ResNetClassifier, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
+        resume, checkpoint = open_resume(cfg)
+        if resume:
+            classes = follow_checkpoint(classes, checkpoint, resume)
+        datamodule = build_datamodule(cfg, classes.datamodule)
+        num_classes = data_classes(cfg, datamodule)
+        data_size = getattr(datamodule, "image_size", cfg.image_size)
+        if isinstance(data_size, int) and data_size != cfg.image_size:
+            # The stem (--cifar-stem's default) and the input check follow --image-size: it must be the data's.
+            raise ConfigError(f"--image-size {cfg.image_size} but {type(datamodule).__name__}.image_size is "
+                              f"{data_size}; pass --image-size {data_size}")
+        if classes.model_class.build_model is ResNetClassifier.build_model:
+            check_arch_input(cfg.arch, num_classes, cfg.image_size, cfg.cifar_stem, cfg.dropout)
+        if resume:
+            check_compatible(checkpoint, resume, {"arch": cfg.arch, "num_classes": num_classes,
+                                                  "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout},
+                             accepted={"arch": ARCHS})
         lr = scaled_lr(cfg)
-        has_val = cfg.data != "synthetic" or cfg.synthetic_val_samples > 0
-        return run_fit_test(cfg, lambda: build_model(cfg, num_classes, lr), datamodule, lr,
-                            callbacks=checkpoint_callbacks(cfg, has_val), ckpt_path=resume, test=has_val,
-                            save_final=False, extra={"arch": cfg.arch, "data": cfg.data, "resumed_from": resume})
+        own_data = classes.datamodule is None
+        has_val = (cfg.data != "synthetic" or cfg.synthetic_val_samples > 0) if own_data else has_loader(datamodule, "val")
+        has_test = has_val if own_data else has_loader(datamodule, "test")
+        return run_fit_test(cfg, lambda: build_model(cfg, num_classes, lr, classes.model_class), datamodule, lr,
+                            callbacks=checkpoint_callbacks(cfg, has_val, classes.model_class), ckpt_path=resume,
+                            test=has_test, save_final=False, classes=classes,
+                            extra={"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume})
     except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
-        if not isinstance(err, FileNotFoundError) and "--" not in str(err):
+        if not isinstance(err, FileNotFoundError | ConfigError) and "--" not in str(err):
             raise  # a ValueError that names no flag is a bug, not bad input: keep its traceback
         line = str(err).splitlines()[0]
-        fail(line if "--" in line else f"--data-dir {cfg.data_dir}: {line}", PROG)  # torchvision's own errors
+        named = isinstance(err, ConfigError) or "--" in line
+        fail(line if named else f"--data-dir {cfg.data_dir}: {line}", PROG)  # torchvision's own errors
     except OSError as err:
         if not is_image_error(err):
             raise

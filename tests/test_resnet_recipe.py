@@ -95,7 +95,8 @@ def _bad(tmp_path, existing_run, capsys, *args):
 
 
 def test_unknown_arch(tmp_path, existing_run, capsys):
-    assert "--arch" in _bad(tmp_path, existing_run, capsys, "--arch", "resnet152")
+    line = _bad(tmp_path, existing_run, capsys, "--arch", "resnet_9000")
+    assert "--arch" in line and "torchvision classification model" in line
 
 
 def test_imagefolder_without_train_and_val(tmp_path, existing_run, capsys):
@@ -150,7 +151,8 @@ def test_checkpoint_of_the_other_recipe(tmp_path, existing_run, capsys):
                     "--output-dir", str(tmp_path), "--resume", str(existing_run / "checkpoints" / "last.ckpt")])
     assert exc.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--arch resnet18, which this recipe does not build" in line and "pass --arch resnet18" not in line
+    assert "ResNetClassifier, which this recipe does not build" in line and "another recipe" in line
+    assert "pass --arch resnet18" not in line
 
 
 def test_plain_data_hyperparameters_still_load(tmp_path, existing_run):
