@@ -14,6 +14,7 @@ TOY = ["--arch", "resnet18", "--batch-size", "2", "--image-size", "32", "--steps
        "--accelerator", "cpu"]
 
 
+@pytest.mark.slow  # two measured runs of the memory bench
 def test_toy_run_of_two_variants_writes_json_table_and_summary(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main([*TOY, "--variants", "baseline,grad-checkpointing", "--out", str(out)])

@@ -159,7 +159,8 @@ def test_torchrun_launch_matches_lightning_launch(root):
     assert max_rel_diff(torchrun[0]["state"], launched[0]["state"]) <= 1e-6
 
 
-@pytest.mark.parametrize("start_method", ["spawn", pytest.param("fork", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default launcher trains every other test of this file
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_spawn_and_fork_launchers_train_like_the_default_one(root, start_method):
     """A user's TunedDDPStrategy subclass with CPU SyncBatchNorm, pickled into spawned ranks: the weights
     rank 0 ends with equal the default (subprocess) launcher's."""

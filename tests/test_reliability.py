@@ -151,6 +151,7 @@ def test_killed_rank_ends_the_run_and_resume_auto_matches(straight_run, tmp_path
     assert_same_weights(last, straight_run)
 
 
+@pytest.mark.slow  # waits out a collective timeout; the fast set kills a rank instead
 @needs_mnist
 def test_silent_rank_fails_the_run_within_the_timeout(tmp_path):
     """Rank 1 stops calling collectives (sleeps): rank 0's all-reduce times out after --timeout-s, it exits
@@ -352,6 +353,7 @@ def test_failed_save_removes_its_temp_file_and_keeps_the_old_one(tmp_path):
 # ---- two nodes on one machine ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two torchrun agents; one-node torchrun is in the fast set
 @needs_mnist
 def test_two_torchrun_nodes_train_exactly_like_two_devices(tmp_path):
     common = ["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download",
