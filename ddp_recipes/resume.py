@@ -32,6 +32,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
+from ddp_recipes.data.samplers import loader_batch_size
+
 _STEP_SPAN = 1_000_003  # separates the per-rank seeds of different resume steps
 
 
@@ -106,8 +108,9 @@ def _warn_unresumable_loader(trainer: L.Trainer) -> None:
     done, total = trainer.fit_loop.epoch_loop.batch_progress.current.completed, trainer.num_training_batches
     loader = trainer.train_dataloader
     if isinstance(total, int) and 0 < done < total and loader is not None and not isinstance(loader, ResumableDataLoader):
-        rank_zero_warn(f"resumed {done} batches into epoch {trainer.current_epoch} with a training loader that cannot "
-                       f"skip them ({type(loader).__name__}): this epoch revisits its first batches instead of "
+        rank_zero_warn(f"resumed in the middle of epoch {trainer.current_epoch} with a training loader that cannot "
+                       f"skip the batches it already gave ({type(loader).__name__}): this epoch revisits its first "
+                       "batches instead of "
                        "continuing after the last one; build it with ddp_recipes.data.samplers.resumable_train_loader "
                        "(or subclass SplitDataModule) for an exact resume")
 
@@ -145,7 +148,7 @@ class ResumeState(Callback):
         if trainer is None:
             return state
         state["world_size"] = trainer.world_size
-        per_device = getattr(trainer.train_dataloader, "batch_size", None)
+        per_device = loader_batch_size(trainer.train_dataloader)
         state["global_batch_size"] = (per_device * trainer.world_size * trainer.accumulate_grad_batches
                                       if isinstance(per_device, int) else None)
         state["steps_per_epoch"] = steps_per_epoch(trainer)
@@ -240,7 +243,7 @@ class ResumeState(Callback):
     @staticmethod
     def _report_resize(trainer: L.Trainer, pending: dict[str, Any], lr_change: str) -> None:
         old_world, old_batch = pending.get("world_size"), pending.get("global_batch_size")
-        per_device = getattr(trainer.train_dataloader, "batch_size", None)
+        per_device = loader_batch_size(trainer.train_dataloader)
         new_batch = per_device * trainer.world_size * trainer.accumulate_grad_batches if per_device else None
         batch = (f"global batch {new_batch} kept" if old_batch == new_batch
                  else f"global batch {old_batch} -> {new_batch} (keep it with --global-batch-size)")

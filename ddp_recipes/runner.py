@@ -26,6 +26,7 @@ from ddp_recipes.checkpoint import (
     resolve_resume,
 )
 from ddp_recipes.config import RunConfig, writable_dir
+from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.preemption import LastCheckpoint
 from ddp_recipes.schedules import scale_lr
 from ddp_recipes.trainer import build_trainer
@@ -135,8 +136,8 @@ class PlannedBatch(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        batch = getattr(trainer.train_dataloader, "batch_size", None)
-        if isinstance(batch, int) and batch != self.per_device:
+        batch = loader_batch_size(trainer.train_dataloader)
+        if batch is not None and batch != self.per_device:
             raise ValueError(f"--datamodule-class {self.source}: its training loader has batch_size {batch} but the "
                              f"run plans {self.per_device} per device; build the loader with the batch_size given to "
                              "__init__")

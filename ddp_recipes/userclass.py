@@ -42,21 +42,34 @@ def defined_in_script(path: str) -> bool:
     return path.partition(":")[0] in SCRIPT_MODULES
 
 
-def same_class(recorded: str, cls: type) -> bool:
-    """A class matches a recorded path by module and name; a script's class by name (its module is
-    ``__main__`` under one launcher and the script's name under another)."""
+def source_file(cls: type) -> str | None:
+    """The resolved path of the file that defines ``cls`` (None for classes without one)."""
+    try:
+        found = inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        return None
+    return os.path.realpath(found) if found else None
+
+
+def same_class(recorded: str, cls: type, recorded_file: str | None = None) -> bool:
+    """A class matches a recorded path by module and name. A class defined in a script (``__main__``) has no
+    importable path, so on either side the name and the defining file must both match: the same class run
+    as ``python my_model.py`` and as ``--model-class my_model:Net``, never another script's class that
+    happens to share the name."""
     current = class_path(cls)
-    if recorded == current:
-        return True
-    return ((defined_in_script(recorded) or defined_in_script(current))
-            and recorded.partition(":")[2] == current.partition(":")[2])
+    if not (defined_in_script(recorded) or defined_in_script(current)):
+        return recorded == current
+    if recorded.partition(":")[2] != current.partition(":")[2]:
+        return False
+    # Two scripts' classes both record as __main__:Net: only the defining file tells them apart.
+    return recorded_file is None or recorded_file == source_file(cls)
 
 
 def import_class(spec: str, flag: str) -> type:
     """The class ``package.module:ClassName`` names; a ``ConfigError`` naming ``flag`` otherwise."""
     module_name, sep, qualname = spec.partition(":")
-    if not sep or not module_name or not qualname:
-        raise ConfigError(f"{flag} {spec!r} is not an import path; write it as package.module:ClassName")
+    if not sep or not module_name or not qualname or module_name.startswith("."):
+        raise ConfigError(f"{flag} {spec!r} is not an absolute import path; write it as package.module:ClassName")
     if module_name in SCRIPT_MODULES:
         raise ConfigError(f"{flag} {spec}: a class defined in a script cannot be imported; move it into a module "
                           "(a .py file beside the script) and pass module:ClassName")
@@ -66,9 +79,10 @@ def import_class(spec: str, flag: str) -> type:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except (ImportError, SyntaxError) as err:
-        raise ConfigError(f"{flag} {spec}: cannot import {module_name} ({type(err).__name__}: {err}); check the "
-                          "module path and that it is importable from the working directory") from None
+    except Exception as err:  # noqa: BLE001 - whatever the user's module raises at import is bad input here
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ConfigError(f"{flag} {spec}: cannot import {module_name} ({type(err).__name__}: {reason}); check the "
+                          "module path, that it is importable from the working directory, and its top-level code") from None
     obj: Any = module
     for part in qualname.split("."):
         if not hasattr(obj, part):
@@ -103,8 +117,9 @@ class RecipeClasses:
         return self.model or self.base
 
     def record(self) -> dict[str, str | None]:
-        return {"model_class": class_path(self.model_class),
-                "datamodule_class": class_path(self.datamodule) if self.datamodule else None}
+        return {"model_class": class_path(self.model_class), "model_file": source_file(self.model_class),
+                "datamodule_class": class_path(self.datamodule) if self.datamodule else None,
+                "datamodule_file": source_file(self.datamodule) if self.datamodule else None}
 
 
 def resolve_classes(base: type[L.LightningModule], model_cls: type | None = None, datamodule_cls: type | None = None,
@@ -138,9 +153,11 @@ def follow_checkpoint(classes: RecipeClasses, checkpoint: dict[str, Any], path: 
     if CHECKPOINT_KEY not in checkpoint:
         return classes
     record = checkpoint[CHECKPOINT_KEY] or {}
-    model = _follow(record.get("model_class"), classes.model, classes.base, path, "--model-class", "model_cls")
-    datamodule = _follow(record.get("datamodule_class"), classes.datamodule, None, path,
-                         "--datamodule-class", "datamodule_cls")
+    _refuse_other_recipe(record.get("model_class"), classes.base, path)
+    model = _follow(record.get("model_class"), record.get("model_file"), classes.model, classes.base, path,
+                    "--model-class", "model_cls")
+    datamodule = _follow(record.get("datamodule_class"), record.get("datamodule_file"), classes.datamodule, None,
+                         path, "--datamodule-class", "datamodule_cls")
     for cls, base in ((model, classes.base), (datamodule, L.LightningDataModule)):
         if cls is not None and not issubclass(cls, base):
             raise ConfigError(f"--resume {path} was trained with {class_path(cls)}, which this recipe does not build "
@@ -152,11 +169,25 @@ def _describe(cls: type | None) -> str:
     return class_path(cls) if cls is not None else "the recipe's own data"
 
 
-def _follow(recorded: str | None, given: type | None, default: type | None, path: str, flag: str,
-            kwarg: str) -> type | None:
+def _refuse_other_recipe(recorded: str | None, base: type, path: str) -> None:
+    """A record naming one of this pack's modules that is not the recipe's own: another recipe's checkpoint
+    (fail saying so, rather than suggest a --model-class this recipe would refuse)."""
+    if recorded is None or not recorded.startswith("ddp_recipes.modules."):
+        return
+    try:
+        recorded_cls = import_class(recorded, "--model-class")
+    except ConfigError:
+        return
+    if not issubclass(recorded_cls, base):
+        raise ConfigError(f"--resume {path} was trained with {recorded}, which this recipe does not build "
+                          "(a checkpoint of another recipe?); pass a checkpoint written by this recipe")
+
+
+def _follow(recorded: str | None, recorded_file: str | None, given: type | None, default: type | None, path: str,
+            flag: str, kwarg: str) -> type | None:
     """The class to build for one record: ``given``, else the recorded one, else None (the default)."""
     if given is not None:
-        if recorded is None or not same_class(recorded, given):
+        if recorded is None or not same_class(recorded, given, recorded_file):
             default_recorded = recorded is None or (default is not None and recorded == class_path(default))
             fix = f"drop {flag} ({kwarg}=)" if default_recorded else f"pass {flag} {recorded}"
             raise ConfigError(f"--resume {path} was trained with {recorded or _describe(None)} but this run builds "
@@ -177,17 +208,39 @@ def construct_datamodule(cls: type[L.LightningDataModule], offered: dict[str, An
     the class must take it: with its own batch size the global batch, the LR scaling and the resume
     arithmetic would silently be wrong. A required parameter the recipe cannot give fails in one line.
     """
-    params = inspect.signature(cls.__init__).parameters
-    named = {name: p for name, p in list(params.items())[1:]
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    if "batch_size" not in named:
+    kwargs = _accepted(cls, offered, "--datamodule-class")
+    if "batch_size" not in kwargs:
         raise ConfigError(f"--datamodule-class {class_path(cls)} must take batch_size in __init__ (the per-device "
                           "batch the recipe plans from --batch-size / --global-batch-size)")
+    return cls(**kwargs)
+
+
+def model_kwargs(cls: type[L.LightningModule], given: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's keyword arguments for the model class, checked against its ``__init__``.
+
+    The class must accept each of them (by name, or through ``**kwargs`` passed on to the parent) and
+    require nothing else; otherwise one line says which. Recipes call it before any process starts.
+    """
+    kwargs = _accepted(cls, given, "--model-class")
+    refused = sorted(set(given) - set(kwargs))
+    if refused:
+        raise ConfigError(f"--model-class {class_path(cls)}: __init__ does not take {', '.join(refused)}, which the "
+                          "recipe passes; add **kwargs and pass them on to super().__init__(**kwargs)")
+    return kwargs
+
+
+def _accepted(cls: type, offered: dict[str, Any], flag: str) -> dict[str, Any]:
+    """The offered keywords ``cls.__init__`` takes (all of them when it has ``**kwargs``); a ``ConfigError``
+    when it requires a parameter that is not offered."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     missing = [n for n, p in named.items() if p.default is p.empty and n not in offered]
     if missing:
-        raise ConfigError(f"--datamodule-class {class_path(cls)}: __init__ requires {', '.join(missing)}, which the "
-                          f"recipe cannot give (it gives {', '.join(sorted(offered))}); give them defaults")
-    return cls(**{k: v for k, v in offered.items() if k in named})
+        raise ConfigError(f"{flag} {class_path(cls)}: __init__ requires {', '.join(missing)}, which the recipe "
+                          f"cannot give (it gives {', '.join(sorted(offered))}); give them defaults")
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return dict(offered)
+    return {k: v for k, v in offered.items() if k in named}
 
 
 class RecordClasses(Callback):

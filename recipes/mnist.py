@@ -22,7 +22,7 @@ from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
 from ddp_recipes.runner import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
-from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, resolve_classes
+from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.mnist"
 
@@ -62,9 +62,14 @@ def build_datamodule(cfg: MNISTConfig, cls: type[L.LightningDataModule] | None =
     return construct_datamodule(cls, offered) if cls is not None else MNISTDataModule(**offered)
 
 
+def model_args(cfg: MNISTConfig, lr: float) -> dict:
+    """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults)."""
+    return dict(arch=cfg.arch, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                warmup_epochs=cfg.warmup_epochs, cosine=cfg.cosine)
+
+
 def build_model(cfg: MNISTConfig, lr: float, cls: type[MNISTClassifier] = MNISTClassifier) -> MNISTClassifier:
-    return cls(arch=cfg.arch, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-               warmup_epochs=cfg.warmup_epochs, cosine=cfg.cosine)
+    return cls(**model_kwargs(cls, model_args(cfg, lr)))
 
 
 def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None = None,
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
             classes = follow_checkpoint(classes, checkpoint, resume)
             check_compatible(checkpoint, resume, {"arch": cfg.arch}, accepted={"arch": ARCHS})
         lr = scaled_lr(cfg)
+        model_kwargs(classes.model_class, model_args(cfg, lr))  # before any process starts: one line if not
         datamodule = build_datamodule(cfg, classes.datamodule)
         own_data = classes.datamodule is None
         has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")

@@ -28,7 +28,7 @@ from ddp_recipes.data.images import (
 )
 from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
 from ddp_recipes.runner import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
-from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, resolve_classes
+from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.resnet"
 DATA = ("synthetic", "cifar10", "imagefolder")
@@ -54,8 +54,8 @@ class ResNetConfig(RunConfig):
     nesterov: bool = opt(False, "Nesterov momentum")
     weight_decay: float = opt(5e-4, "weight decay (never on BatchNorm parameters and biases)")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
-    dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own head "
-                              "dropout, 0 keeps torchvision's default)")
+    dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own "
+                              "dropout option, e.g. EfficientNet's head or ViT's blocks; 0 keeps torchvision's default)")
     cosine: bool = opt(True, "cosine LR decay over the run after the warm-up")
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
@@ -110,13 +110,18 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
     return dm
 
 
+def model_args(cfg: ResNetConfig, num_classes: int, lr: float) -> dict:
+    """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults)."""
+    return dict(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
+                momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+                label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
+                cosine=cfg.cosine, channels_last=cfg.channels_last,
+                grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
+
+
 def build_model(cfg: ResNetConfig, num_classes: int, lr: float,
                 cls: type[ResNetClassifier] = ResNetClassifier) -> ResNetClassifier:
-    return cls(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
-               momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-               label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
-               cosine=cfg.cosine, channels_last=cfg.channels_last,
-               grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
+    return cls(**model_kwargs(cls, model_args(cfg, num_classes, lr)))
 
 
 def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
                                                   "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout},
                              accepted={"arch": ARCHS})
         lr = scaled_lr(cfg)
+        model_kwargs(classes.model_class, model_args(cfg, num_classes, lr))  # before any process starts
         own_data = classes.datamodule is None
         has_val = (cfg.data != "synthetic" or cfg.synthetic_val_samples > 0) if own_data else has_loader(datamodule, "val")
         has_test = has_val if own_data else has_loader(datamodule, "test")

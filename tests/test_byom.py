@@ -17,7 +17,7 @@ from ddp_recipes.checkpoint import read_checkpoint
 from ddp_recipes.config import ConfigError
 from ddp_recipes.data.mnist import load_split
 from ddp_recipes.modules.mnist import MNISTClassifier
-from ddp_recipes.userclass import follow_checkpoint, resolve_classes, same_class
+from ddp_recipes.userclass import follow_checkpoint, resolve_classes, same_class, source_file
 from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA, free_port
 
@@ -186,8 +186,82 @@ def test_subclass_monitor_drives_best_checkpoint(tmp_path):
     class Typo(MNISTClassifier):
         monitor = "val_accuracy"
 
-    with pytest.raises(ValueError, match="monitor is 'val_accuracy'"):
+    with pytest.raises(ConfigError, match="monitor is 'val_accuracy'"):
         Typo()
+
+    class LossMetric(MNISTClassifier):
+        def build_metrics(self):
+            return {**super().build_metrics(), "loss": MeanMetricLike()}
+
+    with pytest.raises(ConfigError, match="named 'loss'"):
+        LossMetric()
+
+
+class MeanMetricLike(torch.nn.Module):
+    pass
+
+
+class ReqArg(MNISTClassifier):
+    def __init__(self, hidden: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+
+
+class NoKwargs(MNISTClassifier):
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+
+
+@pytest.mark.parametrize(("cls", "needle"), [(ReqArg, "requires hidden"), (NoKwargs, "does not take arch")])
+def test_model_class_the_recipe_cannot_construct_fails_in_one_line(tmp_path, capsys, cls, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        mnist.main(["--accelerator", "cpu", "--output-dir", str(tmp_path / "out")], model_cls=cls)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and needle in err and "--model-class" in err and err.count("\n") == 0
+    assert not (tmp_path / "out").exists()
+
+
+def test_module_that_raises_on_import_fails_in_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "raiser.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, needle in (("raiser:Net", "RuntimeError: boom at import"), (".relative:Net", "absolute import path")):
+        with pytest.raises(SystemExit):
+            mnist.main(["--accelerator", "cpu", "--output-dir", str(tmp_path / "out"), "--model-class", spec])
+        err = capsys.readouterr().err.strip()
+        assert needle in err and err.count("\n") == 0
+
+
+def test_batch_of_a_batch_sampler_loader_is_read_from_the_sampler(tmp_path, capsys):
+    import lightning as L
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
+
+    from ddp_recipes.data.samplers import loader_batch_size
+
+    data = TensorDataset(torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,)))
+
+    class Sampled(L.LightningDataModule):
+        def __init__(self, batch_size: int, **kwargs) -> None:  # **kwargs: takes every offered argument
+            super().__init__()
+            self.batch_size, self.actual = batch_size, kwargs.get("actual", batch_size)
+
+        def train_dataloader(self):
+            return DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), self.actual, False))
+
+    loader = Sampled(32).train_dataloader()
+    assert loader.batch_size is None and loader_batch_size(loader) == 32
+    # Lightning's DDP re-creation of such a loader sets DataLoader.batch_size to 1: the sampler still says 32.
+    assert loader_batch_size(type("Recreated", (), {"batch_size": 1, "batch_sampler": loader.batch_sampler})()) == 32
+    summary = mnist.main(["--accelerator", "cpu", "--output-dir", str(tmp_path / "ok"), "--batch-size", "32",
+                          "--max-steps", "2"], datamodule_cls=Sampled)
+    assert summary["steps"] == 2
+
+    class Wrong(Sampled):
+        def __init__(self, batch_size: int, **kwargs) -> None:
+            super().__init__(batch_size, actual=16)
+
+    with pytest.raises(SystemExit):
+        mnist.main(["--accelerator", "cpu", "--output-dir", str(tmp_path / "bad"), "--batch-size", "32",
+                    "--max-steps", "2"], datamodule_cls=Wrong)
+    assert "batch_size 16 but the run plans 32" in capsys.readouterr().err
 
 
 # ---- bad input: one line naming the flag, exit 2 ----------------------------------------------------
@@ -291,7 +365,17 @@ def test_follow_checkpoint_rules(examples_on_path):
                           record("ddp_recipes.modules.mnist:MNISTClassifier"), "c.ckpt")
     # Checkpoints written before classes were recorded are not checked.
     assert follow_checkpoint(given, {"state_dict": {}}, "old.ckpt") is given
-    assert same_class("__main__:DropoutCNN", DropoutCNN) and not same_class("other:DropoutCNN", DropoutCNN)
+    assert not same_class("other:DropoutCNN", DropoutCNN)
+    # A script's class (__main__:Name) matches by name *and* defining file: not another script's namesake.
+    here = source_file(DropoutCNN)
+    assert same_class("__main__:DropoutCNN", DropoutCNN, here)
+    assert not same_class("__main__:DropoutCNN", DropoutCNN, "/elsewhere/other_script.py")
+    elsewhere = {"ddp_recipes": {"model_class": "__main__:DropoutCNN", "model_file": "/elsewhere/other_script.py"}}
+    with pytest.raises(ConfigError, match="trained with __main__:DropoutCNN"):
+        follow_checkpoint(given, elsewhere, "c.ckpt")
+    # Another recipe's checkpoint says so, also when a class is given.
+    with pytest.raises(ConfigError, match="another recipe"):
+        follow_checkpoint(given, record("ddp_recipes.modules.resnet:ResNetClassifier"), "c.ckpt")
 
 
 # ---- --arch: the torchvision model zoo ---------------------------------------------------------------

@@ -111,3 +111,14 @@ def keep_batch(batch):
 
 def _collate(dataset: Dataset):
     return keep_batch if isinstance(dataset, TensorBatchDataset) else None
+
+
+def loader_batch_size(loader: object) -> int | None:
+    """Samples per batch of a DataLoader: its batch sampler's ``batch_size`` when it has one (Lightning
+    re-creates a user's ``batch_sampler=`` loader for DDP with ``DataLoader.batch_size`` = 1), else the
+    loader's own; None when neither says (a custom batch sampler)."""
+    sampler_batch = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if isinstance(sampler_batch, int):
+        return sampler_batch
+    batch = getattr(loader, "batch_size", None)
+    return batch if isinstance(batch, int) else None

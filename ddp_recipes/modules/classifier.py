@@ -25,6 +25,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from ddp_recipes.config import ConfigError
 from ddp_recipes.modules.logging import TrainLossLogging
 from ddp_recipes.schedules import lightning_scheduler
 
@@ -75,13 +76,18 @@ class ImageClassifier(TrainLossLogging):
 
     def init_metrics(self) -> None:
         """One fresh set of :meth:`build_metrics` per evaluation stage, plus the loss means."""
+        metrics = self.build_metrics()
+        if "loss" in metrics:
+            raise ConfigError(f"{type(self).__name__}.build_metrics() returns a metric named 'loss', which would be "
+                              "logged as val_loss twice (the loss is logged already); rename it")
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        self.val_metrics = nn.ModuleDict(self.build_metrics())
+        self.val_metrics = nn.ModuleDict(metrics)
         self.test_metrics = nn.ModuleDict(self.build_metrics())
         names = [f"val_{name}" for name in self.val_metrics] + ["val_loss"]
         if self.monitor not in names:
-            raise ValueError(f"{type(self).__name__}.monitor is {self.monitor!r} but the logged validation "
-                             f"metrics are {', '.join(names)}; set monitor to one of them")
+            # A class-level mistake, caught at construction even without validation: best.ckpt would fail later.
+            raise ConfigError(f"{type(self).__name__}.monitor is {self.monitor!r} but its validation metrics are "
+                              f"{', '.join(names)}; set monitor = one of them on the class")
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

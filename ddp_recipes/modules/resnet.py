@@ -7,7 +7,8 @@ weight decay on BatchNorm and bias parameters, and torchmetrics accuracy that st
 ``arch`` is any torchvision classification model (``torchvision.models.get_model``). The ResNet family
 (resnet*, resnext*, wide_resnet*) gets every feature above; other models train with channels-last, the
 optimizer split and the metrics, but the CIFAR stem and grad checkpointing by stage need the ResNet layout
-(conv1/maxpool stem, layer1..layer4), and ``dropout`` goes to the model's own head option where it has one.
+(conv1/maxpool stem, layer1..layer4), and ``dropout`` goes to the model's own ``dropout`` option where it has
+one (before the classifier for EfficientNet, MobileNet, VGG...; inside every block for ViT and Swin).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from ddp_recipes.modules.classifier import ImageClassifier
 ARCHS = tuple(models.list_models(module=models))
 RESNET_FAMILY = tuple(a for a in ARCHS if a.startswith(("resnet", "resnext", "wide_resnet")))
 # Builder options some models need to return plain logits in training (no auxiliary heads).
-ARCH_KWARGS = {"inception_v3": {"aux_logits": False}, "googlenet": {"aux_logits": False}}
+# init_weights=True is their random-weights default, said explicitly so torchvision does not warn about it.
+ARCH_KWARGS = {"inception_v3": {"aux_logits": False, "init_weights": True},
+               "googlenet": {"aux_logits": False, "init_weights": True}}
 STAGES = ("layer1", "layer2", "layer3", "layer4")
 # Total downsampling of the torchvision ResNet up to layer4 (tests measure it on the real network):
 # ImageNet stem = conv1 stride 2 x maxpool stride 2, CIFAR stem = none; layer2..layer4 halve again each.
