@@ -98,6 +98,8 @@ class RunConfig:
     resume: str = opt("none", "none, auto (the newest complete checkpoint in --output-dir) or a checkpoint PATH")
     checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
                                            "each epoch end and on SIGTERM/SLURM's requeue signal)")
+    tf32: bool = opt(True, "FP32 matmuls and convolutions as TF32 on Ampere+ GPUs (NVIDIA's FP32 figures use it; "
+                           "no effect on CPU or under bf16/16-mixed autocast regions)")
     num_workers: int | None = opt(None, "DataLoader workers per rank (default: fitted to the cores per rank)")
     model_class: str | None = opt(None, "your LightningModule, package.module:ClassName (a subclass of the recipe's "
                                         "module; recorded in checkpoints so --resume rebuilds it)")
@@ -235,6 +237,7 @@ class RunConfig:
             warmup_epochs=self.warmup_epochs,
             reference_batch=self.reference_batch,
             global_batch=self.resolved_global_batch_size,
+            tf32=self.tf32,
         )
 
     def to_dict(self) -> dict[str, Any]:

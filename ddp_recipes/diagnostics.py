@@ -15,6 +15,8 @@ ends with the fix (:data:`FIXES`). Codes, what each measures, and when:
 * ``lr-not-scaled``: global batch != reference batch, ``--lr-scaling none``, no warm-up (first batch).
 * ``memory-imbalance``: CUDA peak memory, max > 1.5 x min and > 1 GiB apart (epoch end).
 * ``accum-remainder``: batches per epoch not a multiple of the accumulation (first batch).
+* ``input-bound``: the loop waited for its next batch > 20% of the steady step time (local, timed by
+  :class:`~ddp_recipes.perf.InputWaitProfiler`, which ``build_trainer`` installs; epoch and fit end).
 
 Cost: an all-gather of 8 numbers at the first batch and of 5 per epoch end, on every rank in the same
 order; per step only a local loss sum. One process skips the cross-rank checks. ``findings`` holds
@@ -24,6 +26,7 @@ order; per step only a local loss sum. One process skips the cross-rank checks. 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,12 +59,17 @@ from ddp_recipes.diagnostic_rules import (  # noqa: F401 - re-exported: tests an
     train_sampler,
     unsharded_ranks,
 )
+from ddp_recipes.perf import input_wait
 from ddp_recipes.syncbn import CPUSyncBatchNorm
 
 PREFIX = "DDPDiagnostics:"
 SMALL_BN_BATCH = 16
 # Below this chance that two honest shuffles start with the same batch, "same first batch" means "stale".
 COINCIDENCE_LIMIT = 1e-6
+# Input-bound: more than this share of the step spent waiting for data, over at least INPUT_MIN_STEPS steps
+# after the first INPUT_WARMUP_STEPS of an epoch (workers starting, first prefetch).
+INPUT_BOUND_FRACTION = 0.2
+INPUT_MIN_STEPS, INPUT_WARMUP_STEPS = 10, 5
 
 # The troubleshooting table's fix for each finding, appended to its message.
 FIXES = {
@@ -80,6 +88,11 @@ FIXES = {
     "lr-not-scaled": "--lr-scaling linear (SGD) or sqrt (adaptive optimizers), and/or --warmup-epochs (e.g. 1-5).",
     "accum-remainder": "make batches per epoch a multiple of --accumulate-grad-batches (another --batch-size or "
                        "--global-batch-size, or Trainer(limit_train_batches=<a multiple>)).",
+    "input-bound": "in this order: more --num-workers per rank (up to the CPU cores per device), "
+                   "persistent_workers=True (workers kept across epochs), pin_memory=True on CUDA, then cheaper "
+                   "decoding (images stored at training size, torchvision.io.decode_image on tensors, or GPU "
+                   "decoding with torchvision.io.decode_jpeg(device='cuda')); `python -m ddp_recipes.bench loader` "
+                   "measures images/s per worker count.",
     "memory-imbalance": "side work (evaluation, logging, metrics) belongs under torch.no_grad(), on CPU, or on "
                         "all ranks, not on rank 0 only with autograd on the GPU.",
 }
@@ -120,6 +133,8 @@ class DDPDiagnostics(Callback):
         self._grads_checked: set[int] = set()
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
+        self._wait = [0.0, 0.0, 0]  # steady seconds waiting, steady seconds in steps, steps timed
+        self._batch_end: float | None = None
 
     def report(self, code: str, problem: str) -> None:
         """Record a finding (the problem, then its fix) on this rank and warn on rank 0, once per code."""
@@ -232,6 +247,34 @@ class DDPDiagnostics(Callback):
             value = loss.detach().to(torch.float64).reshape(())  # stays on the device: no sync per step
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
             self._loss_count += 1
+        self._time_input_wait(trainer)
+
+    def _time_input_wait(self, trainer: L.Trainer) -> None:
+        wait, now = input_wait(trainer), time.perf_counter()
+        if wait is None:
+            return
+        if self._batch_end is not None:
+            self._wait[2] += 1
+            if self._wait[2] > INPUT_WARMUP_STEPS:
+                self._wait[0] += wait
+                self._wait[1] += now - self._batch_end
+        self._batch_end = now
+
+    def _check_input_wait(self, trainer: L.Trainer) -> None:
+        waited, stepped, steps = self._wait
+        self._wait, self._batch_end = [0.0, 0.0, 0], None  # per epoch: validation is not a step
+        if steps - INPUT_WARMUP_STEPS < INPUT_MIN_STEPS or stepped <= 0:
+            return
+        self.checked.add("input-bound")
+        if waited / stepped > INPUT_BOUND_FRACTION:
+            self.report("input-bound", (
+                f"the training loop waited for its next batch {waited / stepped:.0%} of the step time on rank "
+                f"{trainer.global_rank} ({1000 * waited / (steps - INPUT_WARMUP_STEPS):.1f} ms per step over "
+                f"{steps - INPUT_WARMUP_STEPS} steps): the devices idle while the loader reads and decodes."))
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_input_wait(trainer)  # a --max-steps run may end before any epoch end
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
@@ -254,6 +297,7 @@ class DDPDiagnostics(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_input_wait(trainer)
         if trainer.world_size < 2:
             return
         device = trainer.strategy.root_device

@@ -27,6 +27,7 @@ from ddp_recipes.checkpoint import (
 )
 from ddp_recipes.config import RunConfig, writable_dir
 from ddp_recipes.data.samplers import loader_batch_size
+from ddp_recipes.perf import flops_summary, input_wait, peak_flops, tf32_state, training_flops_per_sample
 from ddp_recipes.preemption import LastCheckpoint
 from ddp_recipes.schedules import scale_lr
 from ddp_recipes.trainer import build_trainer
@@ -34,16 +35,19 @@ from ddp_recipes.userclass import RecipeClasses, RecordClasses, class_path
 
 
 class ThroughputMeter(Callback):
-    """Steady-state training samples/s over all ranks, from rank-local wall time between optimizer steps.
+    """Steady-state training samples/s over all ranks, from rank-local wall time between optimizer steps,
+    and the fraction of that time the loop waited for its next batch.
 
     DDP's gradient all-reduce makes every step a synchronisation point, so one rank's clock measures the
-    whole group. The first ``warmup_steps`` intervals (allocator, first all-reduce, bucket rebuild; at most
-    half of a short run) and the time outside training batches (validation, epoch ends) are excluded.
+    whole group. The first ``warmup_steps`` intervals (allocator, first all-reduce, bucket rebuild, loader
+    workers starting; at most half of a short run) and the time outside training batches (validation,
+    epoch ends) are excluded.
     """
 
     def __init__(self, warmup_steps: int = 5) -> None:
         self.warmup_steps = warmup_steps
-        self.intervals: list[tuple[int, float]] = []  # (samples over all ranks, seconds)
+        self.intervals: list[tuple[int, float, float | None]] = []  # (samples over all ranks, seconds, wait s)
+        self.example: torch.Tensor | None = None  # the first batch's input, for the FLOP count
         self._last: float | None = None
 
     @override
@@ -51,18 +55,38 @@ class ThroughputMeter(Callback):
         self._last = None  # do not count the gap across validation and the epoch boundary
 
     @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.example is None:
+            first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+            if torch.is_tensor(first):
+                self.example = torch.empty(first.shape, dtype=first.dtype, device="meta")
+
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now = time.perf_counter()
         if self._last is not None:
-            self.intervals.append((_batch_len(batch) * trainer.world_size, now - self._last))
+            self.intervals.append((_batch_len(batch) * trainer.world_size, now - self._last, input_wait(trainer)))
         self._last = now
+
+    def _steady(self) -> list[tuple[int, float, float | None]]:
+        return self.intervals[min(self.warmup_steps, len(self.intervals) // 2):]
 
     @property
     def samples_per_sec(self) -> float | None:
-        steady = self.intervals[min(self.warmup_steps, len(self.intervals) // 2):]
-        seconds = sum(t for _, t in steady)
-        return sum(n for n, _ in steady) / seconds if seconds > 0 else None
+        steady = self._steady()
+        seconds = sum(t for _, t, _ in steady)
+        return sum(n for n, _, _ in steady) / seconds if seconds > 0 else None
+
+    @property
+    def input_wait_fraction(self) -> float | None:
+        """Share of the steady step time rank 0 spent waiting for the next batch (None: not measured)."""
+        steady = self._steady()
+        seconds = sum(t for _, t, _ in steady)
+        if not steady or seconds <= 0 or any(w is None for _, _, w in steady):
+            return None
+        return min(1.0, sum(w for _, _, w in steady) / seconds)
 
 
 def _batch_len(batch: Any) -> int:
@@ -166,6 +190,7 @@ def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
         f"learning rate    {lr:g} (base {cfg.base_lr:g} at batch {cfg.reference_batch}, scaling {cfg.lr_scaling}, "
         f"warm-up {cfg.warmup_epochs:g} epochs)",
         f"precision        {trainer.precision}",
+        f"tf32             {tf32_state(trainer.strategy.root_device.type)}",
         f"strategy         {strategy}" + (f" (comm hook {hook}, sync BN {cfg.sync_batchnorm}, "
                                           f"find unused {cfg.find_unused_parameters})" if hook else ""),
         f"output           {cfg.output_dir}",
@@ -180,7 +205,7 @@ def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
 
 def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_seconds: float,
               metrics: dict[str, float], test_metrics: dict[str, float],
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+              extra: dict[str, Any] | None = None, flops: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fields of summary.json (see the README for each one)."""
     return {
         "world_size": trainer.world_size,
@@ -194,6 +219,8 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         "steps": trainer.global_step,
         "fit_seconds": round(fit_seconds, 3),
         "train_samples_per_sec": round(meter.samples_per_sec, 1) if meter.samples_per_sec else None,
+        "input_wait_fraction": round(meter.input_wait_fraction, 4) if meter.input_wait_fraction is not None else None,
+        **(flops or {}),
         "final_train_loss": metrics.get("train_loss_epoch", metrics.get("train_loss")),
         **{k: v for k, v in test_metrics.items()},
         "metrics": metrics,
@@ -239,11 +266,15 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if test:
         results = trainer.test(model, datamodule=datamodule, verbose=False)
         test_metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
-    summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra)
+    flops_per_sample = (training_flops_per_sample(build_model, meter.example) if meter.example is not None
+                        else None)
+    flops = flops_summary(flops_per_sample, meter.samples_per_sec, trainer.world_size,
+                          peak_flops(trainer.strategy.root_device, trainer.precision))
+    summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops)
     if trainer.is_global_zero:
         write_json_atomic(out / "summary.json", summary)
         shown = {k: summary[k] for k in ("world_size", "global_batch_size", "epochs", "steps", "fit_seconds",
-                                         "train_samples_per_sec") if k in summary}
+                                         "train_samples_per_sec", "input_wait_fraction", "mfu") if k in summary}
         shown.update({k: round(v, 4) for k, v in test_metrics.items()})
         print("summary " + json.dumps(shown), flush=True)
     return summary

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from ddp_recipes.checkpoint import AtomicCheckpointIO
 from ddp_recipes.config import ConfigError, launched_by_torchrun, resolve_world
 from ddp_recipes.diagnostics import DDPDiagnostics
+from ddp_recipes.perf import InputWaitProfiler, configure_tf32
 from ddp_recipes.resume import ResumeState
 from ddp_recipes.strategy import TunedDDPStrategy
 
@@ -90,6 +91,7 @@ def build_trainer(
     warmup_epochs: float | None = None,
     reference_batch: int | None = None,
     global_batch: int | None = None,
+    tf32: bool = True,
     strategy_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
@@ -102,7 +104,9 @@ def build_trainer(
     ``diagnostics`` adds :class:`DDPDiagnostics` (the troubleshooting table as checks, reported once on
     rank 0); ``lr_scaling``, ``warmup_epochs``, ``reference_batch`` and ``global_batch`` tell it the run's
     LR facts, so it can warn when the global batch left the reference batch without LR scaling or warm-up
-    (left unset, that check is skipped). Any other keyword goes to ``lightning.Trainer``;
+    (left unset, that check is skipped). ``tf32`` runs FP32 matmuls and convolutions as TF32 on Ampere+
+    GPUs (no effect on CPU). Unless a ``profiler`` is given, :class:`~ddp_recipes.perf.InputWaitProfiler`
+    times the loop's wait for each batch. Any other keyword goes to ``lightning.Trainer``;
     ``strategy_kwargs`` to TunedDDPStrategy.
     """
     accel = resolve_accelerator(accelerator)
@@ -114,6 +118,8 @@ def build_trainer(
     precision = resolve_precision(precision, accel)
     if accumulate_grad_batches < 1:
         raise ConfigError(f"--accumulate-grad-batches must be >= 1 (got {accumulate_grad_batches})")
+    configure_tf32(tf32, accel)
+    trainer_kwargs.setdefault("profiler", InputWaitProfiler())
     if seed is not None:
         # Same seed on every rank before the model is built: identical initial weights everywhere.
         L.seed_everything(seed, workers=True, verbose=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -148,3 +149,31 @@ def test_predict_main_lists_links(capsys):
     assert predict_main(["--list-links"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in LINKS)
+
+
+def test_published_scaling_table_is_pinned():
+    """Every published point the README cites beside the model (README "The scaling model" shows this table)."""
+    from ddp_recipes.bench.commodel import format_scaling_table, published_scaling_table
+
+    rows = published_scaling_table()
+    pinned = {  # (precision, GPUs): (published %, model %)
+        ("fp32", 2): (94.2, 96.9), ("fp32", 4): (94.2, 96.8), ("fp32", 8): (93.3, 96.7), ("fp32", 16): (93.0, 90.0),
+        ("TF32", 8): (96.6, 97.0), ("AMP", 8): (84.1, 96.9),
+    }
+    got = {(r["precision"], r["devices"]): (round(100 * r["published_efficiency"], 1),
+                                           round(100 * r["predicted_efficiency"], 1)) for r in rows}
+    assert got == pinned
+    # The faster the step, the more the model misses: AMP's gap is many times the whole all-reduce.
+    amp = next(r for r in rows if r["precision"] == "AMP")
+    assert amp["gap_ms"] > 10 * amp["comm_ms"]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert format_scaling_table(rows) in readme, "README's scaling table is stale: paste format_scaling_table()"
+
+
+def test_prediction_says_what_it_leaves_out():
+    from ddp_recipes.bench.commodel import LEAVES_OUT, predict
+
+    inside = predict(100.0, 25e6, 8, "nvlink3")
+    assert inside["bound"] == "upper" and inside["leaves_out"] == list(LEAVES_OUT)
+    assert "input pipeline" in " ".join(inside["leaves_out"])
+    assert predict(100.0, 25e6, 16, "ib200")["bound"].startswith("none")

@@ -1,0 +1,133 @@
+"""TF32 switches, FLOPs and MFU, and the input-pipeline wait: measured the way summary.json reports them."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ddp_recipes import perf
+from ddp_recipes.diagnostics import DDPDiagnostics
+from ddp_recipes.modules.mnist import MNISTClassifier
+from ddp_recipes.modules.resnet import ResNetClassifier
+from ddp_recipes.runner import ThroughputMeter
+from ddp_recipes.trainer import build_trainer
+
+
+@pytest.fixture
+def restore_tf32():
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def test_tf32_switches_and_what_the_setup_print_says(monkeypatch, restore_tf32):
+    monkeypatch.setattr(perf, "tf32_capable", lambda: True)  # an Ampere GPU, as far as the rule can tell
+    perf.configure_tf32(True, "cuda")
+    assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    assert perf.tf32_state("cuda").startswith("on")
+    perf.configure_tf32(False, "cuda")
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    assert perf.tf32_state("cuda").startswith("off")
+    torch.backends.cudnn.allow_tf32 = True
+    assert perf.tf32_state("cuda").startswith("partly")
+    monkeypatch.setattr(perf, "tf32_capable", lambda: False)
+    assert "before Ampere" in perf.tf32_state("cuda")
+    # CPU: nothing is touched, and the print says so.
+    torch.set_float32_matmul_precision("highest")
+    perf.configure_tf32(True, "cpu")
+    assert torch.get_float32_matmul_precision() == "highest" and perf.tf32_state("cpu") == "n/a (CPU)"
+
+
+def test_flops_per_sample_counts_forward_and_backward():
+    example = torch.empty(32, 1, 28, 28)
+    flops = perf.training_flops_per_sample(lambda: MNISTClassifier(arch="mlp"), example)
+    forward = 2 * (784 * 128 + 128 * 10)
+    # Backward: weight gradients of both layers, the input gradient of the second only (the input needs none).
+    backward = 2 * (784 * 128 + 128 * 10) + 2 * 128 * 10
+    assert flops == forward + backward
+
+
+def test_grad_checkpointing_does_not_change_the_model_flops():
+    example = torch.empty(4, 3, 32, 32)
+    plain = perf.training_flops_per_sample(lambda: ResNetClassifier(cifar_stem=True), example)
+    ckpt = perf.training_flops_per_sample(lambda: ResNetClassifier(cifar_stem=True, grad_checkpointing=True), example)
+    assert plain == ckpt and 3e9 < plain < 4e9  # ResNet-18 at 32 px: ~1.1 GFLOPs forward, ~3x with backward
+
+
+def test_unbuildable_model_has_no_flop_count():
+    def build():
+        raise OSError("weights file missing")
+
+    assert perf.training_flops_per_sample(build, torch.empty(2, 3)) is None
+
+
+def test_flops_summary_mfu_only_with_a_known_peak():
+    known = perf.flops_summary(1_000, 500.0, world_size=2, peak_per_device=1_000_000)
+    assert known["achieved_flops_per_sec"] == 500_000 and known["achieved_flops_per_sec_per_device"] == 250_000
+    assert known["mfu"] == 0.25
+    unknown = perf.flops_summary(1_000, 500.0, world_size=2, peak_per_device=None)
+    assert unknown["mfu"] is None and unknown["achieved_flops_per_sec"] == 500_000
+    assert perf.peak_flops(torch.device("cpu"), "32-true") is None
+
+
+class SlowImages(Dataset):
+    """A dataset whose every sample costs ``delay`` seconds of 'decoding' in the main process."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.full((8,), float(i % 7)), i % 2
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("delay", "bound"), [(0.01, True), (0.0, False)])
+def test_input_wait_is_measured_and_an_input_bound_run_is_named(tmp_path, delay, bound):
+    meter, diag = ThroughputMeter(), DDPDiagnostics()
+    trainer = build_trainer(accelerator="cpu", devices=1, max_steps=30, callbacks=[meter, diag], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)
+    assert isinstance(trainer.profiler, perf.InputWaitProfiler)
+    # 8 samples per batch: 80 ms of loading against a step of well under a millisecond.
+    trainer.fit(Tiny(), DataLoader(SlowImages(400, delay), batch_size=8))
+    fraction = meter.input_wait_fraction
+    assert fraction is not None and 0.0 <= fraction <= 1.0
+    codes = [code for code, _ in diag.findings]
+    assert "input-bound" in diag.checked
+    if bound:
+        assert fraction > 0.5 and "input-bound" in codes
+        message = dict(diag.findings)["input-bound"]
+        assert "--num-workers" in message and "persistent_workers" in message
+    else:
+        assert "input-bound" not in codes
+
+
+def test_a_users_profiler_is_kept():
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    trainer = build_trainer(accelerator="cpu", devices=1, profiler=SimpleProfiler(), logger=False)
+    assert isinstance(trainer.profiler, SimpleProfiler)
+    assert perf.input_wait(trainer) is None
