@@ -16,7 +16,7 @@ def test_tiny_end_to_end_writes_all_outputs(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, "-m", "ddp_recipes.bench", "--recipe", "mnist", "--devices", "1,2", "--steps", "2",
-         "--warmup-steps", "1", "--accelerator", "cpu", "--out", str(out)],
+         "--warmup-steps", "1", "--repeats", "1", "--accelerator", "cpu", "--out", str(out)],
         capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "speedup.png", "runs"}
@@ -33,7 +33,7 @@ def test_tiny_end_to_end_writes_all_outputs(tmp_path):
     assert len(results["prediction"]["rows"]) == 11 * 4  # every link preset at N = 2, 4, 8, 16
     assert "| pack | 2 |" in proc.stdout  # the markdown table is printed too
     assert proc.stdout.strip().splitlines()[-1].startswith("bench: pack_speedup@2=")
-    assert "[4/4] raw" in proc.stderr  # progress display
+    assert "[4/4] round 1: raw" in proc.stderr  # progress display
     assert [d["devices"] for d in results["diagnostics_overhead"]] == [1, 2]
     assert all(d["ms_per_step"] >= 0 for d in results["diagnostics_overhead"])
 
@@ -74,3 +74,36 @@ def test_predict_subcommand_prints_json(capsys):
     assert main(["predict", "--step-ms", "97.26", "--params", "25557032", "--devices", "8", "--link", "nvlink2"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert 0 < result["efficiency"] <= 1 and result["speedup"] == pytest.approx(8 * result["efficiency"])
+
+
+def test_repeats_interleave_pairs_and_report_the_median_ratio(tmp_path, monkeypatch):
+    """Rounds alternate pack/raw at each N; a burst of host load in one round cannot decide the verdict."""
+    from ddp_recipes.bench import __main__ as bench
+
+    calls = []
+    slow_round = 1  # the host is 3x slower for all of round 1
+
+    def fake_worker(impl, n, settings, out_dir):
+        round_no = sum(1 for c in calls if c == (impl, n))
+        calls.append((impl, n))
+        rate = (100.0 if impl == "raw" else 98.0) * n / (3 if round_no == slow_round else 1)
+        return {"impl": impl, "devices": n, "global_samples_per_s": rate, "step_ms_median": 1000 / rate,
+                "step_ms_p10": 1.0, "step_ms_p90": 2.0, "peak_mem_mb_per_rank": [1.0] * n, "measured_steps": 2}
+
+    monkeypatch.setattr(bench, "run_worker", fake_worker)
+    monkeypatch.setattr(bench, "parallel_ceiling", lambda n: {"workers": n, "ceiling": 1.9, "relative_mean": 0.95,
+                                                                "usable_cpus": 2})
+    monkeypatch.setattr(bench, "_prediction", lambda results, raw: None)
+    results = bench.run_bench(bench.BenchConfig(recipe="mnist", devices="1,2", accelerator="cpu", repeats=3,
+                                                out=str(tmp_path)))
+    assert calls == [("pack", 1), ("raw", 1), ("pack", 2), ("raw", 2),
+                     ("raw", 1), ("pack", 1), ("raw", 2), ("pack", 2),
+                     ("pack", 1), ("raw", 1), ("pack", 2), ("raw", 2)]
+    assert results["overhead_ratio"] == {1: pytest.approx(0.98), 2: pytest.approx(0.98)}
+    assert results["overhead_spread"][2]["pairs"] == 3
+    rows = {(r["impl"], r["devices"]): r for r in results["runs"]}
+    assert rows[("raw", 2)]["global_samples_per_s"] == 200.0 and rows[("raw", 2)]["rounds"] == 3
+    assert rows[("raw", 2)]["samples_per_s_range"] == [pytest.approx(200 / 3), 200.0]
+    from ddp_recipes.bench.report import markdown_report
+
+    assert "median of 3 interleaved pairs" in markdown_report(results)

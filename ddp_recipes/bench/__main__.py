@@ -51,6 +51,8 @@ class BenchConfig:
     dp: bool = opt(False, "also measure torch.nn.DataParallel (needs 2+ CUDA GPUs; skipped otherwise)")
     data_dir: str = opt("", "mnist only: real MNIST (torchvision layout) instead of synthetic tensors")
     writeup: bool = opt(False, "mnist only: also measure the write-up's original script (needs --data-dir)")
+    repeats: int = opt(3, "rounds of the whole plan; each round runs the impls interleaved at each N (the order "
+                          "alternates), and the report takes medians and the spread of the per-round pack/raw ratio")
     seed: int = opt(0, "seed of the synthetic data and the model")
     out: str = opt("bench-results", "output folder for results.json, report.md and speedup.png")
 
@@ -76,6 +78,8 @@ class BenchConfig:
             raise ConfigError(f"--devices {self.devices} but only {gpus} CUDA device(s) are visible; lower --devices")
         if 1 not in devices:
             raise ConfigError("--devices must include 1: speedup is measured against the 1-device run")
+        if self.repeats < 1:
+            raise ConfigError(f"--repeats must be >= 1 (got {self.repeats})")
         if self.warmup_steps < 1:
             raise ConfigError(f"--warmup-steps must be >= 1 (got {self.warmup_steps})")
         steps = self.steps or (50 if accelerator == "cuda" else 20)
@@ -107,6 +111,7 @@ class BenchConfig:
         return {"recipe": self.recipe, "arch": arch, "devices": devices, "accelerator": accelerator,
                 "precision": precision, "image_size": image_size, "batch_size": batch, "steps": steps,
                 "warmup_steps": self.warmup_steps, "threads": threads, "seed": self.seed, "gpus": gpus,
+                "repeats": self.repeats,
                 "data_dir": self.data_dir}
 
 
@@ -151,7 +156,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"host": host_facts(), "runs": [], "warnings": [], "allreduce": []}
     results["config"] = {k: settings[k] for k in ("recipe", "arch", "accelerator", "precision", "image_size",
-                                                  "batch_size", "steps", "warmup_steps", "threads")}
+                                                  "batch_size", "steps", "warmup_steps", "threads", "repeats")}
     results["config"]["devices"] = ",".join(map(str, devices))
     results["config"]["thread_budget"] = (
         f"{settings['threads']} torch thread(s) per rank in every run (OMP_NUM_THREADS)" if settings["threads"]
@@ -171,10 +176,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         else:
             _progress("--dp skipped: DataParallel needs 2+ CUDA GPUs")
             results["warnings"].append("--dp skipped: DataParallel needs 2+ CUDA GPUs")
-    raw_by_n: dict[int, dict[str, Any]] = {}
-    pack_by_n: dict[int, dict[str, Any]] = {}
-    for i, (impl, n) in enumerate(plan, 1):
-        _progress(f"[{i}/{len(plan)}] {impl:<4} {n} device(s): running {settings['warmup_steps']}+{settings['steps']} steps ...")
+    measured: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    schedule = interleaved_schedule(plan, settings["repeats"])
+    for i, (round_no, impl, n) in enumerate(schedule, 1):
+        _progress(f"[{i}/{len(schedule)}] round {round_no + 1}: {impl:<4} {n} device(s): running "
+                  f"{settings['warmup_steps']}+{settings['steps']} steps ...")
         start = time.perf_counter()
         run = None
         for attempt in (1, 2):
@@ -188,21 +194,72 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 _progress(f"        attempt {attempt} failed: {err}")
         if run is None:
             continue
-        if impl == "raw":
-            raw_by_n[n] = run
-        if impl == "pack":
-            pack_by_n[n] = run
-        keep = ("impl", "devices", "global_samples_per_s", "step_ms_median", "step_ms_p10", "step_ms_p90",
-                "peak_mem_mb_per_rank", "measured_steps", "torch_threads")
-        row = {k: run[k] for k in keep if k in run}
-        row["per_device_samples_per_s"] = row["global_samples_per_s"] / n
-        results["runs"].append(row)
-        _progress(f"        {row['global_samples_per_s']:.1f} samples/s, median step {row['step_ms_median']:.1f} ms "
+        run["round"] = round_no
+        measured.setdefault((impl, n), []).append(run)
+        _progress(f"        {run['global_samples_per_s']:.1f} samples/s, median step {run['step_ms_median']:.1f} ms "
                   f"({time.perf_counter() - start:.0f} s)")
+    results["runs"], chosen = aggregate_rounds(measured)
+    raw_by_n = {n: run for (impl, n), run in chosen.items() if impl == "raw"}
+    pack_by_n = {n: run for (impl, n), run in chosen.items() if impl == "pack"}
+    results["overhead_spread"] = paired_ratios(measured)
+    results["overhead_ratio"] = {n: v["median"] for n, v in results["overhead_spread"].items()}
     _diagnostics_cost(results, pack_by_n)
     _communication(results, raw_by_n, devices)
     _prediction(results, raw_by_n)
     return results
+
+
+def interleaved_schedule(plan: list[tuple[str, int]], repeats: int) -> list[tuple[int, str, int]]:
+    """(round, impl, N) in run order: every round runs the whole plan with the impls of one N back to back,
+    their order alternating between rounds, so a burst of host load hits both sides of a comparison."""
+    schedule = []
+    for round_no in range(repeats):
+        for n in dict.fromkeys(n for _, n in plan):
+            impls = [impl for impl, m in plan if m == n]
+            schedule += [(round_no, impl, n) for impl in (impls if round_no % 2 == 0 else impls[::-1])]
+    return schedule
+
+
+def aggregate_rounds(measured: dict[tuple[str, int], list[dict[str, Any]]]
+                     ) -> tuple[list[dict[str, Any]], dict[tuple[str, int], dict[str, Any]]]:
+    """One row per (impl, N): the medians over its rounds and their range; and the round whose throughput
+    is the median, whose details (all-reduce, diagnostics) the report uses."""
+    import statistics
+
+    keep = ("impl", "devices", "step_ms_p10", "step_ms_p90", "peak_mem_mb_per_rank", "measured_steps",
+            "torch_threads")
+    rows, chosen = [], {}
+    for (impl, n), runs in measured.items():
+        ordered = sorted(runs, key=lambda r: r["global_samples_per_s"])
+        middle = ordered[(len(ordered) - 1) // 2]
+        chosen[(impl, n)] = middle
+        row = {k: middle[k] for k in keep if k in middle}
+        rates = [r["global_samples_per_s"] for r in runs]
+        row["global_samples_per_s"] = statistics.median(rates)
+        row["step_ms_median"] = statistics.median(r["step_ms_median"] for r in runs)
+        row["per_device_samples_per_s"] = row["global_samples_per_s"] / n
+        row["rounds"] = len(runs)
+        row["samples_per_s_range"] = [min(rates), max(rates)]
+        rows.append(row)
+    return rows, chosen
+
+
+def paired_ratios(measured: dict[tuple[str, int], list[dict[str, Any]]], impl: str = "pack",
+                  baseline: str = "raw") -> dict[int, dict[str, Any]]:
+    """{N: median, min and max over rounds of impl/baseline throughput, each ratio from one round's pair}."""
+    import statistics
+
+    out = {}
+    for (name, n), runs in sorted(measured.items()):
+        if name != impl:
+            continue
+        base = {r["round"]: r for r in measured.get((baseline, n), [])}
+        ratios = [r["global_samples_per_s"] / base[r["round"]]["global_samples_per_s"]
+                  for r in runs if r["round"] in base and base[r["round"]]["global_samples_per_s"]]
+        if ratios:
+            out[n] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                      "pairs": len(ratios)}
+    return out
 
 
 def _diagnostics_cost(results: dict[str, Any], pack_runs: dict[int, dict[str, Any]]) -> None:

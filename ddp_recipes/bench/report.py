@@ -13,9 +13,12 @@ turns the integer keys of ``overhead_ratio`` into strings). Every top-level key 
                    ``per_device_samples_per_s``  global / N
                    ``step_ms_median``, ``step_ms_p10``, ``step_ms_p90``  per-step wall time
                    ``peak_mem_mb_per_rank``      list, one per rank
+                   ``rounds``, ``samples_per_s_range``  with ``--repeats``: the rounds measured and the
+                                                 range of their throughputs (the row holds medians)
                    ``speedup``, ``efficiency``   filled by :func:`compute_speedups` when absent
-``overhead_ratio`` {N: pack samples/s / raw samples/s at N}; < 1 means the pack is slower; from
-                 :func:`overhead_ratios`.
+``overhead_ratio`` {N: pack samples/s / raw samples/s at N}; < 1 means the pack is slower; the median of
+                 the per-round ratios when the runner repeated the plan, else from :func:`overhead_ratios`.
+``overhead_spread`` {N: ``median``, ``min``, ``max``, ``pairs``} of those per-round ratios (``--repeats``).
 ``allreduce``    one dict per N: ``devices``, ``nbytes`` (gradient bytes), ``fp32_ms``, ``bf16_ms``
                  (all-reduce with the bf16 comm hook's halved payload), ``exposed_ms`` (per-step comm time
                  not hidden under backward).
@@ -144,8 +147,15 @@ def markdown_report(results: dict[str, Any]) -> str:
     if writeup:
         parts += ["Pack throughput over the write-up's original script: "
                   + ", ".join(f"N={n}: {v:.2f}x" for n, v in writeup.items()), ""]
+    spread = results.get("overhead_spread") or {}
     if ratios:
-        parts += ["Pack throughput as a fraction of the raw DDP loop's (target >= 0.95): " + ", ".join(f"N={n}: {v:.3f}x" for n, v in ratios.items()), ""]
+        def ratio_text(n: Any, v: float) -> str:
+            s = spread.get(n) or spread.get(str(n))
+            if not s or s.get("pairs", 1) < 2:
+                return f"N={n}: {v:.3f}x"
+            return f"N={n}: {v:.3f}x (median of {s['pairs']} interleaved pairs, {s['min']:.3f}-{s['max']:.3f})"
+        parts += ["Pack throughput as a fraction of the raw DDP loop's (target >= 0.95): "
+                  + ", ".join(ratio_text(n, v) for n, v in ratios.items()), ""]
     diag = results.get("diagnostics_overhead")
     if diag:
         parts += ["DDPDiagnostics cost (time in its hooks on rank 0, per step; target < 1%): "
