@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 BENCH_ARGS ?=
 
-.PHONY: help install test test-slow test-gpu bench lint clean
+.PHONY: help install test test-slow test-gpu gpu-check bench lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -21,8 +21,11 @@ test:  ## the fast CPU suite (gloo, 2 processes); < 10 min on 2 cores
 test-slow:  ## the slow CPU tests (accuracy targets, longer runs)
 	$(BIN)/python -m pytest -q -m slow
 
-test-gpu:  ## the multi-GPU tests (needs 2+ CUDA devices)
+test-gpu:  ## the GPU tier: 1-GPU tests, and 2+-GPU (NCCL) tests that skip below 2 GPUs; skips cleanly on CPU
 	$(BIN)/python -m pytest -q -m gpu
+
+gpu-check:  ## one GPU: ResNet-50 224 px bf16 channels-last, pack vs raw, eager and compiled, MFU -> bench-results/gpu.json
+	$(BIN)/python -m ddp_recipes.bench.gpucheck
 
 bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writes bench-results/)
 	$(BIN)/python -m ddp_recipes.bench $(BENCH_ARGS)

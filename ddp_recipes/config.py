@@ -98,6 +98,10 @@ class RunConfig:
     resume: str = opt("none", "none, auto (the newest complete checkpoint in --output-dir) or a checkpoint PATH")
     checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
                                            "each epoch end and on SIGTERM/SLURM's requeue signal)")
+    compile: bool = opt(False, "torch.compile the model; under DDP its DDPOptimizer splits the graph at gradient-bucket "
+                               "boundaries so the all-reduce still overlaps backward (compile time is reported apart)")
+    compile_backend: str = opt("inductor", "torch.compile backend: inductor (generated kernels), aot_eager (no "
+                                           "code generation: checks a model compiles), cudagraphs, ...")
     tf32: bool = opt(True, "FP32 matmuls and convolutions as TF32 on Ampere+ GPUs (NVIDIA's FP32 figures use it; "
                            "no effect on CPU or under bf16/16-mixed autocast regions)")
     num_workers: int | None = opt(None, "DataLoader workers per rank (default: fitted to the cores per rank)")
@@ -133,6 +137,13 @@ class RunConfig:
             raise ConfigError(f"--bucket-cap-mb must be > 0 (got {self.bucket_cap_mb})")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0 (got {self.num_workers})")
+        if self.compile:
+            from torch._dynamo import list_backends
+
+            known = list_backends(exclude_tags=())
+            if self.compile_backend not in known:
+                raise ConfigError(f"--compile-backend must be one of {', '.join(sorted(known))} "
+                                  f"(got {self.compile_backend!r})")
         if self.checkpoint_every_n_steps < 0:
             raise ConfigError(f"--checkpoint-every-n-steps must be >= 0 (got {self.checkpoint_every_n_steps})")
         resolve_world(self.devices, self.num_nodes)  # torchrun agreement, with the flag named

@@ -48,7 +48,9 @@ class ThroughputMeter(Callback):
         self.warmup_steps = warmup_steps
         self.intervals: list[tuple[int, float, float | None]] = []  # (samples over all ranks, seconds, wait s)
         self.example: torch.Tensor | None = None  # the first batch's input, for the FLOP count
+        self.first_step_s: float | None = None  # the fit's first batch: with --compile, its compilation
         self._last: float | None = None
+        self._first_start: float | None = None
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -57,6 +59,8 @@ class ThroughputMeter(Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self._first_start is None:
+            self._first_start = time.perf_counter()
         if self.example is None:
             first = batch[0] if isinstance(batch, list | tuple) and batch else batch
             if torch.is_tensor(first):
@@ -66,6 +70,8 @@ class ThroughputMeter(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now = time.perf_counter()
+        if self.first_step_s is None and self._first_start is not None:
+            self.first_step_s = now - self._first_start
         if self._last is not None:
             self.intervals.append((_batch_len(batch) * trainer.world_size, now - self._last, input_wait(trainer)))
         self._last = now
@@ -78,6 +84,11 @@ class ThroughputMeter(Callback):
         steady = self._steady()
         seconds = sum(t for _, t, _ in steady)
         return sum(n for n, _, _ in steady) / seconds if seconds > 0 else None
+
+    @property
+    def step_s_median(self) -> float | None:
+        steady = sorted(t for _, t, _ in self._steady())
+        return steady[len(steady) // 2] if steady else None
 
     @property
     def input_wait_fraction(self) -> float | None:
@@ -189,7 +200,7 @@ def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
         f"{global_batch} global",
         f"learning rate    {lr:g} (base {cfg.base_lr:g} at batch {cfg.reference_batch}, scaling {cfg.lr_scaling}, "
         f"warm-up {cfg.warmup_epochs:g} epochs)",
-        f"precision        {trainer.precision}",
+        f"precision        {trainer.precision}" + (f", torch.compile ({cfg.compile_backend})" if cfg.compile else ""),
         f"tf32             {tf32_state(trainer.strategy.root_device.type)}",
         f"strategy         {strategy}" + (f" (comm hook {hook}, sync BN {cfg.sync_batchnorm}, "
                                           f"find unused {cfg.find_unused_parameters})" if hook else ""),
@@ -220,6 +231,11 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         "fit_seconds": round(fit_seconds, 3),
         "train_samples_per_sec": round(meter.samples_per_sec, 1) if meter.samples_per_sec else None,
         "input_wait_fraction": round(meter.input_wait_fraction, 4) if meter.input_wait_fraction is not None else None,
+        "first_step_seconds": round(meter.first_step_s, 3) if meter.first_step_s is not None else None,
+        # The first step's excess over a steady one: tracing and code generation (recompiles for other
+        # shapes, e.g. a short last batch or evaluation, come on top and are not counted here).
+        "compile_seconds": (round(max(0.0, meter.first_step_s - (meter.step_s_median or 0.0)), 3)
+                            if cfg.compile and meter.first_step_s is not None else None),
         **(flops or {}),
         "final_train_loss": metrics.get("train_loss_epoch", metrics.get("train_loss")),
         **{k: v for k, v in test_metrics.items()},
@@ -251,6 +267,10 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
             callbacks.append(PlannedBatch(cfg.per_device_batch_size, class_path(classes.datamodule)))
     trainer = make_trainer(cfg, callbacks=callbacks, **trainer_kwargs)
     model = build_model()
+    if cfg.compile:
+        # Lightning unwraps the compiled module and compiles its forward; called inside DDP's forward, dynamo
+        # applies DDPOptimizer (one graph per gradient bucket). Checkpoints keep the plain module's keys.
+        model = torch.compile(model, backend=cfg.compile_backend)
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, lr), flush=True)
     start = time.perf_counter()

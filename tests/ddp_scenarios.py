@@ -98,6 +98,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--start-method", default=None, help="Lightning's launcher: spawn or fork (default: subprocess)")
     p.add_argument("--subclass", action="store_true", help="a user's subclass of TunedDDPStrategy")
+    p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL; the GPU tier)")
+    p.add_argument("--no-tf32", action="store_true", help="full FP32 on GPUs, for exact comparisons")
     args = p.parse_args()
 
     calls = {"calls": 0}
@@ -112,7 +114,8 @@ def main() -> None:
     if args.scenario == "uneven":
         extra["use_distributed_sampler"] = False  # the user shards by hand, unevenly
     trainer = build_trainer(
-        devices=args.devices, accelerator="cpu", precision=args.precision, seed=args.seed,
+        devices=args.devices, accelerator=args.accelerator, precision=args.precision, seed=args.seed,
+        tf32=not args.no_tf32,
         sync_batchnorm=args.sync_batchnorm, find_unused_parameters=args.find_unused_parameters,
         comm_hook=args.comm_hook, accumulate_grad_batches=args.accumulate, max_steps=args.steps,
         strategy_kwargs=strategy_kwargs, logger=False, enable_checkpointing=False, enable_progress_bar=False,

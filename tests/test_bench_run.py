@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ddp_recipes.bench.__main__ import BenchConfig, main
 
@@ -107,3 +108,48 @@ def test_repeats_interleave_pairs_and_report_the_median_ratio(tmp_path, monkeypa
     from ddp_recipes.bench.report import markdown_report
 
     assert "median of 3 interleaved pairs" in markdown_report(results)
+
+
+def _jpeg_folder(root, per_class: int = 20):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for cls in ("cat", "dog"):
+        (root / cls).mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (40, 56, 3), dtype=np.uint8)).save(root / cls / f"{i}.jpg")
+    return root
+
+
+def test_loader_bench_times_each_decode_path_per_worker_count(tmp_path, capsys):
+    folder = _jpeg_folder(tmp_path / "imgs")
+    out = tmp_path / "loader.json"
+    assert main(["loader", "--data-dir", str(folder), "--workers", "0,1", "--batch-size", "8", "--batches", "2",
+                 "--image-size", "32", "--repeats", "1", "--target-images-per-s", "5000", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cells = {(r["decode"], r["workers"]): r for r in result["rows"]}
+    assert set(cells) == {("pil", 0), ("pil", 1), ("tensor", 0), ("tensor", 1)}
+    assert all(r["images_per_s"] > 0 and r["workers_for_target"] >= 1 for r in cells.values())
+    assert result["images"] == 40 and "| tensor | 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--decode", "pil,jpegturbo"], "--decode"),
+    (["--workers", "two"], "--workers"),
+    (["--batch-size", "64"], "at least 2 x --batch-size"),
+])
+def test_loader_bench_bad_input_is_one_line(tmp_path, capsys, args, needle):
+    folder = _jpeg_folder(tmp_path / "imgs")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["loader", "--data-dir", str(folder), *args])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and needle in err and err.count("\n") == 0
+
+
+def test_loader_bench_gpu_decode_needs_cuda(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible")
+    with pytest.raises(SystemExit):
+        main(["loader", "--data-dir", str(_jpeg_folder(tmp_path / "imgs")), "--gpu-decode"])
+    assert "--gpu-decode needs a CUDA GPU" in capsys.readouterr().err

@@ -131,3 +131,90 @@ def test_a_users_profiler_is_kept():
     trainer = build_trainer(accelerator="cpu", devices=1, profiler=SimpleProfiler(), logger=False)
     assert isinstance(trainer.profiler, SimpleProfiler)
     assert perf.input_wait(trainer) is None
+
+
+# ---- --compile -------------------------------------------------------------------------------------------
+
+def _mnist(out, *extra: str) -> list[str]:
+    from tests.helpers import SHARED_DATA
+
+    return ["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--output-dir", str(out),
+            "--max-steps", "12", "--seed", "5", *extra]
+
+
+def _weights(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_compile_one_device_reports_compile_time_and_keeps_plain_checkpoint_keys(tmp_path):
+    """Plumbing at one device with the aot_eager backend (no code generation, seconds)."""
+    from recipes import mnist
+
+    eager = mnist.main(_mnist(tmp_path / "eager"))
+    compiled = mnist.main(_mnist(tmp_path / "compiled", "--compile", "--compile-backend", "aot_eager"))
+    assert eager["compile_seconds"] is None and compiled["compile_seconds"] > 0
+    assert compiled["first_step_seconds"] >= compiled["compile_seconds"]
+    a, b = _weights(tmp_path / "eager" / "final.ckpt"), _weights(tmp_path / "compiled" / "final.ckpt")
+    assert a.keys() == b.keys()  # no "_orig_mod." prefix: a compiled run's checkpoint loads into a plain module
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
+
+
+def test_bad_compile_backend_is_named(tmp_path, capsys):
+    from recipes import mnist
+
+    with pytest.raises(SystemExit):
+        mnist.main(_mnist(tmp_path, "--compile", "--compile-backend", "warp-drive"))
+    err = capsys.readouterr().err.strip()
+    assert "--compile-backend must be one of" in err and "inductor" in err and err.count("\n") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "tolerance"), [("aot_eager", 1e-5), ("inductor", 1e-4)])
+def test_compiled_two_ranks_train_like_one_eager_process_at_twice_the_batch(tmp_path, backend, tolerance):
+    """2 ranks x batch 32 compiled (DDPOptimizer inside DDP) == 1 eager process x batch 64, to ``tolerance``
+    (inductor fuses and reorders float arithmetic; aot_eager runs the same kernels)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from recipes import mnist
+    from tests.helpers import free_port
+
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "recipes.mnist", *_mnist(tmp_path / "ddp", "--devices", "2",
+                          "--batch-size", "32", "--compile", "--compile-backend", backend)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mnist.main(_mnist(tmp_path / "one", "--batch-size", "64"))
+    a, b = _weights(tmp_path / "one" / "final.ckpt"), _weights(tmp_path / "ddp" / "final.ckpt")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=tolerance, atol=tolerance)
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["compile_seconds"] > 0 and summary["world_size"] == 2
+
+
+def test_gpu_check_result_is_json_serialisable():
+    """The make gpu-check report's shape: no GPU needed to format a result."""
+    import json
+
+    from ddp_recipes.bench.gpucheck import format_result, rows_with_flops
+
+    rows = rows_with_flops([{"impl": "pack", "global_samples_per_s": 1000.0, "step_ms_median": 128.0,
+                             "first_step_s": 2.0}], flops_per_sample=12_000_000_000, peak=312_000_000_000_000)
+    assert rows[0]["achieved_tflops"] == 12.0 and rows[0]["mfu"] == pytest.approx(0.0385, abs=1e-4)
+    result = {"gpu": "X", "torch": "2", "config": {"batch_size": 128}, "rows": rows, "errors": [],
+              "published_one_gpu": {"source": "s", "rows": [{"gpu": "A100", "precision": "TF32", "images_per_s": 938.0}]}}
+    assert "| pack | 1000.0 |" in format_result(json.loads(json.dumps(result)))
+
+
+def test_gpu_check_without_a_gpu_fails_in_one_line(capsys):
+    from ddp_recipes.bench.gpucheck import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the GPU tier runs gpu-check instead")
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "needs a CUDA GPU" in err and err.count("\n") == 0

@@ -3,6 +3,7 @@
     python -m ddp_recipes.bench                                   # defaults fitted to the host (see README)
     python -m ddp_recipes.bench --devices 1,2,4 --recipe resnet --arch resnet50 --image-size 224
     python -m ddp_recipes.bench predict --step-ms 97 --params 25.6e6 --devices 8 --link nvlink2
+    python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8
 
 Every measured run is a fresh set of processes (``ddp_recipes.bench.workers``). Output in ``--out``:
 results.json, report.md (also printed), speedup.png, and a final one-line summary.
@@ -48,6 +49,8 @@ class BenchConfig:
     threads_per_rank: int = opt(0, "CPU threads per rank for every run, 1-device included (0: usable cores / "
                                    "largest device count)")
     raw: bool = opt(True, "also measure the plain PyTorch DDP loop (the overhead baseline)")
+    compile: bool = opt(False, "also measure torch.compile'd pack and raw runs (compile time reported apart: the "
+                               "first step; on CPU inductor compiles for ~a minute per run)")
     dp: bool = opt(False, "also measure torch.nn.DataParallel (needs 2+ CUDA GPUs; skipped otherwise)")
     data_dir: str = opt("", "mnist only: real MNIST (torchvision layout) instead of synthetic tensors")
     writeup: bool = opt(False, "mnist only: also measure the write-up's original script (needs --data-dir)")
@@ -130,6 +133,7 @@ def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path) -> di
     out.unlink(missing_ok=True)
     args = {k: settings[k] for k in ("recipe", "arch", "image_size", "batch_size", "steps", "warmup_steps",
                                      "precision", "accelerator", "threads", "seed", "data_dir")}
+    args["channels_last"] = int(settings.get("channels_last", 0))
     cmd = [sys.executable, "-m", "ddp_recipes.bench.workers", impl, "--out", str(out), "--devices", str(n)]
     for key, value in args.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]
@@ -169,6 +173,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             if warning:
                 results["warnings"].append(warning)
     impls = ["pack"] + (["raw"] if cfg.raw else []) + (["writeup"] if cfg.writeup else [])
+    if cfg.compile:
+        impls += ["pack-compiled"] + (["raw-compiled"] if cfg.raw else [])
     plan = [(impl, n) for n in devices for impl in impls]
     if cfg.dp:
         if settings["accelerator"] == "cuda" and settings["gpus"] >= 2:
@@ -203,6 +209,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     pack_by_n = {n: run for (impl, n), run in chosen.items() if impl == "pack"}
     results["overhead_spread"] = paired_ratios(measured)
     results["overhead_ratio"] = {n: v["median"] for n, v in results["overhead_spread"].items()}
+    if cfg.compile:
+        results["compiled_overhead_spread"] = paired_ratios(measured, "pack-compiled", "raw-compiled")
+        results["compile_speedup"] = paired_ratios(measured, "pack-compiled", "pack")
     _diagnostics_cost(results, pack_by_n)
     _communication(results, raw_by_n, devices)
     _prediction(results, raw_by_n)
@@ -227,7 +236,7 @@ def aggregate_rounds(measured: dict[tuple[str, int], list[dict[str, Any]]]
     import statistics
 
     keep = ("impl", "devices", "step_ms_p10", "step_ms_p90", "peak_mem_mb_per_rank", "measured_steps",
-            "torch_threads")
+            "torch_threads", "first_step_s")
     rows, chosen = [], {}
     for (impl, n), runs in measured.items():
         ordered = sorted(runs, key=lambda r: r["global_samples_per_s"])
@@ -317,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "predict":
         return predict_main(argv[1:])
+    if argv and argv[0] == "loader":
+        from ddp_recipes.bench.loader import main as loader_main
+
+        return loader_main(argv[1:])
     parser = build_parser(BenchConfig, prog=PROG, description=__doc__)  # type: ignore[arg-type]
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     try:

@@ -156,6 +156,17 @@ def markdown_report(results: dict[str, Any]) -> str:
             return f"N={n}: {v:.3f}x (median of {s['pairs']} interleaved pairs, {s['min']:.3f}-{s['max']:.3f})"
         parts += ["Pack throughput as a fraction of the raw DDP loop's (target >= 0.95): "
                   + ", ".join(ratio_text(n, v) for n, v in ratios.items()), ""]
+    for key, text in (("compiled_overhead_spread", "Compiled pack throughput as a fraction of the compiled raw "
+                                                    "loop's"),
+                      ("compile_speedup", "torch.compile speedup of the pack (compiled / eager, steady state)")):
+        pairs = results.get(key) or {}
+        if pairs:
+            parts += [f"{text}: " + ", ".join(f"N={n}: {v['median']:.3f}x ({v['min']:.3f}-{v['max']:.3f}, "
+                                              f"{v['pairs']} pair(s))" for n, v in pairs.items()), ""]
+    first = [r for r in runs if r.get("first_step_s") is not None and r["impl"].endswith("-compiled")]
+    if first:
+        parts += ["Compile time (the first step, not in the throughput): " + ", ".join(
+            f"{r['impl']} N={r['devices']}: {r['first_step_s']:.1f} s" for r in first), ""]
     diag = results.get("diagnostics_overhead")
     if diag:
         parts += ["DDPDiagnostics cost (time in its hooks on rank 0, per step; target < 1%): "

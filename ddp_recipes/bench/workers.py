@@ -51,6 +51,8 @@ class Workload:
     allreduce_iters: int = 5
     data_dir: str = ""  # mnist: real MNIST (torchvision layout) instead of synthetic tensors
     diagnostics: int = 1  # pack: keep build_trainer's DDPDiagnostics on (0 to measure its cost)
+    compile: int = 0  # torch.compile the model (pack: as --compile does; raw: the DDP-wrapped module)
+    channels_last: int = 0  # resnet: NHWC weights and inputs (tensor-core convolutions under AMP)
 
     @property
     def total_steps(self) -> int:
@@ -65,7 +67,8 @@ def build_module(w: Workload):
         return MNISTClassifier(arch=w.arch)
     from ddp_recipes.modules.resnet import ResNetClassifier
 
-    return ResNetClassifier(arch=w.arch, num_classes=10, cifar_stem=w.image_size < 64, lr=0.1)  # as the recipe
+    return ResNetClassifier(arch=w.arch, num_classes=10, cifar_stem=w.image_size < 64, lr=0.1,  # as the recipe
+                            channels_last=bool(w.channels_last))
 
 
 def build_dataset(w: Workload) -> TensorDataset:
@@ -148,6 +151,10 @@ def run_pack(w: Workload, out: str) -> None:
     class StepTimer(Callback):
         def __init__(self) -> None:
             self.ends: list[float] = []
+            self.start = 0.0
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.start = sync_point(trainer.strategy.root_device)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.ends.append(sync_point(trainer.strategy.root_device))
@@ -160,6 +167,8 @@ def run_pack(w: Workload, out: str) -> None:
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             callbacks=[timer, *([diagnostics] if diagnostics else [])])
     module = build_module(w)
+    if w.compile:
+        module = torch.compile(module)  # what --compile does: Lightning compiles forward inside DDP's forward
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import MNISTDataModule
 
@@ -172,7 +181,9 @@ def run_pack(w: Workload, out: str) -> None:
     device = trainer.strategy.root_device
     peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mb(device), device=device))
     if trainer.is_global_zero:
-        _write(out, {"impl": "pack" if w.diagnostics else "pack-nodiag", "devices": w.devices, "workload": asdict(w),
+        name = ("pack" if w.diagnostics else "pack-nodiag") + ("-compiled" if w.compile else "")
+        _write(out, {"impl": name, "devices": w.devices, "workload": asdict(w),
+                     "first_step_s": timer.ends[0] - timer.start if timer.ends else None,
                      "precision_used": str(trainer.precision), "strategy": type(trainer.strategy).__name__,
                      "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": [round(float(p), 1) for p in peaks.reshape(-1)],
@@ -243,6 +254,8 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     # One device: the single-GPU script the write-up starts from, no process group and no DDP wrap.
     wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None) \
         if distributed else model
+    if w.compile:
+        wrapped = torch.compile(wrapped)  # a compiled DDP module: DDPOptimizer splits at bucket boundaries
     data = build_dataset(w)
     sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=True, seed=w.seed) \
         if distributed else torch.utils.data.RandomSampler(data)
@@ -252,11 +265,13 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     autocast, scaler = mixed_precision(w.precision, device)
     if distributed:
         sampler.set_epoch(0)
-    ends = []
+    ends, start = [], sync_point(device)
     for step, (x, y) in enumerate(loader):
         if step >= w.total_steps:
             break
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if w.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)  # the module's weights are NHWC already
         with autocast:
             loss = nn.functional.cross_entropy(wrapped(x), y)
         optimizer.zero_grad(set_to_none=True)
@@ -266,7 +281,8 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     allreduce = measure_allreduce(numel, device, w.allreduce_iters) if distributed else None
     peaks = _gather(round(peak_memory_mb(device), 1))
     if local_rank == 0:
-        _write(out, {"impl": "raw", "devices": w.devices, "workload": asdict(w), "params": numel,
+        _write(out, {"impl": "raw" + ("-compiled" if w.compile else ""), "devices": w.devices,
+                     "workload": asdict(w), "params": numel, "first_step_s": ends[0] - start if ends else None,
                      "grad_bytes": numel * 4, "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": peaks, "allreduce": allreduce,
                      **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
@@ -355,12 +371,14 @@ def run_dp(w: Workload, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ddp_recipes.bench.workers")
-    parser.add_argument("impl", choices=["pack", "raw", "dp", "writeup"])
+    parser.add_argument("impl", choices=["pack", "raw", "dp", "writeup", "pack-compiled", "raw-compiled"])
     parser.add_argument("--out", required=True)
     for name, value in asdict(Workload()).items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=type(value), default=value)
     args = vars(parser.parse_args(argv))
     impl, out = args.pop("impl"), args.pop("out")
+    if impl.endswith("-compiled"):
+        impl, args["compile"] = impl.removesuffix("-compiled"), 1
     w = Workload(**args)
     {"pack": run_pack, "raw": run_raw, "dp": run_dp, "writeup": run_writeup}[impl](w, out)
 

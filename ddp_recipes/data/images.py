@@ -234,9 +234,7 @@ class ImageFolderDataModule(_ImageDataModule):
                              f"(missing in val: {missing[:5]}, extra in val: {extra[:5]})")
 
     def train_transform(self) -> v2.Transform:
-        size = self._image_size
-        crop = v2.RandomResizedCrop(size, scale=(self.min_crop_scale, 1.0), antialias=True)
-        return v2.Compose([crop, v2.RandomHorizontalFlip(), *self._tail()])
+        return imagenet_train_transform(self._image_size, self.min_crop_scale)
 
     def val_transform(self) -> v2.Transform:
         size = self._image_size
@@ -245,7 +243,7 @@ class ImageFolderDataModule(_ImageDataModule):
 
     @staticmethod
     def _tail() -> list[v2.Transform]:
-        return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+        return _imagenet_tail()
 
     @override
     def prepare_data(self) -> None:
@@ -260,3 +258,14 @@ class ImageFolderDataModule(_ImageDataModule):
         self.train_set = datasets.ImageFolder(os.fspath(self.data_dir / "train"), transform=self.train_transform())
         self.val_set = datasets.ImageFolder(os.fspath(self.data_dir / "val"), transform=self.val_transform())
         self.test_set = self.val_set
+
+
+def _imagenet_tail() -> list[v2.Transform]:
+    return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+
+
+def imagenet_train_transform(image_size: int, min_crop_scale: float = 0.08) -> v2.Transform:
+    """RandomResizedCrop + flip + float + ImageNet normalisation; takes PIL images and uint8 tensors alike
+    (``python -m ddp_recipes.bench loader`` times both)."""
+    crop = v2.RandomResizedCrop(image_size, scale=(min_crop_scale, 1.0), antialias=True)
+    return v2.Compose([crop, v2.RandomHorizontalFlip(), *_imagenet_tail()])
