@@ -33,6 +33,12 @@ def test_tiny_end_to_end_writes_all_outputs(tmp_path):
     assert results["ceiling"]["workers"] == 2
     assert len(results["prediction"]["rows"]) == 11 * 4  # every link preset at N = 2, 4, 8, 16
     assert "| pack | 2 |" in proc.stdout  # the markdown table is printed too
+    # The MLP: forward 2 x (784x128 + 128x10), backward the weight gradients again plus layer 2's input grad.
+    assert results["flops"]["per_sample"] == 4 * (784 * 128 + 128 * 10) + 2 * 128 * 10
+    assert results["flops"]["peak_per_device"] is None  # a CPU: no peak, so no MFU (never a guess)
+    for run in results["runs"]:
+        assert run["mfu"] is None and run["achieved_flops_per_sec_per_device"] > 0
+    assert all(0 <= r["input_wait_fraction"] <= 1 for r in results["runs"] if r["impl"] == "pack")
     assert proc.stdout.strip().splitlines()[-1].startswith("bench: pack_speedup@2=")
     assert "[4/4] round 1: raw" in proc.stderr  # progress display
     assert [d["devices"] for d in results["diagnostics_overhead"]] == [1, 2]

@@ -212,6 +212,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.compile:
         results["compiled_overhead_spread"] = paired_ratios(measured, "pack-compiled", "raw-compiled")
         results["compile_speedup"] = paired_ratios(measured, "pack-compiled", "pack")
+    _flops(results, settings)
     _diagnostics_cost(results, pack_by_n)
     _communication(results, raw_by_n, devices)
     _prediction(results, raw_by_n)
@@ -236,7 +237,7 @@ def aggregate_rounds(measured: dict[tuple[str, int], list[dict[str, Any]]]
     import statistics
 
     keep = ("impl", "devices", "step_ms_p10", "step_ms_p90", "peak_mem_mb_per_rank", "measured_steps",
-            "torch_threads", "first_step_s")
+            "torch_threads", "first_step_s", "input_wait_fraction")
     rows, chosen = [], {}
     for (impl, n), runs in measured.items():
         ordered = sorted(runs, key=lambda r: r["global_samples_per_s"])
@@ -269,6 +270,26 @@ def paired_ratios(measured: dict[tuple[str, int], list[dict[str, Any]]], impl: s
             out[n] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                       "pairs": len(ratios)}
     return out
+
+
+def _flops(results: dict[str, Any], settings: dict[str, Any]) -> None:
+    """FLOPs per sample (Lightning's measure_flops on a meta copy), achieved FLOP/s per row, MFU where the
+    device's peak is known (never on CPU)."""
+    import torch
+
+    from ddp_recipes.bench.workers import Workload, build_module
+    from ddp_recipes.perf import peak_flops, training_flops_per_sample
+
+    w = Workload(recipe=settings["recipe"], arch=settings["arch"], image_size=settings["image_size"])
+    shape = (1, 28, 28) if w.recipe == "mnist" else (3, w.image_size, w.image_size)
+    per_sample = training_flops_per_sample(lambda: build_module(w), torch.empty(settings["batch_size"], *shape))
+    device = torch.device("cuda", 0) if settings["accelerator"] == "cuda" else torch.device("cpu")
+    peak = peak_flops(device, settings["precision"])
+    results["flops"] = {"per_sample": per_sample, "peak_per_device": peak}
+    for row in results["runs"]:
+        achieved = per_sample * row["global_samples_per_s"] / row["devices"] if per_sample else None
+        row["achieved_flops_per_sec_per_device"] = round(achieved) if achieved else None
+        row["mfu"] = round(achieved / peak, 4) if achieved and peak else None
 
 
 def _diagnostics_cost(results: dict[str, Any], pack_runs: dict[int, dict[str, Any]]) -> None:

@@ -13,7 +13,9 @@ normalize; batches collated) on real image files, per DataLoader worker count an
 
 Each (path, workers) cell is measured ``--repeats`` times, interleaved; the report gives the median and
 range, images/s per worker, and with ``--target-images-per-s`` (e.g. one GPU's training rate x GPUs per
-node) the workers each path needs. Worker start-up and the first batch are not timed.
+node) the workers each path needs. Worker start-up and the first batch are not in the rate; the time to
+the first batch is reported apart: it is what ``persistent_workers=True`` (the pack's loaders) saves at
+every epoch after the first.
 """
 
 from __future__ import annotations
@@ -82,10 +84,12 @@ def build_loader(root: Path, decode: str, workers: int, batch_size: int, image_s
                       persistent_workers=False, drop_last=True, generator=torch.Generator().manual_seed(0))
 
 
-def measure(loader: DataLoader, batches: int, gpu_transform: Any = None) -> float:
-    """Images/s over ``batches`` batches after the first one (worker start-up excluded)."""
+def measure(loader: DataLoader, batches: int, gpu_transform: Any = None) -> tuple[float, float]:
+    """(images/s over ``batches`` batches after the first one, seconds to the first batch). The second is
+    what starting the workers costs, at every epoch unless ``persistent_workers`` keeps them."""
     from torchvision.io import decode_jpeg
 
+    began = time.perf_counter()
     it = iter(loader)
     images, start = 0, None
     for i in range(batches + 1):
@@ -102,14 +106,14 @@ def measure(loader: DataLoader, batches: int, gpu_transform: Any = None) -> floa
             continue
         images += len(x)
     seconds = time.perf_counter() - start if start is not None else 0.0
-    return images / seconds if images and seconds > 0 else 0.0
+    return (images / seconds if images and seconds > 0 else 0.0), (start or began) - began
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.data_dir)
     decoders = [d for d in args.decode.split(",") if d] + (["gpu"] if args.gpu_decode else [])
     cells = [(d, w) for d in decoders for w in args.workers]
-    measured: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
+    measured: dict[tuple[str, int], list[tuple[float, float]]] = {cell: [] for cell in cells}
     gpu_transform = train_transform(args.image_size) if args.gpu_decode else None
     for round_no in range(args.repeats):
         for decode, workers in (cells if round_no % 2 == 0 else cells[::-1]):
@@ -118,11 +122,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             measured[(decode, workers)].append(
                 measure(loader, args.batches, gpu_transform if decode == "gpu" else None))
     rows = []
-    for (decode, workers), rates in measured.items():
+    for (decode, workers), results in measured.items():
+        rates = [rate for rate, _ in results]
         median = statistics.median(rates)
         row = {"decode": decode, "workers": workers, "images_per_s": round(median, 1),
                "range": [round(min(rates), 1), round(max(rates), 1)], "repeats": len(rates),
-               "images_per_s_per_worker": round(median / max(1, workers), 1)}
+               "images_per_s_per_worker": round(median / max(1, workers), 1),
+               "first_batch_s": round(statistics.median(first for _, first in results), 3)}
         if args.target_images_per_s:
             per_worker = median / max(1, workers) if workers else median
             row["workers_for_target"] = math.ceil(args.target_images_per_s / per_worker) if per_worker else None
@@ -137,11 +143,13 @@ def format_rows(result: dict[str, Any]) -> str:
     target = result.get("target_images_per_s")
     lines = [f"{result['images']} images under {result['data_dir']}, batch {result['batch_size']}, "
              f"{result['image_size']} px, {result['usable_cpus']} usable CPUs", "",
-             "| decode | workers | images/s (median) | range | per worker |" + (" workers for target |" if target else ""),
-             "| --- | ---: | ---: | --- | ---: |" + (" ---: |" if target else "")]
+             "| decode | workers | images/s (median) | range | per worker | first batch s |"
+             + (" workers for target |" if target else ""),
+             "| --- | ---: | ---: | --- | ---: | ---: |" + (" ---: |" if target else "")]
     for r in result["rows"]:
         lines.append(f"| {r['decode']} | {r['workers']} | {r['images_per_s']} | {r['range'][0]}-{r['range'][1]} | "
-                     f"{r['images_per_s_per_worker']} |" + (f" {r.get('workers_for_target')} |" if target else ""))
+                     f"{r['images_per_s_per_worker']} | {r['first_batch_s']} |"
+                     + (f" {r.get('workers_for_target')} |" if target else ""))
     return "\n".join(lines)
 
 

@@ -16,6 +16,9 @@ turns the integer keys of ``overhead_ratio`` into strings). Every top-level key 
                    ``rounds``, ``samples_per_s_range``  with ``--repeats``: the rounds measured and the
                                                  range of their throughputs (the row holds medians)
                    ``speedup``, ``efficiency``   filled by :func:`compute_speedups` when absent
+                   ``achieved_flops_per_sec_per_device``, ``mfu`` (None without a known peak: CPUs),
+                   ``input_wait_fraction`` (pack: share of the step waiting for the batch), ``first_step_s``
+``flops``        ``per_sample`` (training FLOPs, forward + backward) and ``peak_per_device`` (or None).
 ``overhead_ratio`` {N: pack samples/s / raw samples/s at N}; < 1 means the pack is slower; the median of
                  the per-round ratios when the runner repeated the plan, else from :func:`overhead_ratios`.
 ``overhead_spread`` {N: ``median``, ``min``, ``max``, ``pairs``} of those per-round ratios (``--repeats``).
@@ -79,17 +82,20 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 def runs_table(runs: Iterable[dict[str, Any]]) -> str:
     """The measured runs as a markdown table, one row per (impl, devices)."""
     lines = ["| impl | devices | global samples/s | per-device samples/s | step ms p50 (p10-p90) "
-             "| peak MB/rank | speedup | efficiency |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| peak MB/rank | speedup | efficiency | GFLOP/s per device | MFU | input wait |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(runs, key=lambda r: (r["impl"], r["devices"])):
         spread = f"{_fmt(r.get('step_ms_median'), '.1f')} ({_fmt(r.get('step_ms_p10'), '.1f')}-" \
                  f"{_fmt(r.get('step_ms_p90'), '.1f')})"
         mem = r.get("peak_mem_mb_per_rank") or []
         eff = r.get("efficiency")
+        flops = r.get("achieved_flops_per_sec_per_device")
         lines.append(
             f"| {r['impl']} | {r['devices']} | {_fmt(r['global_samples_per_s'], '.1f')} "
             f"| {_fmt(r.get('per_device_samples_per_s'), '.1f')} | {spread} | {_fmt(max(mem) if mem else None, '.0f')} "
-            f"| {_fmt(r.get('speedup'))} | {_fmt(eff * 100 if eff is not None else None, '.0f')}{'%' if eff is not None else ''} |"
+            f"| {_fmt(r.get('speedup'))} | {_fmt(eff * 100 if eff is not None else None, '.0f')}{'%' if eff is not None else ''} "
+            f"| {_fmt(flops / 1e9 if flops else None, '.1f')} | {_fmt(r.get('mfu'), '.1%')} "
+            f"| {_fmt(r.get('input_wait_fraction'), '.1%')} |"
         )
     return "\n".join(lines)
 

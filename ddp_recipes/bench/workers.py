@@ -146,6 +146,7 @@ def _write(path: str, payload: dict) -> None:
 def run_pack(w: Workload, out: str) -> None:
     from lightning.pytorch.callbacks import Callback
 
+    from ddp_recipes.perf import input_wait
     from ddp_recipes.trainer import build_trainer
 
     class StepTimer(Callback):
@@ -156,8 +157,11 @@ def run_pack(w: Workload, out: str) -> None:
         def on_train_start(self, trainer, pl_module) -> None:
             self.start = sync_point(trainer.strategy.root_device)
 
+            self.waits: list[float] = []
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.ends.append(sync_point(trainer.strategy.root_device))
+            self.waits.append(input_wait(trainer) or 0.0)
 
     timer = StepTimer()
     diagnostics = timed_diagnostics() if w.diagnostics else None
@@ -184,12 +188,20 @@ def run_pack(w: Workload, out: str) -> None:
         name = ("pack" if w.diagnostics else "pack-nodiag") + ("-compiled" if w.compile else "")
         _write(out, {"impl": name, "devices": w.devices, "workload": asdict(w),
                      "first_step_s": timer.ends[0] - timer.start if timer.ends else None,
+                     "input_wait_fraction": _wait_fraction(timer.ends, timer.waits, w.warmup_steps),
                      "precision_used": str(trainer.precision), "strategy": type(trainer.strategy).__name__,
                      "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": [round(float(p), 1) for p in peaks.reshape(-1)],
                      "diagnostics_s": diagnostics.seconds if diagnostics else None,
                      "steps_run": len(timer.ends),
                      **step_stats(timer.ends, w.warmup_steps, w.batch_size * w.devices)})
+
+
+def _wait_fraction(ends: list[float], waits: list[float], warmup_steps: int) -> float | None:
+    """Share of the timed steps' wall time the loop waited for its batch (the steps step_stats times)."""
+    first = max(warmup_steps - 1, 0)
+    span = ends[-1] - ends[first] if len(ends) > first + 1 else 0.0
+    return sum(waits[first + 1:]) / span if span > 0 else None
 
 
 def timed_diagnostics():
