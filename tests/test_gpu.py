@@ -23,14 +23,6 @@ TINY_RESNET = ["--accelerator", "gpu", "--devices", "1", "--data", "synthetic", 
                "--synthetic-samples", "512", "--synthetic-val-samples", "128", "--batch-size", "64"]
 
 
-@pytest.fixture
-def restore_tf32():
-    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    yield
-    torch.set_float32_matmul_precision(saved[0])
-    torch.backends.cudnn.allow_tf32 = saved[1]
-
-
 class _Conv(nn.Module):
     """A small conv net that records the dtype its first convolution produced."""
 

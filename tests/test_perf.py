@@ -18,14 +18,6 @@ from ddp_recipes.runner import ThroughputMeter
 from ddp_recipes.trainer import build_trainer
 
 
-@pytest.fixture
-def restore_tf32():
-    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    yield
-    torch.set_float32_matmul_precision(saved[0])
-    torch.backends.cudnn.allow_tf32 = saved[1]
-
-
 def test_tf32_switches_and_what_the_setup_print_says(monkeypatch, restore_tf32):
     monkeypatch.setattr(perf, "tf32_capable", lambda: True)  # an Ampere GPU, as far as the rule can tell
     perf.configure_tf32(True, "cuda")

@@ -1,0 +1,15 @@
+"""Fixtures shared by several test files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def restore_tf32():
+    """Put the process-wide TF32 switches back after a test that flips them."""
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cudnn.allow_tf32 = saved[1]
