@@ -15,10 +15,11 @@ ends with the fix (:data:`FIXES`). Codes, what each measures, and when:
 * ``lr-not-scaled``: global batch != reference batch, ``--lr-scaling none``, no warm-up (first batch).
 * ``memory-imbalance``: CUDA peak memory, max > 1.5 x min and > 1 GiB apart (epoch end).
 * ``accum-remainder``: batches per epoch not a multiple of the accumulation (first batch).
-* ``input-bound``: the loop waited for its next batch > 20% of the steady step time (local, timed by
-  :class:`~ddp_recipes.perf.InputWaitProfiler`, which ``build_trainer`` installs; epoch and fit end).
+* ``input-bound``: on the rank that waited most, the loop waited for its next batch > 20% of the steady
+  step time, summed over the fit (timed by :class:`~ddp_recipes.perf.InputWaitProfiler`, which
+  ``build_trainer`` installs; in the epoch-end gather).
 
-Cost: an all-gather of 8 numbers at the first batch and of 5 per epoch end, on every rank in the same
+Cost: an all-gather of 8 numbers at the first batch and of 8 per epoch end, on every rank in the same
 order; per step only a local loss sum. One process skips the cross-rank checks. ``findings`` holds
 ``(code, message)`` on every rank; ``checked`` names the checks that ran.
 """
@@ -69,7 +70,7 @@ COINCIDENCE_LIMIT = 1e-6
 # Input-bound: more than this share of the step spent waiting for data, over at least INPUT_MIN_STEPS steps
 # after the first INPUT_WARMUP_STEPS of an epoch (workers starting, first prefetch).
 INPUT_BOUND_FRACTION = 0.2
-INPUT_MIN_STEPS, INPUT_WARMUP_STEPS = 10, 5
+INPUT_MIN_STEPS, INPUT_WARMUP_STEPS = 10, 5  # timed steps needed; intervals skipped at the start of the fit
 
 # The troubleshooting table's fix for each finding, appended to its message.
 FIXES = {
@@ -133,7 +134,8 @@ class DDPDiagnostics(Callback):
         self._grads_checked: set[int] = set()
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
-        self._wait = [0.0, 0.0, 0]  # steady seconds waiting, steady seconds in steps, steps timed
+        self._wait = [0.0, 0.0, 0]  # steady seconds waiting, steady seconds in steps, steps timed (per fit)
+        self._intervals = 0
         self._batch_end: float | None = None
 
     def report(self, code: str, problem: str) -> None:
@@ -254,27 +256,34 @@ class DDPDiagnostics(Callback):
         if wait is None:
             return
         if self._batch_end is not None:
-            self._wait[2] += 1
-            if self._wait[2] > INPUT_WARMUP_STEPS:
+            self._intervals += 1
+            if self._intervals > INPUT_WARMUP_STEPS:  # once per fit: allocator, first all-reduce, workers
                 self._wait[0] += wait
                 self._wait[1] += now - self._batch_end
+                self._wait[2] += 1
         self._batch_end = now
 
-    def _check_input_wait(self, trainer: L.Trainer) -> None:
-        waited, stepped, steps = self._wait
-        self._wait, self._batch_end = [0.0, 0.0, 0], None  # per epoch: validation is not a step
-        if steps - INPUT_WARMUP_STEPS < INPUT_MIN_STEPS or stepped <= 0:
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._batch_end = None  # a validation pass inside the epoch is not a training step
+
+    def _check_input_wait(self, trainer: L.Trainer, rows: Tensor | None = None) -> None:
+        """Over the fit so far, on the rank that waited most (``rows``: every rank's [waited s, stepped s,
+        steps] from the epoch-end gather; one process: its own). A rank whose loader is slow makes the
+        others wait in the all-reduce instead, so only the slow rank's own wait shows it."""
+        self._batch_end = None  # the next epoch's first interval would span the epoch boundary
+        if rows is None:
+            rows = torch.tensor([self._wait], dtype=torch.float64)
+        ready = [(r[0] / r[1], rank, r) for rank, r in enumerate(rows.tolist()) if r[2] >= INPUT_MIN_STEPS and r[1] > 0]
+        if not ready:
             return
         self.checked.add("input-bound")
-        if waited / stepped > INPUT_BOUND_FRACTION:
+        fraction, rank, (waited, _, steps) = max(ready)
+        if fraction > INPUT_BOUND_FRACTION:
             self.report("input-bound", (
-                f"the training loop waited for its next batch {waited / stepped:.0%} of the step time on rank "
-                f"{trainer.global_rank} ({1000 * waited / (steps - INPUT_WARMUP_STEPS):.1f} ms per step over "
-                f"{steps - INPUT_WARMUP_STEPS} steps): the devices idle while the loader reads and decodes."))
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check_input_wait(trainer)  # a --max-steps run may end before any epoch end
+                f"the training loop waited for its next batch {fraction:.0%} of the step time on rank {rank} "
+                f"({1000 * waited / steps:.1f} ms per step over {steps:.0f} steps): the devices idle while the "
+                "loader reads and decodes."))
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
@@ -297,15 +306,17 @@ class DDPDiagnostics(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._check_input_wait(trainer)
         if trainer.world_size < 2:
+            self._check_input_wait(trainer)
             return
         device = trainer.strategy.root_device
         cuda = device.type == "cuda"
         loss = (self._loss_sum / self._loss_count).item() if self._loss_sum is not None else math.nan
         peak = float(torch.cuda.max_memory_allocated(device)) if cuda else 0.0
-        row = torch.tensor([*parameter_checksum(pl_module), loss, peak, self._stale_epoch], dtype=torch.float64)
+        row = torch.tensor([*parameter_checksum(pl_module), loss, peak, self._stale_epoch, *self._wait],
+                           dtype=torch.float64)
         rows, epoch = gather_rows(trainer, row), trainer.current_epoch
+        self._check_input_wait(trainer, rows[:, 5:8])
         self.checked.update(("param-drift", "loss-divergence"))
         if params_drifted(rows[:, :2]):
             self.report("param-drift", (

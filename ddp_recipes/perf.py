@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import Profiler
 from typing_extensions import override
 
@@ -42,6 +43,18 @@ def configure_tf32(enabled: bool, accelerator: str) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
+class TF32Setting(Callback):
+    """Applies the TF32 choice in every rank's process at set-up: ranks started by the ``spawn`` launcher do
+    not inherit the launching process's settings (build_trainer sets them there for the set-up print)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        configure_tf32(self.enabled, trainer.strategy.root_device.type)
+
+
 def tf32_state(accelerator: str) -> str:
     """What the set-up print says about TF32 in this process."""
     if accelerator != "cuda":
@@ -63,8 +76,9 @@ def training_flops_per_sample(build_model: Callable[[], L.LightningModule], exam
     """FLOPs of one training sample (forward + backward) of the model ``build_model`` makes.
 
     Counted on a meta-device copy in eval mode: no weights allocated, and a gradient-checkpointing model
-    is counted without its recompute (MFU's convention: model FLOPs, not hardware FLOPs). None when the
-    model cannot be built or run on the meta device (e.g. it reads files or tensor values in ``__init__``).
+    is counted without its recompute (MFU's convention: model FLOPs, not hardware FLOPs). ``build_model`` runs
+    once more for it, so a model whose ``__init__`` reads files reads them again. None when the model cannot
+    be built or run on the meta device (e.g. it reads tensor values in ``__init__``).
     """
     from lightning.fabric.utilities.throughput import measure_flops
 
@@ -73,7 +87,7 @@ def training_flops_per_sample(build_model: Callable[[], L.LightningModule], exam
     try:
         with torch.device("meta"):
             model = build_model().eval()
-            x = torch.empty(example.shape, dtype=example.dtype if example.is_floating_point() else torch.float32)
+            x = torch.empty(example.shape, dtype=example.dtype)  # token ids stay integers (embeddings)
         with torch.enable_grad():
             total = measure_flops(model, lambda: model(x), lambda y: y.float().sum())
     except Exception:  # noqa: BLE001 - a model that cannot run on meta only loses its FLOP count

@@ -57,6 +57,10 @@ class ThroughputMeter(Callback):
         self._last = None  # do not count the gap across validation and the epoch boundary
 
     @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last = None  # validation inside an epoch (val_check_interval) is not step time either
+
+    @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._first_start is None:
@@ -217,7 +221,8 @@ def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
 def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_seconds: float,
               metrics: dict[str, float], test_metrics: dict[str, float],
               extra: dict[str, Any] | None = None, flops: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The fields of summary.json (see the README for each one)."""
+    """The fields of summary.json (see the README for each one). Every rank calls it (one collective)."""
+    wait = worst_rank(trainer, meter.input_wait_fraction)
     return {
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
@@ -230,7 +235,7 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         "steps": trainer.global_step,
         "fit_seconds": round(fit_seconds, 3),
         "train_samples_per_sec": round(meter.samples_per_sec, 1) if meter.samples_per_sec else None,
-        "input_wait_fraction": round(meter.input_wait_fraction, 4) if meter.input_wait_fraction is not None else None,
+        "input_wait_fraction": round(wait, 4) if wait is not None else None,
         "first_step_seconds": round(meter.first_step_s, 3) if meter.first_step_s is not None else None,
         # The first step's excess over a steady one: tracing and code generation (recompiles for other
         # shapes, e.g. a short last batch or evaluation, come on top and are not counted here).
@@ -245,6 +250,15 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         "lightning_version": L.__version__,
         **(extra or {}),
     }
+
+
+def worst_rank(trainer: L.Trainer, value: float | None) -> float | None:
+    """The largest of the ranks' ``value`` (None where a rank has none): a rank whose loader is slow shows
+    it in its own wait, while the others wait in the all-reduce. Every rank must call it."""
+    local = torch.tensor(-1.0 if value is None else float(value), dtype=torch.float64,
+                         device=trainer.strategy.root_device)
+    worst = float(trainer.strategy.reduce(local, reduce_op="max"))
+    return None if worst < 0 else worst
 
 
 def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], datamodule: L.LightningDataModule,

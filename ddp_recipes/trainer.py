@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from ddp_recipes.checkpoint import AtomicCheckpointIO
 from ddp_recipes.config import ConfigError, launched_by_torchrun, resolve_world
 from ddp_recipes.diagnostics import DDPDiagnostics
-from ddp_recipes.perf import InputWaitProfiler, configure_tf32
+from ddp_recipes.perf import InputWaitProfiler, TF32Setting, configure_tf32
 from ddp_recipes.resume import ResumeState
 from ddp_recipes.strategy import TunedDDPStrategy
 
@@ -120,6 +120,8 @@ def build_trainer(
         raise ConfigError(f"--accumulate-grad-batches must be >= 1 (got {accumulate_grad_batches})")
     configure_tf32(tf32, accel)
     trainer_kwargs.setdefault("profiler", InputWaitProfiler())
+    # Again in each rank at set-up: ranks of the spawn launcher do not inherit this process's setting.
+    callbacks_tf32 = [TF32Setting(tf32)] if accel == "cuda" else []
     if seed is not None:
         # Same seed on every rank before the model is built: identical initial weights everywhere.
         L.seed_everything(seed, workers=True, verbose=False)
@@ -127,7 +129,7 @@ def build_trainer(
     plugins = list(trainer_kwargs.pop("plugins", None) or [])
     if not any(isinstance(p, CheckpointIO) for p in plugins):
         plugins.append(AtomicCheckpointIO())  # a kill mid-save keeps the previous checkpoint intact
-    callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
+    callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *callbacks_tf32]
     if not any(isinstance(c, ResumeState) for c in callbacks):
         # Per-rank streams from seed + rank once training starts; a resumed run gets the checkpoint's
         # streams, loader position and comm-hook state back instead (and this run's LRs).

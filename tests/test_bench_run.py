@@ -90,7 +90,7 @@ def test_repeats_interleave_pairs_and_report_the_median_ratio(tmp_path, monkeypa
     calls = []
     slow_round = 1  # the host is 3x slower for all of round 1
 
-    def fake_worker(impl, n, settings, out_dir):
+    def fake_worker(impl, n, settings, out_dir, tag=""):
         round_no = sum(1 for c in calls if c == (impl, n))
         calls.append((impl, n))
         rate = (100.0 if impl == "raw" else 98.0) * n / (3 if round_no == slow_round else 1)
@@ -159,3 +159,9 @@ def test_loader_bench_gpu_decode_needs_cuda(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["loader", "--data-dir", str(_jpeg_folder(tmp_path / "imgs")), "--gpu-decode"])
     assert "--gpu-decode needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_loader_bench_refuses_an_empty_decode_list(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["loader", "--data-dir", str(_jpeg_folder(tmp_path / "imgs")), "--decode", ","])
+    assert "--decode names no decode path" in capsys.readouterr().err

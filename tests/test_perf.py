@@ -210,3 +210,39 @@ def test_gpu_check_without_a_gpu_fails_in_one_line(capsys):
         main([])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and "needs a CUDA GPU" in err and err.count("\n") == 0
+
+
+def test_input_bound_is_summed_over_short_epochs(tmp_path):
+    """14 steps per epoch, 5 epochs: no epoch alone has enough steps; the fit does."""
+    diag = DDPDiagnostics()
+    trainer = build_trainer(accelerator="cpu", devices=1, max_epochs=3, callbacks=[diag], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)
+    trainer.fit(Tiny(), DataLoader(SlowImages(56, 0.01), batch_size=8))  # 7 steps per epoch
+    assert "input-bound" in [code for code, _ in diag.findings]
+
+
+def test_input_bound_names_the_rank_that_waited():
+    """Under DDP the fast ranks wait in the all-reduce, not for data: the slow rank's own wait decides."""
+    diag = DDPDiagnostics()
+    rows = torch.tensor([[0.02, 2.0, 20], [1.6, 2.0, 20]], dtype=torch.float64)  # rank 1 waited 80%
+    diag._check_input_wait(None, rows)
+    message = dict(diag.findings)["input-bound"]
+    assert "80% of the step time on rank 1" in message
+
+
+class _ValidatingTiny(Tiny):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.01)
+
+
+def test_validation_inside_an_epoch_is_not_step_time(tmp_path):
+    meter = ThroughputMeter()
+    trainer = build_trainer(accelerator="cpu", devices=1, max_steps=30, callbacks=[meter], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path, val_check_interval=5, num_sanity_val_steps=0,
+                            limit_val_batches=2)
+    data = DataLoader(SlowImages(400, 0.0), batch_size=8)
+    trainer.fit(_ValidatingTiny(), data, data)
+    # 30 steps give 29 intervals; each of the 5 validations inside the epoch (after steps 5..25) drops one.
+    assert len(meter.intervals) == 29 - 5

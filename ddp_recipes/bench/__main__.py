@@ -126,9 +126,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """One measured run in fresh processes; returns its JSON (or raises RuntimeError with the tail)."""
-    out = out_dir / "runs" / f"{impl}-{n}.json"
+def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path, tag: str = "") -> dict[str, Any]:
+    """One measured run in fresh processes; returns its JSON (or raises RuntimeError with the tail). Its
+    file is ``runs/<impl>-<n><tag>.json`` (the runner tags each round, so every round stays on disk)."""
+    out = out_dir / "runs" / f"{impl}-{n}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     args = {k: settings[k] for k in ("recipe", "arch", "image_size", "batch_size", "steps", "warmup_steps",
@@ -191,7 +192,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         run = None
         for attempt in (1, 2):
             try:
-                run = run_worker(impl, n, settings, out_dir)
+                run = run_worker(impl, n, settings, out_dir, tag=f"-round{round_no + 1}")
                 break
             except (RuntimeError, subprocess.TimeoutExpired) as err:
                 # A rendezvous can lose a race for its port or a peer on a busy host: one retry on a fresh
@@ -232,24 +233,20 @@ def interleaved_schedule(plan: list[tuple[str, int]], repeats: int) -> list[tupl
 
 def aggregate_rounds(measured: dict[tuple[str, int], list[dict[str, Any]]]
                      ) -> tuple[list[dict[str, Any]], dict[tuple[str, int], dict[str, Any]]]:
-    """One row per (impl, N): the medians over its rounds and their range; and the round whose throughput
-    is the median, whose details (all-reduce, diagnostics) the report uses."""
-    import statistics
-
-    keep = ("impl", "devices", "step_ms_p10", "step_ms_p90", "peak_mem_mb_per_rank", "measured_steps",
-            "torch_threads", "first_step_s", "input_wait_fraction")
+    """One row per (impl, N): the round with the median throughput (the lower middle of an even count),
+    all of its figures from that one round so they agree with each other, plus every round's throughput
+    range; and that round's full result, whose details (all-reduce, diagnostics) the report uses."""
+    keep = ("impl", "devices", "global_samples_per_s", "step_ms_median", "step_ms_p10", "step_ms_p90",
+            "peak_mem_mb_per_rank", "measured_steps", "torch_threads", "first_step_s", "input_wait_fraction")
     rows, chosen = [], {}
     for (impl, n), runs in measured.items():
         ordered = sorted(runs, key=lambda r: r["global_samples_per_s"])
         middle = ordered[(len(ordered) - 1) // 2]
         chosen[(impl, n)] = middle
         row = {k: middle[k] for k in keep if k in middle}
-        rates = [r["global_samples_per_s"] for r in runs]
-        row["global_samples_per_s"] = statistics.median(rates)
-        row["step_ms_median"] = statistics.median(r["step_ms_median"] for r in runs)
         row["per_device_samples_per_s"] = row["global_samples_per_s"] / n
         row["rounds"] = len(runs)
-        row["samples_per_s_range"] = [min(rates), max(rates)]
+        row["samples_per_s_range"] = [ordered[0]["global_samples_per_s"], ordered[-1]["global_samples_per_s"]]
         rows.append(row)
     return rows, chosen
 

@@ -9,7 +9,7 @@ normalize; batches collated) on real image files, per DataLoader worker count an
 * ``pil``: PIL decodes (the recipe's ``ImageFolderDataModule``, torchvision's default loader);
 * ``tensor``: ``torchvision.io.decode_image`` on the file's bytes, the same transforms on uint8 tensors;
 * ``--gpu-decode`` (CUDA only): workers read bytes, the main process decodes the batch on the GPU with
-  ``torchvision.io.decode_jpeg(..., device="cuda")`` and transforms it there.
+  ``torchvision.io.decode_jpeg(..., device="cuda", mode=RGB)`` and transforms it there (JPEG files only).
 
 Each (path, workers) cell is measured ``--repeats`` times, interleaved; the report gives the median and
 range, images/s per worker, and with ``--target-images-per-s`` (e.g. one GPU's training rate x GPUs per
@@ -77,36 +77,48 @@ def build_loader(root: Path, decode: str, workers: int, batch_size: int, image_s
     folder = datasets.ImageFolder(os.fspath(root), transform=train_transform(image_size))
     if decode == "pil":
         dataset: Dataset = folder
+    elif decode == "gpu":  # nvJPEG decodes JPEGs only
+        jpegs = [(path, label) for path, label in folder.samples if path.lower().endswith((".jpg", ".jpeg"))]
+        dataset = _BytesFolder(jpegs)
     else:
-        dataset = _BytesFolder(folder.samples, train_transform(image_size), decode=decode == "tensor")
+        dataset = _BytesFolder(folder.samples, train_transform(image_size), decode=True)
     collate = _keep_list if decode == "gpu" else None
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate,
                       persistent_workers=False, drop_last=True, generator=torch.Generator().manual_seed(0))
 
 
 def measure(loader: DataLoader, batches: int, gpu_transform: Any = None) -> tuple[float, float]:
-    """(images/s over ``batches`` batches after the first one, seconds to the first batch). The second is
-    what starting the workers costs, at every epoch unless ``persistent_workers`` keeps them."""
-    from torchvision.io import decode_jpeg
+    """(images/s over ``batches`` batches in steady state, seconds to the first batch). The second is what
+    starting the workers costs, at every epoch unless ``persistent_workers`` keeps them.
 
+    When the first batch arrives, the workers already have up to ``prefetch_factor`` batches each in
+    flight; the clock starts only after those, so the rate is what the pipeline sustains, not a head start.
+    """
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    in_flight = (loader.prefetch_factor or 0) * loader.num_workers if loader.num_workers else 0
     began = time.perf_counter()
     it = iter(loader)
-    images, start = 0, None
-    for i in range(batches + 1):
+    images, first, start = 0, None, None
+    for i in range(1 + in_flight + batches):
         try:
             x, _ = next(it)
         except StopIteration:
             break
         if gpu_transform is not None:
-            decoded = decode_jpeg(x, device="cuda")
+            # RGB: ImageNet holds grayscale and CMYK JPEGs, which would otherwise decode to 1 or 4 channels.
+            decoded = decode_jpeg(x, device="cuda", mode=ImageReadMode.RGB)
             x = torch.stack([gpu_transform(img) for img in decoded])
             torch.cuda.synchronize()
         if i == 0:
+            first = time.perf_counter()
+        if i == in_flight:
             start = time.perf_counter()
             continue
-        images += len(x)
+        if start is not None:
+            images += len(x)
     seconds = time.perf_counter() - start if start is not None else 0.0
-    return (images / seconds if images and seconds > 0 else 0.0), (start or began) - began
+    return (images / seconds if images and seconds > 0 else 0.0), (first or began) - began
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,9 +192,12 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--workers must be a comma list of integers such as 0,2,4 (got {args.workers!r})", PROG)
     if not args.workers or args.workers[0] < 0:
         fail(f"--workers needs counts >= 0 (got {args.workers})", PROG)
-    bad = [d for d in args.decode.split(",") if d and d not in DECODERS]
+    chosen = [d for d in args.decode.split(",") if d]
+    bad = [d for d in chosen if d not in DECODERS]
     if bad:
         fail(f"--decode takes {', '.join(DECODERS)} (got {', '.join(bad)})", PROG)
+    if not chosen and not args.gpu_decode:
+        fail(f"--decode names no decode path; give one or more of {', '.join(DECODERS)} (or --gpu-decode)", PROG)
     if args.gpu_decode and not torch.cuda.is_available():
         fail("--gpu-decode needs a CUDA GPU (none is visible); drop the flag", PROG)
     for name in ("batch_size", "image_size", "batches", "repeats"):

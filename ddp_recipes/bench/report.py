@@ -81,7 +81,7 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 
 def runs_table(runs: Iterable[dict[str, Any]]) -> str:
     """The measured runs as a markdown table, one row per (impl, devices)."""
-    lines = ["| impl | devices | global samples/s | per-device samples/s | step ms p50 (p10-p90) "
+    lines = ["| impl | devices | global samples/s (rounds' range) | per-device samples/s | step ms p50 (p10-p90) "
              "| peak MB/rank | speedup | efficiency | GFLOP/s per device | MFU | input wait |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(runs, key=lambda r: (r["impl"], r["devices"])):
@@ -91,13 +91,20 @@ def runs_table(runs: Iterable[dict[str, Any]]) -> str:
         eff = r.get("efficiency")
         flops = r.get("achieved_flops_per_sec_per_device")
         lines.append(
-            f"| {r['impl']} | {r['devices']} | {_fmt(r['global_samples_per_s'], '.1f')} "
+            f"| {r['impl']} | {r['devices']} | {_fmt(r['global_samples_per_s'], '.1f')}{_range(r)} "
             f"| {_fmt(r.get('per_device_samples_per_s'), '.1f')} | {spread} | {_fmt(max(mem) if mem else None, '.0f')} "
             f"| {_fmt(r.get('speedup'))} | {_fmt(eff * 100 if eff is not None else None, '.0f')}{'%' if eff is not None else ''} "
             f"| {_fmt(flops / 1e9 if flops else None, '.1f')} | {_fmt(r.get('mfu'), '.1%')} "
             f"| {_fmt(r.get('input_wait_fraction'), '.1%')} |"
         )
     return "\n".join(lines)
+
+
+def _range(row: dict[str, Any]) -> str:
+    span = row.get("samples_per_s_range")
+    if not span or row.get("rounds", 1) < 2:
+        return ""
+    return f" ({_fmt(span[0], '.1f')}-{_fmt(span[1], '.1f')})"
 
 
 def _allreduce_table(rows: list[dict[str, Any]]) -> str:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+from ddp_recipes.perf import configure_tf32
 
 
 @dataclass
@@ -105,7 +106,8 @@ def step_stats(ends: list[float], warmup_steps: int, global_batch: int) -> dict[
     first = max(warmup_steps - 1, 0)
     times_s = [b - a for a, b in zip(ends[first:], ends[first + 1:], strict=False)]
     ms = sorted(t * 1000 for t in times_s)
-    q = statistics.quantiles(ms, n=10) if len(ms) >= 2 else [ms[0]] * 9
+    # inclusive: deciles inside the measured range (the default extrapolates below the fastest step)
+    q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) >= 2 else [ms[0]] * 9
     total = sum(times_s)
     return {"step_ms_median": statistics.median(ms), "step_ms_p10": q[0], "step_ms_p90": q[-1],
             "global_samples_per_s": global_batch * len(times_s) / total if total else 0.0,
@@ -258,6 +260,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        configure_tf32(True, "cuda")  # the pack's default (build_trainer): the same arithmetic on both sides
     distributed = w.devices > 1
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=w.devices)
@@ -362,6 +365,7 @@ def run_dp(w: Workload, out: str) -> None:
         raise SystemExit(f"--dp needs {w.devices} CUDA GPUs")
     torch.manual_seed(w.seed)
     device = torch.device("cuda", 0)
+    configure_tf32(True, "cuda")
     model = nn.DataParallel(build_module(w).model.to(device), device_ids=list(range(w.devices)))
     data = build_dataset(w)
     loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True, collate_fn=keep_batch)
