@@ -31,7 +31,7 @@ bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writ
 	$(BIN)/python -m ddp_recipes.bench $(BENCH_ARGS)
 
 lint:  ## ruff check
-	$(BIN)/ruff check ddp_recipes recipes tests
+	$(BIN)/ruff check ddp_recipes recipes tests examples
 
 clean:  ## remove build and run outputs (keeps .venv)
 	rm -rf build *.egg-info bench-results runs .pytest_cache
