@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from ddp_recipes.atomic import atomic_write
 from ddp_recipes.config import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -42,50 +43,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO does not take storage_options for local paths")
-        target = Path(os.fspath(path).removeprefix("file://"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        _remove_stale_temps(target)
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(target.parent)
-
-
-def _remove_stale_temps(target: Path) -> None:
-    # A save killed between open and rename leaves its temp file (as large as a checkpoint); its writer
-    # is gone when no process has its pid any more.
-    for stale in target.parent.glob(f".{target.name}.tmp-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            stale.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _fsync_dir(folder: Path) -> None:
-    # The rename itself must reach the disk, or a power cut can bring back the old name's contents.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        atomic_write(Path(os.fspath(path).removeprefix("file://")), lambda f: torch.save(checkpoint, f))
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddp_recipes.atomic import write_json_atomic
 from ddp_recipes.config import ACCELERATORS, ConfigError, build_parser, fail, flag, opt, writable_dir
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -327,10 +328,7 @@ def run_rank(cfg: DoctorConfig, rank: int, local_rank: int) -> dict[str, Any]:
 def _spawned(local_rank: int, cfg: DoctorConfig, out_dir: str) -> None:
     rank = cfg.node_rank * cfg.devices + local_rank
     outcome = run_rank(cfg, rank, local_rank)
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    with open(path + ".tmp", "w") as fh:
-        json.dump(outcome, fh)
-    os.replace(path + ".tmp", path)  # the launcher never reads half a file
+    write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"), outcome, indent=None)  # never half a file
     if not outcome["ok"]:
         sys.exit(1)  # the launcher then stops the peers now rather than at the timeout
 
@@ -437,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and cfg.json:
         report = {"result": verdict.split(":")[0], "config": dataclasses.asdict(cfg), "world_size": cfg.world_size,
                   **info, "problems": [p.as_dict() for p in problems], **outcome}
-        with open(cfg.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+        write_json_atomic(cfg.json, report)
     return 0 if outcome["ok"] else 1
 
 

@@ -4,7 +4,6 @@ log to CSV, and write ``summary.json`` on rank 0 (atomically)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from ddp_recipes.atomic import write_json_atomic  # noqa: F401 - also imported from here by users
 from ddp_recipes.checkpoint import (
     CHECKPOINT_DIR,
     check_compatible,
@@ -111,13 +111,6 @@ def _batch_len(batch: Any) -> int:
         return int(extract_batch_size(batch))
     except (MisconfigurationException, RecursionError, TypeError):
         return 1
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write JSON through a temp file and rename, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def scaled_lr(cfg: RunConfig) -> float:

@@ -83,9 +83,9 @@ class StallingFile:
 def slow_save(target: Path, ready: Path) -> None:
     import torch
 
-    from ddp_recipes import checkpoint
+    from ddp_recipes import atomic, checkpoint
 
-    checkpoint.open = lambda path, mode="r": StallingFile(open(path, mode), ready)  # module global beats builtin
+    atomic.open = lambda path, mode="r": StallingFile(open(path, mode), ready)  # module global beats builtin
     checkpoint.AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.full((4 << 20,), 2.0)}, "step": 2},
                                                     target)
 

@@ -21,10 +21,7 @@ from ddp_recipes.data.images import (
     default_num_workers,
 )
 from ddp_recipes.modules.resnet import ResNetClassifier
-
-# The repo's sibling folder ../shared/data (read-only; never written to).
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
+from tests.helpers import SHARED_DATA
 
 # ---------------------------------------------------------------- loader defaults
 

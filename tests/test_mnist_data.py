@@ -17,9 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_recipes.data import samplers
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.data.samplers import ExactDistributedSampler, exact_eval_loader
-
-# The repo's sibling folder ../shared/data (read-only; never written to).
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+from tests.helpers import SHARED_DATA as DATA_DIR
 
 
 @pytest.fixture(scope="module")

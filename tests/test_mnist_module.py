@@ -11,9 +11,7 @@ from torch import nn
 
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import MNISTClassifier
-
-# The repo's sibling folder ../shared/data (read-only; never written to).
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+from tests.helpers import SHARED_DATA as DATA_DIR
 
 
 @pytest.fixture(scope="module")

@@ -557,3 +557,16 @@ def test_remote_checkpoint_paths_go_through_lightnings_writer(tmp_path, monkeypa
         assert torch.load(f, weights_only=True)["step"] == 5
     ckpt_io.AtomicCheckpointIO().save_checkpoint({"state_dict": {}, "step": 6}, f"file://{tmp_path}/local.ckpt")
     assert torch.load(tmp_path / "local.ckpt", weights_only=True)["step"] == 6
+
+
+def test_json_writes_go_through_the_same_atomic_path(tmp_path):
+    """summary.json and the doctor's JSON use the checkpoints' writer: no temp left, a dead writer's temp removed."""
+    from ddp_recipes.atomic import write_json_atomic
+
+    target = tmp_path / "summary.json"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f".summary.json.tmp-{dead.pid}").write_text("{half")  # a writer killed mid-write
+    write_json_atomic(target, {"b": 1, "a": Path("x")})
+    assert json.loads(target.read_text()) == {"a": "x", "b": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

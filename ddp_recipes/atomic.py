@@ -1,0 +1,69 @@
+"""One way to write a file that a reader sees whole or not at all: checkpoints, summary.json, doctor JSON.
+
+The bytes go to a temp file in the target's own folder (``os.replace`` is atomic only within one
+filesystem), are flushed and fsynced, renamed over the target, and the folder is fsynced so the rename
+survives a power cut. The temp file a killed writer leaves behind is removed by the next write once no
+process has its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+
+def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write`` with a binary file object; the result replaces ``target`` in one rename."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    _remove_stale_temps(target)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(target.parent)
+
+
+def write_json_atomic(path: str | os.PathLike, payload: Any, indent: int | None = 2) -> None:
+    """``payload`` as JSON (keys sorted, non-JSON values as strings) through :func:`atomic_write`."""
+    text = json.dumps(payload, indent=indent, sort_keys=True, default=str) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def _remove_stale_temps(target: Path) -> None:
+    # A write killed between open and rename leaves its temp file (as large as a checkpoint); its writer
+    # is gone when no process has its pid any more.
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename itself must reach the disk, or a power cut can bring back the old name's contents.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
