@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import tempfile
 import typing
@@ -18,14 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
-LR_SCALING_RULES = ("none", "linear", "sqrt")
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-
-
-class ConfigError(ValueError):
-    """A bad flag value. The message names the flag and the fix; the CLI prints it on one line."""
+from ddp_recipes.choices import (  # noqa: F401 - re-exported: the config's choice lists
+    ACCELERATORS,
+    COMM_HOOKS,
+    LR_SCALING_RULES,
+    PRECISIONS,
+    Accelerator,
+    CommHook,
+    LRScaling,
+    Precision,
+    check_choice,
+)
+from ddp_recipes.errors import CheckpointError, ConfigError, DataError, flag  # noqa: F401 - re-exported
+from ddp_recipes.world import launched_by_torchrun, resolve_world  # noqa: F401 - re-exported
 
 
 def opt(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors argparse's word
@@ -33,38 +37,6 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors 
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
     return field(default=default, metadata={"help": help, **kwargs})
-
-
-def flag(name: str) -> str:
-    """The CLI flag of a config field: ``max_steps`` -> ``--max-steps``."""
-    return "--" + name.replace("_", "-")
-
-
-def launched_by_torchrun() -> bool:
-    """True under torchrun / torchelastic (it exports these before starting the worker)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ
-
-
-def resolve_world(devices: int | None, num_nodes: int | None) -> tuple[int, int]:
-    """Devices per node and nodes: the arguments, else torchrun's environment, else 1 and 1."""
-    if launched_by_torchrun():
-        local = int(os.environ["LOCAL_WORLD_SIZE"])
-        world = int(os.environ.get("WORLD_SIZE", local))
-        if devices is not None and devices != local:
-            raise ConfigError(f"--devices {devices} disagrees with torchrun's --nproc-per-node {local}; "
-                             "drop --devices under torchrun")
-        devices, nodes_env = local, max(1, world // local)
-        if num_nodes is not None and num_nodes != nodes_env:
-            raise ConfigError(f"--num-nodes {num_nodes} disagrees with torchrun's --nnodes {nodes_env}; "
-                             "drop --num-nodes under torchrun")
-        num_nodes = nodes_env
-    devices = 1 if devices is None else devices
-    num_nodes = 1 if num_nodes is None else num_nodes
-    if devices < 1:
-        raise ConfigError(f"--devices must be >= 1 (got {devices})")
-    if num_nodes < 1:
-        raise ConfigError(f"--num-nodes must be >= 1 (got {num_nodes})")
-    return devices, num_nodes
 
 
 @dataclass

@@ -2,72 +2,26 @@
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ddp_recipes.checkpoint import AtomicCheckpointIO
-from ddp_recipes.config import ConfigError, launched_by_torchrun, resolve_world
 from ddp_recipes.diagnostics import DDPDiagnostics
+from ddp_recipes.errors import ConfigError
 from ddp_recipes.perf import InputWaitProfiler, TF32Setting, configure_tf32
 from ddp_recipes.resume import ResumeState
 from ddp_recipes.strategy import TunedDDPStrategy
-
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
-# Launchers that give every process node 0's address and its own ranks (SLURM, LSF, MPI).
-SCHEDULER_VARS = ("SLURM_NTASKS", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-
-
-def resolve_accelerator(accelerator: str = "auto") -> str:
-    """'cpu' or 'cuda'. 'gpu' means CUDA; 'auto' picks CUDA when a device is visible."""
-    accelerator = accelerator.lower()
-    if accelerator == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if accelerator in ("gpu", "cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--accelerator {accelerator} but no CUDA device is visible; use --accelerator cpu")
-        return "cuda"
-    if accelerator == "cpu":
-        return "cpu"
-    raise ConfigError(f"--accelerator must be one of auto, cpu, gpu, cuda (got {accelerator!r})")
-
-
-def resolve_precision(precision: str, accelerator: str) -> str:
-    """The precision Lightning will run, with the switch made explicit.
-
-    16-mixed needs CUDA's fp16 kernels and a GradScaler; on CPU we switch to bf16-mixed (same memory and
-    speed intent, no loss scaling needed) and say so once. bf16-mixed on a GPU without bf16 is an error.
-    """
-    if precision not in PRECISIONS:
-        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)} (got {precision!r})")
-    if precision == "16-mixed" and accelerator == "cpu":
-        rank_zero_info("--precision 16-mixed needs CUDA (fp16 AMP + GradScaler); using bf16-mixed on CPU instead.")
-        return "bf16-mixed"
-    if precision == "bf16-mixed" and accelerator == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("--precision bf16-mixed is not supported by this GPU (pre-Ampere); use --precision 16-mixed")
-    return precision
-
-
-def check_node_env(num_nodes: int) -> None:
-    """Several nodes, each started by hand: every node must know node 0's address and its own rank.
-
-    Without MASTER_ADDR Lightning uses 127.0.0.1, which no other node can reach, and node 0 waits the
-    whole --timeout-s (30 minutes by default) for nodes that never arrive; fail now instead.
-    """
-    if num_nodes == 1 or launched_by_torchrun() or any(name in os.environ for name in SCHEDULER_VARS):
-        return
-    if "MASTER_ADDR" not in os.environ:
-        raise ConfigError(f"--num-nodes {num_nodes} needs MASTER_ADDR (node 0's address), MASTER_PORT and NODE_RANK "
-                          f"(0..{num_nodes - 1}) set on every node; or launch with torchrun --nnodes or srun")
-    node_rank = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))
-    if not node_rank.isdigit() or int(node_rank) >= num_nodes:
-        raise ConfigError(f"NODE_RANK={node_rank} does not fit --num-nodes {num_nodes}; "
-                          f"set NODE_RANK to 0..{num_nodes - 1}, a different one on each node")
+from ddp_recipes.world import (
+    check_devices,
+    check_node_env,
+    resolve_accelerator,
+    resolve_precision,
+    resolve_world,
+)
 
 
 def build_trainer(
@@ -112,12 +66,10 @@ def build_trainer(
     accel = resolve_accelerator(accelerator)
     devices, num_nodes = resolve_world(devices, num_nodes)
     check_node_env(num_nodes)
-    if accel == "cuda" and devices > torch.cuda.device_count():
-        raise ConfigError(f"--devices {devices} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
-                         f"use --devices {torch.cuda.device_count()} or more nodes (--num-nodes)")
+    check_devices(devices, accel)
     precision = resolve_precision(precision, accel)
     if accumulate_grad_batches < 1:
-        raise ConfigError(f"--accumulate-grad-batches must be >= 1 (got {accumulate_grad_batches})")
+        raise ConfigError(f"{{accumulate_grad_batches}} must be >= 1 (got {accumulate_grad_batches})")
     configure_tf32(tf32, accel)
     trainer_kwargs.setdefault("profiler", InputWaitProfiler())
     # Again in each rank at set-up: ranks of the spawn launcher do not inherit this process's setting.

@@ -61,8 +61,11 @@ def test_torchrun_environment_sets_the_world(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = RunConfig()
     assert (cfg.resolved_devices, cfg.resolved_num_nodes, cfg.world_size) == (2, 4, 8)
-    with pytest.raises(ConfigError, match="--devices 3 disagrees with torchrun"):
+    with pytest.raises(ConfigError, match="^devices 3 disagrees with torchrun") as info:
         RunConfig(devices=3)
+    # The library names the parameter; only the CLI spells it as a flag.
+    assert info.value.param == "devices"
+    assert info.value.cli() == "--devices 3 disagrees with torchrun's --nproc-per-node 2; drop --devices under torchrun"
 
 
 def test_lr_scaling_rules():

@@ -1,0 +1,35 @@
+"""Every choice list of the pack, defined once.
+
+Each is a ``Literal`` type: config fields are annotated with it, so the CLI's ``choices``, the config's
+validation, ``build_trainer``, the strategy, the bench and the doctor all read the same tuple.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
+
+from ddp_recipes.errors import ConfigError
+
+Precision = Literal["32-true", "16-mixed", "bf16-mixed"]
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+LRScaling = Literal["none", "linear", "sqrt"]
+Accelerator = Literal["auto", "cpu", "gpu", "cuda"]
+Backend = Literal["auto", "gloo", "nccl"]
+ResNetData = Literal["synthetic", "cifar10", "imagefolder"]
+MNISTArch = Literal["mlp", "cnn"]
+
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
+LR_SCALING_RULES: tuple[str, ...] = get_args(LRScaling)
+ACCELERATORS: tuple[str, ...] = get_args(Accelerator)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+RESNET_DATA: tuple[str, ...] = get_args(ResNetData)
+MNIST_ARCHS: tuple[str, ...] = get_args(MNISTArch)
+
+
+def check_choice(param: str, value: Any, choices: Iterable[Any]) -> None:
+    """A :class:`ConfigError` naming ``param`` unless ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ConfigError(f"{{{param}}} must be one of {', '.join(map(str, choices))} (got {value!r})", param)
