@@ -13,7 +13,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ConfigError": "ddp_recipes.config",
+    "ConfigError": "ddp_recipes.errors",
+    "DataError": "ddp_recipes.errors",
+    "CheckpointError": "ddp_recipes.errors",
+    "RunPlan": "ddp_recipes.plan",
+    "DDPOptions": "ddp_recipes.plan",
     "RunConfig": "ddp_recipes.config",
     "parse_config": "ddp_recipes.config",
     "scale_lr": "ddp_recipes.schedules",

@@ -29,6 +29,7 @@ from ddp_recipes.choices import (  # noqa: F401 - re-exported: the config's choi
     check_choice,
 )
 from ddp_recipes.errors import CheckpointError, ConfigError, DataError, flag  # noqa: F401 - re-exported
+from ddp_recipes.plan import DDPOptions, RunPlan
 from ddp_recipes.world import launched_by_torchrun, resolve_world  # noqa: F401 - re-exported
 
 
@@ -45,8 +46,8 @@ class RunConfig:
 
     devices: int | None = opt(None, "devices (processes) per node; default 1, or torchrun's --nproc-per-node")
     num_nodes: int | None = opt(None, "number of nodes; default 1, or torchrun's --nnodes")
-    accelerator: str = opt("auto", "cpu, gpu/cuda or auto (CUDA when available)", choices=ACCELERATORS)
-    precision: str = opt("32-true", "32-true, 16-mixed (CUDA; bf16-mixed on CPU) or bf16-mixed", choices=PRECISIONS)
+    accelerator: Accelerator = opt("auto", "cpu, gpu/cuda or auto (CUDA when available)")
+    precision: Precision = opt("32-true", "32-true, 16-mixed (CUDA; bf16-mixed on CPU) or bf16-mixed")
     max_epochs: int | None = opt(None, "stop after this many epochs (recipe default when neither limit is set)")
     max_steps: int = opt(-1, "stop after this many optimizer steps (-1: no step limit)")
     batch_size: int | None = opt(None, "per-device batch size (default: recipe's, or derived from --global-batch-size)")
@@ -55,15 +56,15 @@ class RunConfig:
     )
     accumulate_grad_batches: int | None = opt(None, "micro-batches per optimizer step (all-reduce only on the last)")
     lr: float | None = opt(None, "base learning rate at --lr-reference-batch (recipe default when unset)")
-    lr_scaling: str = opt("linear", "scale the LR from --lr-reference-batch to the global batch: linear, sqrt or none",
-                          choices=LR_SCALING_RULES)
+    lr_scaling: LRScaling = opt("linear", "scale the LR from --lr-reference-batch to the global batch: linear, sqrt "
+                                          "or none")
     lr_reference_batch: int | None = opt(None, "the global batch the base --lr was tuned for (recipe default)")
     warmup_epochs: float = opt(0.0, "linear LR warm-up length in epochs, then cosine decay (0: constant LR)")
     seed: int = opt(42, "base seed; every rank seeds its random streams with seed + global rank")
     sync_batchnorm: bool = opt(False, "synchronise BatchNorm statistics across ranks (CPU and CUDA)")
     find_unused_parameters: bool = opt(False, "let DDP handle parameters that get no gradient (slower)")
     static_graph: bool = opt(False, "tell DDP the graph is the same every step (enables more optimisations)")
-    comm_hook: str = opt("none", "gradient compression for the all-reduce: none, fp16, bf16, powersgd", choices=COMM_HOOKS)
+    comm_hook: CommHook = opt("none", "gradient compression for the all-reduce: none, fp16, bf16, powersgd")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     timeout_s: float = opt(1800.0, "seconds a collective may wait before the run fails instead of hanging")
     output_dir: str = opt("runs/default", "where logs, checkpoints and summary.json go")
@@ -89,142 +90,138 @@ class RunConfig:
     DEFAULT_REFERENCE_BATCH: typing.ClassVar[int] = 64
     DEFAULT_MAX_EPOCHS: typing.ClassVar[int] = 5
 
+    DEFAULT_NUM_WORKERS: typing.ClassVar[int | None] = 0  # None: fitted to the cores per rank
+
     def __post_init__(self) -> None:
         self._check_positive("devices", "num_nodes", "batch_size", "global_batch_size", "accumulate_grad_batches",
                              "lr_reference_batch", "max_epochs")
         if self.max_steps == 0 or self.max_steps < -1:
-            raise ConfigError(f"--max-steps must be a positive step count or -1 for no limit (got {self.max_steps})")
-        for name, choices in (("precision", PRECISIONS), ("comm_hook", COMM_HOOKS),
-                              ("lr_scaling", LR_SCALING_RULES), ("accelerator", ACCELERATORS)):
-            value = getattr(self, name)
-            if value not in choices:
-                raise ConfigError(f"{flag(name)} must be one of {', '.join(choices)} (got {value!r})")
+            raise ConfigError(f"{{max_steps}} must be a positive step count or -1 for no limit (got {self.max_steps})")
+        check_choices(self)
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"--lr must be a positive number (got {self.lr})")
+            raise ConfigError(f"{{lr}} must be a positive number (got {self.lr})")
         if self.warmup_epochs < 0:
-            raise ConfigError(f"--warmup-epochs must be >= 0 (got {self.warmup_epochs})")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout-s must be > 0 seconds (got {self.timeout_s})")
-        if self.bucket_cap_mb <= 0:
-            raise ConfigError(f"--bucket-cap-mb must be > 0 (got {self.bucket_cap_mb})")
+            raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {self.warmup_epochs})")
         if self.num_workers is not None and self.num_workers < 0:
-            raise ConfigError(f"--num-workers must be >= 0 (got {self.num_workers})")
+            raise ConfigError(f"{{num_workers}} must be >= 0 (got {self.num_workers})")
         if self.compile:
             from torch._dynamo import list_backends
 
-            known = list_backends(exclude_tags=())
-            if self.compile_backend not in known:
-                raise ConfigError(f"--compile-backend must be one of {', '.join(sorted(known))} "
-                                  f"(got {self.compile_backend!r})")
+            check_choice("compile_backend", self.compile_backend, sorted(list_backends(exclude_tags=())))
         if self.checkpoint_every_n_steps < 0:
-            raise ConfigError(f"--checkpoint-every-n-steps must be >= 0 (got {self.checkpoint_every_n_steps})")
-        resolve_world(self.devices, self.num_nodes)  # torchrun agreement, with the flag named
-        # Resolve the batch arithmetic now, so that a bad combination fails before any process starts.
-        self.batch_plan()
+            raise ConfigError(f"{{checkpoint_every_n_steps}} must be >= 0 (got {self.checkpoint_every_n_steps})")
+        # Resolve now, once: a bad combination fails before any process starts, and everything downstream
+        # reads the frozen plan instead of re-deriving it.
+        self.__dict__["_plan"] = self.resolve()
 
     def _check_positive(self, *names: str) -> None:
         for name in names:
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"{flag(name)} must be >= 1 (got {value})")
+                raise ConfigError(f"{{{name}}} must be >= 1 (got {value})", name)
 
-    # ---- resolved values ------------------------------------------------------------------------------
+    def default_num_workers(self, devices_per_node: int) -> int:
+        """Loader workers per rank when ``--num-workers`` is unset (``DEFAULT_NUM_WORKERS``; None: fitted to
+        the cores per rank)."""
+        if self.DEFAULT_NUM_WORKERS is not None:
+            return self.DEFAULT_NUM_WORKERS
+        from ddp_recipes.data.images import default_num_workers
+
+        return default_num_workers(devices_per_node)
+
+    def resolve(self) -> RunPlan:
+        """The frozen :class:`~ddp_recipes.plan.RunPlan` of this config (see :attr:`plan`)."""
+        ddp = DDPOptions(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
+                         comm_hook=self.comm_hook, bucket_cap_mb=self.bucket_cap_mb,
+                         sync_batchnorm=self.sync_batchnorm, timeout_s=self.timeout_s)
+        # The recipe's default epochs unless only --max-steps was given (then -1: no epoch limit).
+        max_epochs = self.max_epochs if self.max_epochs is not None else (
+            -1 if self.max_steps > 0 else self.DEFAULT_MAX_EPOCHS)
+        plan = RunPlan.resolve(
+            devices=self.devices, num_nodes=self.num_nodes, accelerator=self.accelerator, precision=self.precision,
+            ddp=ddp, accumulate_grad_batches=self.accumulate_grad_batches, per_device_batch=self.batch_size,
+            global_batch=self.global_batch_size, default_batch=self.DEFAULT_BATCH_SIZE, lr_scaling=self.lr_scaling,
+            max_epochs=max_epochs, max_steps=self.max_steps, seed=self.seed, tf32=self.tf32,
+            diagnostics=self.diagnostics, base_lr=self.lr if self.lr is not None else self.DEFAULT_LR,
+            reference_batch=self.lr_reference_batch or self.DEFAULT_REFERENCE_BATCH, warmup_epochs=self.warmup_epochs,
+            compile_backend=self.compile_backend if self.compile else None)
+        workers = self.num_workers if self.num_workers is not None else self.default_num_workers(plan.devices)
+        return plan.replace(num_workers=workers)
+
+    @property
+    def plan(self) -> RunPlan:
+        """What runs, resolved once when the config was made: world, accelerator, precision, batch plan, LR,
+        loader workers and DDP options. The runner, the trainer and the DataModules read this."""
+        return self.__dict__["_plan"]
+
+    # ---- views of the plan, kept for scripts written against 0.1 ---------------------------------------
 
     @property
     def resolved_devices(self) -> int:
-        return resolve_world(self.devices, self.num_nodes)[0]
+        return self.plan.devices
 
     @property
     def resolved_num_nodes(self) -> int:
-        return resolve_world(self.devices, self.num_nodes)[1]
+        return self.plan.num_nodes
 
     @property
     def world_size(self) -> int:
-        return self.resolved_devices * self.resolved_num_nodes
+        return self.plan.world_size
 
     def batch_plan(self) -> tuple[int, int, int]:
-        """(per-device batch, accumulation, global batch), from whichever of the three flags were given."""
-        world = self.world_size
-        per_device, accum, global_batch = self.batch_size, self.accumulate_grad_batches, self.global_batch_size
-        if global_batch is None:
-            per_device = per_device or self.DEFAULT_BATCH_SIZE
-            accum = accum or 1
-            return per_device, accum, per_device * world * accum
-        if per_device is None:
-            accum = accum or 1
-            if global_batch % (world * accum):
-                raise ConfigError(
-                    f"--global-batch-size {global_batch} is not divisible by world size x accumulation = "
-                    f"{world} x {accum}; pick a multiple of {world * accum} or change --accumulate-grad-batches"
-                )
-            return global_batch // (world * accum), accum, global_batch
-        derived, rest = divmod(global_batch, per_device * world)
-        if rest or derived < 1:
-            raise ConfigError(
-                f"--global-batch-size {global_batch} is not a multiple of --batch-size x world size = "
-                f"{per_device} x {world}; pick a multiple of {per_device * world}"
-            )
-        if accum is not None and accum != derived:
-            raise ConfigError(
-                f"--accumulate-grad-batches {accum} contradicts --global-batch-size {global_batch} = "
-                f"{per_device} x {world} devices x {derived}; give two of the three, not all three"
-            )
-        return per_device, derived, global_batch
+        """(per-device batch, accumulation, global batch)."""
+        return self.plan.batch.astuple()
 
     @property
     def per_device_batch_size(self) -> int:
-        return self.batch_plan()[0]
+        return self.plan.batch.per_device
 
     @property
     def accumulation(self) -> int:
-        return self.batch_plan()[1]
+        return self.plan.accumulation
 
     @property
     def resolved_global_batch_size(self) -> int:
-        return self.batch_plan()[2]
+        return self.plan.batch.global_batch
 
     @property
     def base_lr(self) -> float:
-        return self.lr if self.lr is not None else self.DEFAULT_LR
+        return self.plan.base_lr
 
     @property
     def reference_batch(self) -> int:
-        return self.lr_reference_batch or self.DEFAULT_REFERENCE_BATCH
+        return self.plan.reference_batch
 
     @property
     def resolved_max_epochs(self) -> int | None:
-        """Epoch limit: the flag, else the recipe default unless only --max-steps was given."""
-        if self.max_epochs is not None:
-            return self.max_epochs
-        return None if self.max_steps > 0 else self.DEFAULT_MAX_EPOCHS
+        return None if self.plan.max_epochs == -1 else self.plan.max_epochs
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`ddp_recipes.build_trainer` that this config decides."""
-        return dict(
-            devices=self.resolved_devices,
-            num_nodes=self.resolved_num_nodes,
-            accelerator=self.accelerator,
-            precision=self.precision,
-            sync_batchnorm=self.sync_batchnorm,
-            find_unused_parameters=self.find_unused_parameters,
-            static_graph=self.static_graph,
-            comm_hook=self.comm_hook,
-            bucket_cap_mb=self.bucket_cap_mb,
-            seed=self.seed,
-            accumulate_grad_batches=self.accumulation,
-            max_epochs=self.resolved_max_epochs if self.resolved_max_epochs is not None else -1,
-            max_steps=self.max_steps,
-            timeout_s=self.timeout_s,
-            diagnostics=self.diagnostics,
-            lr_scaling=self.lr_scaling,
-            warmup_epochs=self.warmup_epochs,
-            reference_batch=self.reference_batch,
-            global_batch=self.resolved_global_batch_size,
-            tf32=self.tf32,
-        )
+        return {"plan": self.plan}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_choices(config: Any) -> None:
+    """Every field annotated with a ``Literal`` holds one of its values (the CLI checks them too; a config
+    built in Python is checked here)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        choices = literal_choices(hints[f.name])
+        if choices and getattr(config, f.name) is not None:
+            check_choice(f.name, getattr(config, f.name), choices)
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values of a ``Literal[...]`` annotation (also inside ``X | None``); None for any other type."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    for arg in get_args(annotation):
+        if get_origin(arg) is Literal:
+            return get_args(arg)
+    return None
 
 
 # ---- CLI generation ------------------------------------------------------------------------------------
@@ -233,10 +230,12 @@ C = TypeVar("C", bound=RunConfig)
 
 
 def _base_type(annotation: Any) -> tuple[type, bool]:
-    """(scalar type, optional?) of a field annotation such as ``int | None``."""
+    """(scalar type, optional?) of a field annotation such as ``int | None`` or ``Literal[...] | None``."""
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) is Literal:
         return type(get_args(annotation)[0]), False
+    if args and get_origin(args[0]) is Literal:
+        return type(get_args(args[0])[0]), len(args) < len(get_args(annotation))
     if args:
         return args[0], len(args) < len(get_args(annotation))
     return annotation, False
@@ -268,22 +267,26 @@ def build_parser(cls: type[RunConfig], prog: str | None = None, description: str
                                 default=default, help=help_text)
             continue
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text, "type": kind}
-        if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
-            kwargs["metavar"] = "{" + ",".join(f.metadata["choices"]) + "}"
+        choices = f.metadata.get("choices") or literal_choices(hints[f.name])
+        if choices:
+            kwargs["choices"] = choices
+            kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
         parser.add_argument(flag(f.name), **kwargs)
     return parser
 
 
-def writable_dir(path: str, flag_name: str) -> Path:
-    """Create ``path`` if needed (rank-safe) and prove it is writable, or raise naming ``flag_name``."""
+def writable_dir(path: str, param: str) -> Path:
+    """Create ``path`` if needed (rank-safe) and prove it is writable, or raise naming ``param`` (a config
+    field such as ``output_dir``; a leading ``--flag`` spelling is accepted too)."""
+    param = param.lstrip("-").replace("-", "_")
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
             pass
     except OSError as err:
-        raise ConfigError(f"{flag_name} {path} is not writable ({err.strerror}); pass a writable {flag_name}") from None
+        raise ConfigError(f"{{{param}}} {path} is not writable ({err.strerror}); pass a writable {{{param}}}",
+                          param) from None
     return out
 
 
@@ -301,4 +304,4 @@ def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None =
     try:
         return cls(**vars(namespace))
     except ConfigError as err:
-        fail(str(err), parser.prog)
+        fail(err.cli(), parser.prog)

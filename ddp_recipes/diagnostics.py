@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from ddp_recipes.choices import LR_SCALING_RULES, check_choice
 from ddp_recipes.diagnostic_rules import (  # noqa: F401 - re-exported: tests and users import them from here
     batch_fingerprint,
     batch_size_of,
@@ -117,8 +118,8 @@ class DDPDiagnostics(Callback):
 
     def __init__(self, *, lr_scaling: str | None = None, warmup_epochs: float | None = None,
                  reference_batch: int | None = None, global_batch: int | None = None) -> None:
-        if lr_scaling not in (None, "none", "linear", "sqrt"):
-            raise ValueError(f"lr_scaling must be none, linear or sqrt (got {lr_scaling!r})")
+        if lr_scaling is not None:
+            check_choice("lr_scaling", lr_scaling, LR_SCALING_RULES)
         self.lr_scaling, self.warmup_epochs = lr_scaling, warmup_epochs
         self.reference_batch, self.global_batch = reference_batch, global_batch
         self.findings: list[tuple[str, str]] = []

@@ -56,3 +56,7 @@ class DataError(ConfigError):
 
 class CheckpointError(ConfigError):
     """The checkpoint ``resume`` names cannot be used for this run."""
+
+
+class MissingDataError(DataError, FileNotFoundError):
+    """The data a parameter points at is not there (also a ``FileNotFoundError``, as 0.1 raised)."""

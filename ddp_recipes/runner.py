@@ -27,9 +27,9 @@ from ddp_recipes.checkpoint import (
 )
 from ddp_recipes.config import RunConfig, writable_dir
 from ddp_recipes.data.samplers import loader_batch_size
+from ddp_recipes.errors import ConfigError
 from ddp_recipes.perf import flops_summary, input_wait, peak_flops, tf32_state, training_flops_per_sample
 from ddp_recipes.preemption import LastCheckpoint
-from ddp_recipes.schedules import scale_lr
 from ddp_recipes.trainer import build_trainer
 from ddp_recipes.userclass import RecipeClasses, RecordClasses, class_path
 
@@ -115,7 +115,7 @@ def _batch_len(batch: Any) -> int:
 
 def scaled_lr(cfg: RunConfig) -> float:
     """The peak LR for this run: ``--lr`` scaled from ``--lr-reference-batch`` to the global batch."""
-    return scale_lr(cfg.base_lr, cfg.resolved_global_batch_size, cfg.reference_batch, cfg.lr_scaling)
+    return cfg.plan.lr
 
 
 def checkpoint_callbacks(cfg: RunConfig, has_val: bool, model_class: type | None = None) -> list[Callback]:
@@ -170,9 +170,9 @@ class PlannedBatch(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         batch = loader_batch_size(trainer.train_dataloader)
         if batch is not None and batch != self.per_device:
-            raise ValueError(f"--datamodule-class {self.source}: its training loader has batch_size {batch} but the "
-                             f"run plans {self.per_device} per device; build the loader with the batch_size given to "
-                             "__init__")
+            raise ConfigError(f"{{datamodule_class}} {self.source}: its training loader has batch_size {batch} but "
+                              f"the run plans {self.per_device} per device; build the loader with the batch_size given "
+                              "to __init__")
 
 
 def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwargs: Any) -> L.Trainer:
@@ -187,7 +187,8 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwar
 
 def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
     """The one block a run prints: world, batch arithmetic, precision, strategy."""
-    per_device, accum, global_batch = cfg.batch_plan()
+    plan = cfg.plan
+    per_device, accum, global_batch = plan.batch.astuple()
     strategy = type(trainer.strategy).__name__
     hook = getattr(trainer.strategy, "comm_hook", None)
     lines = [
@@ -195,12 +196,13 @@ def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
         f"{trainer.strategy.root_device.type})",
         f"batch            {per_device} per device x {trainer.world_size} x {accum} accumulation = "
         f"{global_batch} global",
-        f"learning rate    {lr:g} (base {cfg.base_lr:g} at batch {cfg.reference_batch}, scaling {cfg.lr_scaling}, "
-        f"warm-up {cfg.warmup_epochs:g} epochs)",
-        f"precision        {trainer.precision}" + (f", torch.compile ({cfg.compile_backend})" if cfg.compile else ""),
+        f"learning rate    {lr:g} (base {plan.base_lr:g} at batch {plan.reference_batch}, scaling {plan.lr_scaling}, "
+        f"warm-up {plan.warmup_epochs:g} epochs)",
+        f"precision        {trainer.precision}" + (f", torch.compile ({plan.compile_backend})"
+                                                  if plan.compile_backend else ""),
         f"tf32             {tf32_state(trainer.strategy.root_device.type)}",
-        f"strategy         {strategy}" + (f" (comm hook {hook}, sync BN {cfg.sync_batchnorm}, "
-                                          f"find unused {cfg.find_unused_parameters})" if hook else ""),
+        f"strategy         {strategy}" + (f" (comm hook {hook}, sync BN {plan.ddp.sync_batchnorm}, "
+                                          f"find unused {plan.ddp.find_unused_parameters})" if hook else ""),
         f"output           {cfg.output_dir}",
     ]
     return "\n".join(lines)
@@ -216,13 +218,14 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
               extra: dict[str, Any] | None = None, flops: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fields of summary.json (see the README for each one). Every rank calls it (one collective)."""
     wait = worst_rank(trainer, meter.input_wait_fraction)
+    batch = cfg.plan.batch
     return {
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
         "devices_per_node": trainer.num_devices,
-        "per_device_batch_size": cfg.per_device_batch_size,
-        "accumulate_grad_batches": cfg.accumulation,
-        "global_batch_size": cfg.resolved_global_batch_size,
+        "per_device_batch_size": batch.per_device,
+        "accumulate_grad_batches": batch.accumulation,
+        "global_batch_size": batch.global_batch,
         "precision": trainer.precision,
         "epochs": trainer.current_epoch,
         "steps": trainer.global_step,
@@ -233,7 +236,7 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         # The first step's excess over a steady one: tracing and code generation (recompiles for other
         # shapes, e.g. a short last batch or evaluation, come on top and are not counted here).
         "compile_seconds": (round(max(0.0, meter.first_step_s - (meter.step_s_median or 0.0)), 3)
-                            if cfg.compile and meter.first_step_s is not None else None),
+                            if cfg.plan.compile_backend and meter.first_step_s is not None else None),
         **(flops or {}),
         "final_train_loss": metrics.get("train_loss_epoch", metrics.get("train_loss")),
         **{k: v for k, v in test_metrics.items()},
@@ -264,20 +267,20 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     ``build_model`` is called after the trainer has seeded every rank, so the initial weights depend on
     ``--seed`` only (not on whatever drew random numbers earlier in the process).
     """
-    out = writable_dir(cfg.output_dir, "--output-dir")
+    out = writable_dir(cfg.output_dir, "output_dir")
     meter = ThroughputMeter()
     callbacks = [meter, *(callbacks or [])]
     if classes is not None:
         callbacks.append(RecordClasses(classes))
         extra = {**classes.record(), **(extra or {})}
         if classes.datamodule is not None:
-            callbacks.append(PlannedBatch(cfg.per_device_batch_size, class_path(classes.datamodule)))
+            callbacks.append(PlannedBatch(cfg.plan.batch.per_device, class_path(classes.datamodule)))
     trainer = make_trainer(cfg, callbacks=callbacks, **trainer_kwargs)
     model = build_model()
-    if cfg.compile:
+    if cfg.plan.compile_backend:
         # Lightning unwraps the compiled module and compiles its forward; called inside DDP's forward, dynamo
         # applies DDPOptimizer (one graph per gradient bucket). Checkpoints keep the plain module's keys.
-        model = torch.compile(model, backend=cfg.compile_backend)
+        model = torch.compile(model, backend=cfg.plan.compile_backend)
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, lr), flush=True)
     start = time.perf_counter()

@@ -12,15 +12,18 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-SCALING_RULES = ("none", "linear", "sqrt")
+from ddp_recipes.choices import LR_SCALING_RULES
+from ddp_recipes.errors import ConfigError
+
+SCALING_RULES = LR_SCALING_RULES  # 0.1's name
 
 
 def scale_lr(base_lr: float, global_batch: int, reference_batch: int, rule: str = "none") -> float:
     """The LR for ``global_batch`` given ``base_lr`` tuned at ``reference_batch``."""
     if rule not in SCALING_RULES:
-        raise ValueError(f"--lr-scaling must be one of {', '.join(SCALING_RULES)} (got {rule!r})")
+        raise ConfigError(f"{{lr_scaling}} must be one of {', '.join(SCALING_RULES)} (got {rule!r})")
     if global_batch < 1 or reference_batch < 1:
-        raise ValueError(f"batch sizes must be >= 1 (global {global_batch}, reference {reference_batch})")
+        raise ConfigError(f"batch sizes must be >= 1 (global {global_batch}, reference {reference_batch})")
     ratio = global_batch / reference_batch
     if rule == "linear":
         return base_lr * ratio
@@ -47,7 +50,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
                   min_factor: float = 0.0) -> LambdaLR:
     """A LambdaLR to be stepped once per optimizer step (Lightning: ``interval="step"``)."""
     if warmup_steps < 0:
-        raise ValueError(f"warm-up steps must be >= 0 (got {warmup_steps})")
+        raise ConfigError(f"warm-up steps must be >= 0 (got {warmup_steps})")
     return LambdaLR(optimizer, lambda step: warmup_cosine_factor(step, warmup_steps, total_steps, min_factor))
 
 

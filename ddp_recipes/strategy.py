@@ -34,11 +34,9 @@ import atexit
 import logging
 import os
 import re
-import subprocess
 import sys
-import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
@@ -51,29 +49,31 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ddp_recipes.choices import COMM_HOOKS, check_choice
 from ddp_recipes.commhooks import ResumablePowerSGD
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported these from here
+    ASYNC_ERROR_HANDLING_VARS,
+    CHILD_GRACE_S,
+    PEER_FAILURE_PATTERN,
+    PEER_FAILURE_PREFIX,
+    SHARED_STORE_FIX,
+    init_failure_hint,
+    is_peer_failure,
+    restarts_share_store,
+    stop_processes,
+)
 from ddp_recipes.preemption import die_with_launcher, tag_children_with_launcher
 from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.syncbn import SyncBatchNormPlugin
 
+if TYPE_CHECKING:
+    from ddp_recipes.plan import DDPOptions
+
 log = logging.getLogger(__name__)
 
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 UNUSED_PARAMETERS_PATTERN = "Expected to have finished reduction in the prior iteration"
-# What gloo, NCCL and the c10d store say when a peer process died or stopped calling collectives.
-PEER_FAILURE_PATTERN = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|Timed out waiting \d+ms"
-    r"|Watchdog caught collective operation timeout|NCCL communicator was aborted|ncclRemoteError"
-    r"|failed to recv, got 0 bytes|Socket Timeout"
-)
-PEER_FAILURE_PREFIX = "DDP: a peer rank died or stopped responding"
-ASYNC_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")  # new, old name
-# torchrun hands its workers its own rendezvous store; a restarted worker group then finds the previous
-# attempt's process-group keys there and may connect to a dead rank's address (pytorch/pytorch#135712).
-SHARED_STORE_FIX = ("launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --standalone (one node) or --rdzv-backend "
-                    "c10d --rdzv-endpoint HOST:PORT (static --master-addr/--master-port rendezvous always shares it)")
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank remembers for a hang's post-mortem (a few hundred KB)
-CHILD_GRACE_S = 5.0  # how long a failed launcher waits for its other ranks to exit on their own
 
 
 class TunedDDPStrategy(DDPStrategy):
@@ -98,13 +98,12 @@ class TunedDDPStrategy(DDPStrategy):
         nccl_p2p_disable: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        if comm_hook not in COMM_HOOKS:
-            raise ValueError(f"--comm-hook must be one of {', '.join(COMM_HOOKS)} (got {comm_hook!r})")
+        check_choice("comm_hook", comm_hook, COMM_HOOKS)
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
-            raise ValueError("pass either comm_hook (--comm-hook) or ddp_comm_hook, not both")
+            raise ConfigError("pass either {comm_hook} or ddp_comm_hook, not both")
         if powersgd_start_iter < 2:
             # DDP rebuilds its buckets after the first iteration; PowerSGD's error feedback needs them stable.
-            raise ValueError(f"powersgd_start_iter must be >= 2 (got {powersgd_start_iter})")
+            raise ConfigError(f"{{powersgd_start_iter}} must be >= 2 (got {powersgd_start_iter})")
         if isinstance(timeout, int | float):
             timeout = timedelta(seconds=timeout)
         if timeout is not None:
@@ -122,6 +121,12 @@ class TunedDDPStrategy(DDPStrategy):
         nccl = (("NCCL_DEBUG", nccl_debug), ("NCCL_SOCKET_IFNAME", nccl_socket_ifname),
                 ("NCCL_P2P_DISABLE", nccl_p2p_disable))
         self._nccl = {key: value for key, value in nccl if value is not None}
+
+    @classmethod
+    def from_options(cls, options: DDPOptions, **kwargs: Any) -> TunedDDPStrategy:
+        """The strategy for one :class:`~ddp_recipes.plan.DDPOptions` (what ``build_trainer`` uses);
+        ``kwargs`` are the other constructor arguments (seed, NCCL settings, PowerSGD's, Lightning's)."""
+        return cls(**options.strategy_kwargs(), **kwargs)
 
     # ---- SyncBatchNorm: Lightning hands us its CUDA-only plugin; swap in the CPU-capable one --------
 
@@ -339,53 +344,6 @@ def ddp_parameter_order(module: nn.Module, ignore: Any = ()) -> list[tuple[str, 
             seen.add(id(param))
             ordered.append((full, param))
     return ordered
-
-
-def restarts_share_store(env: Any) -> bool:
-    """True under torchrun with --max-restarts > 0 whose workers use the agent's rendezvous store."""
-    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
-
-
-def init_failure_hint(err: BaseException) -> str | None:
-    """What to do when the process group cannot start, for the two causes a message can tell apart."""
-    if restarts_share_store(os.environ) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return ("DDP: torchrun restarted the workers on a store that still holds the previous attempt's "
-                f"addresses; {SHARED_STORE_FIX}")
-    if isinstance(err, torch.distributed.DistStoreError) or "clients joined" in str(err):
-        return ("DDP: not every rank reached the rendezvous at MASTER_ADDR:MASTER_PORT within --timeout-s: start "
-                "every node with the same --num-nodes and its own NODE_RANK, with node 0's address and port "
-                "reachable from all (python -m ddp_recipes.doctor checks this)")
-    return None
-
-
-def is_peer_failure(exception: BaseException) -> bool:
-    """True for the errors a rank gets when another rank died or stopped calling collectives."""
-    return isinstance(exception, RuntimeError) and bool(PEER_FAILURE_PATTERN.search(str(exception)))
-
-
-def stop_processes(procs: list[Any], grace_s: float) -> None:
-    """Wait up to ``grace_s`` for the processes to exit, then SIGKILL (and reap) those still running.
-
-    Takes ``subprocess.Popen`` (Lightning's default launcher) and ``multiprocessing`` processes (its
-    ``spawn``/``fork`` launcher), which wait with ``join`` and have no ``wait``.
-    """
-    deadline = time.monotonic() + grace_s
-    for rank, proc in enumerate(procs, start=1):
-        left = max(0.0, deadline - time.monotonic())
-        if isinstance(proc, subprocess.Popen):
-            try:
-                proc.wait(timeout=left)
-                continue
-            except subprocess.TimeoutExpired:
-                pass
-        else:
-            proc.join(timeout=left)
-            if not proc.is_alive():
-                continue
-        print(f"local rank {rank} (pid {proc.pid}) still running {grace_s:g} s after this rank failed: "
-              "killing it", file=sys.stderr, flush=True)
-        proc.kill()
-        proc.wait() if isinstance(proc, subprocess.Popen) else proc.join()
 
 
 def apply_env_defaults(values: dict[str, Any]) -> dict[str, str]:

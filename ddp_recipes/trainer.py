@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import lightning as L
@@ -13,19 +12,20 @@ from ddp_recipes.checkpoint import AtomicCheckpointIO
 from ddp_recipes.diagnostics import DDPDiagnostics
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.perf import InputWaitProfiler, TF32Setting, configure_tf32
+from ddp_recipes.plan import DDPOptions, RunPlan
 from ddp_recipes.resume import ResumeState
 from ddp_recipes.strategy import TunedDDPStrategy
-from ddp_recipes.world import (
-    check_devices,
+from ddp_recipes.world import (  # noqa: F401 - re-exported: 0.1 imported these from here
+    SCHEDULER_VARS,
     check_node_env,
     resolve_accelerator,
     resolve_precision,
-    resolve_world,
 )
 
 
 def build_trainer(
     *,
+    plan: RunPlan | None = None,
     devices: int | None = None,
     num_nodes: int | None = None,
     accelerator: str = "auto",
@@ -46,6 +46,7 @@ def build_trainer(
     reference_batch: int | None = None,
     global_batch: int | None = None,
     tf32: bool = True,
+    ddp: DDPOptions | None = None,
     strategy_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
@@ -62,59 +63,73 @@ def build_trainer(
     GPUs (no effect on CPU). Unless a ``profiler`` is given, :class:`~ddp_recipes.perf.InputWaitProfiler`
     times the loop's wait for each batch. Any other keyword goes to ``lightning.Trainer``;
     ``strategy_kwargs`` to TunedDDPStrategy.
+
+    The DDP knobs may come as one :class:`~ddp_recipes.plan.DDPOptions` (``ddp=``) instead of the flat
+    keywords, and everything a recipe resolved as one :class:`~ddp_recipes.plan.RunPlan` (``plan=``, what
+    ``RunConfig.plan`` gives); then the run keywords above must stay unset.
     """
-    accel = resolve_accelerator(accelerator)
-    devices, num_nodes = resolve_world(devices, num_nodes)
-    check_node_env(num_nodes)
-    check_devices(devices, accel)
-    precision = resolve_precision(precision, accel)
-    if accumulate_grad_batches < 1:
-        raise ConfigError(f"{{accumulate_grad_batches}} must be >= 1 (got {accumulate_grad_batches})")
-    configure_tf32(tf32, accel)
+    if plan is None:
+        flat_ddp = DDPOptions(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                              comm_hook=comm_hook, bucket_cap_mb=bucket_cap_mb, sync_batchnorm=sync_batchnorm,
+                              timeout_s=timeout_s)
+        if ddp is not None and flat_ddp != DDPOptions():
+            raise ConfigError("pass the DDP options either as {ddp} or as keywords (find_unused_parameters, "
+                              "comm_hook, ...), not both")
+        plan = RunPlan.resolve(devices=devices, num_nodes=num_nodes, accelerator=accelerator, precision=precision,
+                               ddp=ddp or flat_ddp, accumulate_grad_batches=accumulate_grad_batches,
+                               lr_scaling=lr_scaling, max_epochs=max_epochs, max_steps=max_steps, seed=seed,
+                               tf32=tf32, diagnostics=diagnostics, warmup_epochs=warmup_epochs,
+                               reference_batch=reference_batch)
+    else:
+        given = {name for name, value in (("devices", devices), ("num_nodes", num_nodes), ("seed", seed),
+                                          ("global_batch", global_batch), ("ddp", ddp), ("lr_scaling", lr_scaling))
+                 if value is not None}
+        if given:
+            raise ConfigError(f"{{plan}} already decides {', '.join(sorted(given))}; pass the plan alone")
+        global_batch = plan.batch.global_batch if plan.batch else None
+    return _trainer_for(plan, global_batch, strategy_kwargs, trainer_kwargs)
+
+
+def _trainer_for(plan: RunPlan, global_batch: int | None, strategy_kwargs: dict[str, Any] | None,
+                 trainer_kwargs: dict[str, Any]) -> L.Trainer:
+    check_node_env(plan.num_nodes)  # here, not in the plan: a config may be made on any machine
+    configure_tf32(plan.tf32, plan.accelerator)
     trainer_kwargs.setdefault("profiler", InputWaitProfiler())
-    # Again in each rank at set-up: ranks of the spawn launcher do not inherit this process's setting.
-    callbacks_tf32 = [TF32Setting(tf32)] if accel == "cuda" else []
-    if seed is not None:
+    if plan.seed is not None:
         # Same seed on every rank before the model is built: identical initial weights everywhere.
-        L.seed_everything(seed, workers=True, verbose=False)
+        L.seed_everything(plan.seed, workers=True, verbose=False)
 
     plugins = list(trainer_kwargs.pop("plugins", None) or [])
     if not any(isinstance(p, CheckpointIO) for p in plugins):
         plugins.append(AtomicCheckpointIO())  # a kill mid-save keeps the previous checkpoint intact
-    callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *callbacks_tf32]
+    callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
+    if plan.accelerator == "cuda":
+        callbacks.append(TF32Setting(plan.tf32))  # again in each rank: spawned ranks do not inherit it
     if not any(isinstance(c, ResumeState) for c in callbacks):
         # Per-rank streams from seed + rank once training starts; a resumed run gets the checkpoint's
         # streams, loader position and comm-hook state back instead (and this run's LRs).
-        callbacks.append(ResumeState(seed=seed))
-    if diagnostics and not any(isinstance(c, DDPDiagnostics) for c in callbacks):
-        callbacks.append(DDPDiagnostics(lr_scaling=lr_scaling, warmup_epochs=warmup_epochs,
-                                        reference_batch=reference_batch, global_batch=global_batch))
-    distributed = devices * num_nodes > 1
+        callbacks.append(ResumeState(seed=plan.seed))
+    if plan.diagnostics and not any(isinstance(c, DDPDiagnostics) for c in callbacks):
+        callbacks.append(DDPDiagnostics(lr_scaling=plan.lr_scaling, warmup_epochs=plan.warmup_epochs,
+                                        reference_batch=plan.reference_batch, global_batch=global_batch))
+    ddp = plan.ddp
     if "strategy" not in trainer_kwargs:
-        if distributed:
-            trainer_kwargs["strategy"] = TunedDDPStrategy(
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
-                bucket_cap_mb=bucket_cap_mb,
-                comm_hook=comm_hook,
-                seed=seed,
-                timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-                **(strategy_kwargs or {}),
-            )
+        if plan.distributed:
+            trainer_kwargs["strategy"] = TunedDDPStrategy.from_options(ddp, seed=plan.seed, **(strategy_kwargs or {}))
         else:
-            if comm_hook != "none" or find_unused_parameters or sync_batchnorm:
+            if ddp.comm_hook != "none" or ddp.find_unused_parameters or ddp.sync_batchnorm:
                 rank_zero_info("1 device: no DDP wrap, so --comm-hook, --find-unused-parameters and "
                                "--sync-batchnorm have nothing to do.")
             trainer_kwargs["strategy"] = "auto"
     return L.Trainer(
-        accelerator="gpu" if accel == "cuda" else "cpu",
-        devices=devices,
-        num_nodes=num_nodes,
-        precision=precision,
-        sync_batchnorm=sync_batchnorm and distributed,
-        accumulate_grad_batches=accumulate_grad_batches,
-        max_epochs=max_epochs,
-        max_steps=max_steps,
+        accelerator="gpu" if plan.accelerator == "cuda" else "cpu",
+        devices=plan.devices,
+        num_nodes=plan.num_nodes,
+        precision=plan.precision,
+        sync_batchnorm=ddp.sync_batchnorm and plan.distributed,
+        accumulate_grad_batches=plan.accumulation,
+        max_epochs=plan.max_epochs,
+        max_steps=plan.max_steps,
         plugins=plugins,
         callbacks=callbacks,
         **trainer_kwargs,

@@ -126,12 +126,12 @@ def resolve_classes(base: type[L.LightningModule], model_cls: type | None = None
                     model_spec: str | None = None, datamodule_spec: str | None = None) -> RecipeClasses:
     """The run's classes from ``main(model_cls=, datamodule_cls=)`` and the ``--model-class`` /
     ``--datamodule-class`` flags (both may be given when they name the same class)."""
-    model = _pick(model_cls, model_spec, "model_cls", "--model-class")
-    datamodule = _pick(datamodule_cls, datamodule_spec, "datamodule_cls", "--datamodule-class")
+    model = _pick(model_cls, model_spec, "model_cls", "{model_class}")
+    datamodule = _pick(datamodule_cls, datamodule_spec, "datamodule_cls", "{datamodule_class}")
     if model is not None:
-        check_subclass(model, base, "--model-class" if model_spec else "model_cls")
+        check_subclass(model, base, "{model_class}" if model_spec else "model_cls")
     if datamodule is not None:
-        check_subclass(datamodule, L.LightningDataModule, "--datamodule-class" if datamodule_spec else "datamodule_cls")
+        check_subclass(datamodule, L.LightningDataModule, "{datamodule_class}" if datamodule_spec else "datamodule_cls")
     return RecipeClasses(base, model, datamodule)
 
 
@@ -155,12 +155,12 @@ def follow_checkpoint(classes: RecipeClasses, checkpoint: dict[str, Any], path: 
     record = checkpoint[CHECKPOINT_KEY] or {}
     _refuse_other_recipe(record.get("model_class"), classes.base, path)
     model = _follow(record.get("model_class"), record.get("model_file"), classes.model, classes.base, path,
-                    "--model-class", "model_cls")
+                    "{model_class}", "model_cls")
     datamodule = _follow(record.get("datamodule_class"), record.get("datamodule_file"), classes.datamodule, None,
-                         path, "--datamodule-class", "datamodule_cls")
+                         path, "{datamodule_class}", "datamodule_cls")
     for cls, base in ((model, classes.base), (datamodule, L.LightningDataModule)):
         if cls is not None and not issubclass(cls, base):
-            raise ConfigError(f"--resume {path} was trained with {class_path(cls)}, which this recipe does not build "
+            raise ConfigError(f"{{resume}} {path} was trained with {class_path(cls)}, which this recipe does not build "
                               "(a checkpoint of another recipe?); pass a checkpoint written by this recipe")
     return replace(classes, model=model, datamodule=datamodule)
 
@@ -175,11 +175,11 @@ def _refuse_other_recipe(recorded: str | None, base: type, path: str) -> None:
     if recorded is None or not recorded.startswith("ddp_recipes.modules."):
         return
     try:
-        recorded_cls = import_class(recorded, "--model-class")
+        recorded_cls = import_class(recorded, "{model_class}")
     except ConfigError:
         return
     if not issubclass(recorded_cls, base):
-        raise ConfigError(f"--resume {path} was trained with {recorded}, which this recipe does not build "
+        raise ConfigError(f"{{resume}} {path} was trained with {recorded}, which this recipe does not build "
                           "(a checkpoint of another recipe?); pass a checkpoint written by this recipe")
 
 
@@ -190,15 +190,15 @@ def _follow(recorded: str | None, recorded_file: str | None, given: type | None,
         if recorded is None or not same_class(recorded, given, recorded_file):
             default_recorded = recorded is None or (default is not None and recorded == class_path(default))
             fix = f"drop {flag} ({kwarg}=)" if default_recorded else f"pass {flag} {recorded}"
-            raise ConfigError(f"--resume {path} was trained with {recorded or _describe(None)} but this run builds "
+            raise ConfigError(f"{{resume}} {path} was trained with {recorded or _describe(None)} but this run builds "
                               f"{_describe(given)}; {fix} or pass another checkpoint")
         return given
     if recorded is None or (default is not None and class_path(default) == recorded):
         return None
     if defined_in_script(recorded):
-        raise ConfigError(f"--resume {path} was trained with {recorded}, a class defined in a script: run that "
+        raise ConfigError(f"{{resume}} {path} was trained with {recorded}, a class defined in a script: run that "
                           f"script again (it passes {kwarg}=), or move the class into a module and pass {flag}")
-    return import_class(recorded, f"{flag} (recorded in --resume {path})")
+    return import_class(recorded, f"{flag} (recorded in {{resume}} {path})")
 
 
 def construct_datamodule(cls: type[L.LightningDataModule], offered: dict[str, Any]) -> L.LightningDataModule:
@@ -208,10 +208,10 @@ def construct_datamodule(cls: type[L.LightningDataModule], offered: dict[str, An
     the class must take it: with its own batch size the global batch, the LR scaling and the resume
     arithmetic would silently be wrong. A required parameter the recipe cannot give fails in one line.
     """
-    kwargs = _accepted(cls, offered, "--datamodule-class")
+    kwargs = _accepted(cls, offered, "{datamodule_class}")
     if "batch_size" not in kwargs:
-        raise ConfigError(f"--datamodule-class {class_path(cls)} must take batch_size in __init__ (the per-device "
-                          "batch the recipe plans from --batch-size / --global-batch-size)")
+        raise ConfigError(f"{{datamodule_class}} {class_path(cls)} must take batch_size in __init__ (the per-device "
+                          "batch the recipe plans from {batch_size} / {global_batch_size})")
     return cls(**kwargs)
 
 
@@ -221,10 +221,10 @@ def model_kwargs(cls: type[L.LightningModule], given: dict[str, Any]) -> dict[st
     The class must accept each of them (by name, or through ``**kwargs`` passed on to the parent) and
     require nothing else; otherwise one line says which. Recipes call it before any process starts.
     """
-    kwargs = _accepted(cls, given, "--model-class")
+    kwargs = _accepted(cls, given, "{model_class}")
     refused = sorted(set(given) - set(kwargs))
     if refused:
-        raise ConfigError(f"--model-class {class_path(cls)}: __init__ does not take {', '.join(refused)}, which the "
+        raise ConfigError(f"{{model_class}} {class_path(cls)}: __init__ does not take {', '.join(refused)}, which the "
                           "recipe passes; add **kwargs and pass them on to super().__init__(**kwargs)")
     return kwargs
 

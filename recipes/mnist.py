@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import lightning as L
 
 from ddp_recipes.checkpoint import check_compatible
+from ddp_recipes.choices import MNISTArch
 from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
@@ -31,7 +32,7 @@ PROG = "python -m recipes.mnist"
 class MNISTConfig(RunConfig):
     """Run config plus the MNIST recipe's own flags."""
 
-    arch: str = opt("mlp", "network: mlp (the write-up's 784-128-10) or cnn", choices=ARCHS)
+    arch: MNISTArch = opt("mlp", "network: mlp (the write-up's 784-128-10) or cnn")
     data_dir: str = opt("data", "folder holding MNIST/raw/ (downloaded there on rank 0 when missing and online)")
     download: bool = opt(True, "download MNIST into --data-dir when it is missing")
     val_size: int = opt(0, "images held out of the train split for validation (fixed seed)")
@@ -47,18 +48,16 @@ class MNISTConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.arch not in ARCHS:
-            raise ConfigError(f"--arch must be one of {', '.join(ARCHS)} (got {self.arch!r})")
         if self.val_size < 0:
-            raise ConfigError(f"--val-size must be >= 0 (got {self.val_size})")
+            raise ConfigError(f"{{val_size}} must be >= 0 (got {self.val_size})")
         if not 0 <= self.momentum < 1:
-            raise ConfigError(f"--momentum must be in [0, 1) (got {self.momentum})")
+            raise ConfigError(f"{{momentum}} must be in [0, 1) (got {self.momentum})")
 
 
 def build_datamodule(cfg: MNISTConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
     """The recipe's MNIST, or a user's DataModule class given the values of the flags it declares."""
-    offered = dict(data_dir=cfg.data_dir, batch_size=cfg.per_device_batch_size, val_size=cfg.val_size,
-                   seed=cfg.seed, num_workers=cfg.num_workers or 0, download=cfg.download)
+    offered = dict(data_dir=cfg.data_dir, batch_size=cfg.plan.batch.per_device, val_size=cfg.val_size,
+                   seed=cfg.seed, num_workers=cfg.plan.num_workers, download=cfg.download)
     return construct_datamodule(cls, offered) if cls is not None else MNISTDataModule(**offered)
 
 
@@ -96,10 +95,8 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
                             callbacks=checkpoint_callbacks(cfg, has_val, classes.model_class), ckpt_path=resume,
                             test=own_data or has_loader(datamodule, "test"), classes=classes,
                             extra={"arch": cfg.arch, "resumed_from": resume})
-    except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
-        if not isinstance(err, FileNotFoundError | ConfigError) and "--" not in str(err):
-            raise  # a ValueError that names no flag is a bug, not bad input: keep its traceback
-        fail(str(err).splitlines()[0], PROG)
+    except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
+        fail(err.cli(), PROG)
 
 
 if __name__ == "__main__":

@@ -19,19 +19,18 @@ from dataclasses import dataclass
 import lightning as L
 
 from ddp_recipes.checkpoint import check_compatible
+from ddp_recipes.choices import ResNetData
 from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.images import (
     CIFAR10DataModule,
     ImageFolderDataModule,
     SyntheticImageDataModule,
-    default_num_workers,
 )
 from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
 from ddp_recipes.runner import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
 from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.resnet"
-DATA = ("synthetic", "cifar10", "imagefolder")
 
 
 @dataclass
@@ -41,8 +40,8 @@ class ResNetConfig(RunConfig):
     arch: str = opt("resnet18", "any torchvision classification model: the ResNet family (resnet18..resnet152, "
                                 "resnext*, wide_resnet*) with every feature; others (efficientnet_b0, vit_b_16, ...) "
                                 "without --cifar-stem and --grad-checkpointing")
-    data: str = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder (--data-dir/{train,val})",
-                    choices=DATA)
+    data: ResNetData = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder "
+                                        "(--data-dir/{train,val})")
     data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
     image_size: int = opt(32, "input side in pixels (cifar10 is always 32)")
     num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
@@ -66,31 +65,30 @@ class ResNetConfig(RunConfig):
     DEFAULT_LR = 0.1
     DEFAULT_REFERENCE_BATCH = 256
     DEFAULT_MAX_EPOCHS = 30
+    DEFAULT_NUM_WORKERS = None  # fitted to the cores per rank (decoding and augmentation)
+
+    def default_num_workers(self, devices_per_node: int) -> int:
+        # Synthetic data are in-memory tensors: no decode to overlap, so no workers unless asked.
+        return 0 if self.data == "synthetic" else super().default_num_workers(devices_per_node)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.data not in DATA:
-            raise ConfigError(f"--data must be one of {', '.join(DATA)} (got {self.data!r})")
         if self.data == "cifar10":
             self.image_size = 32
         if self.cifar_stem is None:
             self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY
         if self.num_classes is not None and self.num_classes < 1:
-            raise ConfigError(f"--num-classes must be >= 1 (got {self.num_classes})")
+            raise ConfigError(f"{{num_classes}} must be >= 1 (got {self.num_classes})")
         if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
-            raise ConfigError("--synthetic-samples must be >= 1 and --synthetic-val-samples >= 0")
+            raise ConfigError("{synthetic_samples} must be >= 1 and {synthetic_val_samples} >= 0")
         if not 0 <= self.dropout < 1:
-            raise ConfigError(f"--dropout must be in [0, 1) (got {self.dropout})")
-        try:
-            arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError(f"{{dropout}} must be in [0, 1) (got {self.dropout})")
+        arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
 
 
 def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
     """The recipe's data (--data), or a user's DataModule class given the values of the flags it declares."""
-    batch = cfg.per_device_batch_size
-    workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(cfg.resolved_devices)
+    batch, workers = cfg.plan.batch.per_device, cfg.plan.num_workers
     if cls is not None:
         offered = dict(data_dir=cfg.data_dir, batch_size=batch, seed=cfg.seed, num_workers=workers,
                        image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale)
@@ -100,8 +98,7 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
     if cfg.data == "synthetic":
         return SyntheticImageDataModule(num_samples=cfg.synthetic_samples, image_size=cfg.image_size,
                                         num_classes=cfg.num_classes or 10, batch_size=batch, seed=cfg.seed,
-                                        # in-memory tensors: no decode to overlap, so no workers unless asked
-                                        num_workers=cfg.num_workers or 0, val_samples=cfg.synthetic_val_samples)
+                                        num_workers=workers, val_samples=cfg.synthetic_val_samples)
     if cfg.data == "cifar10":
         return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed)
     dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,
@@ -130,8 +127,8 @@ def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
         return cfg.num_classes
     found = getattr(datamodule, "num_classes", None)
     if not isinstance(found, int) or found < 1:
-        raise ConfigError(f"--num-classes is needed: {type(datamodule).__name__} has no num_classes attribute "
-                          "(set it in __init__, or pass --num-classes)")
+        raise ConfigError(f"{{num_classes}} is needed: {type(datamodule).__name__} has no num_classes attribute "
+                          "(set it in __init__, or pass {num_classes})")
     return found
 
 
@@ -155,8 +152,8 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
         data_size = getattr(datamodule, "image_size", cfg.image_size)
         if isinstance(data_size, int) and data_size != cfg.image_size:
             # The stem (--cifar-stem's default) and the input check follow --image-size: it must be the data's.
-            raise ConfigError(f"--image-size {cfg.image_size} but {type(datamodule).__name__}.image_size is "
-                              f"{data_size}; pass --image-size {data_size}")
+            raise ConfigError(f"{{image_size}} {cfg.image_size} but {type(datamodule).__name__}.image_size is "
+                              f"{data_size}; pass {{image_size}} {data_size}")
         if classes.model_class.build_model is ResNetClassifier.build_model:
             check_arch_input(cfg.arch, num_classes, cfg.image_size, cfg.cifar_stem, cfg.dropout)
         if resume:
@@ -172,12 +169,8 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
                             callbacks=checkpoint_callbacks(cfg, has_val, classes.model_class), ckpt_path=resume,
                             test=has_test, save_final=False, classes=classes,
                             extra={"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume})
-    except (FileNotFoundError, ValueError) as err:  # ConfigError is a ValueError
-        if not isinstance(err, FileNotFoundError | ConfigError) and "--" not in str(err):
-            raise  # a ValueError that names no flag is a bug, not bad input: keep its traceback
-        line = str(err).splitlines()[0]
-        named = isinstance(err, ConfigError) or "--" in line
-        fail(line if named else f"--data-dir {cfg.data_dir}: {line}", PROG)  # torchvision's own errors
+    except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
+        fail(err.cli(), PROG)
     except OSError as err:
         if not is_image_error(err):
             raise

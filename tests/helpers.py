@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # The repository's sibling folder holds the real mini-MNIST that tests and CI use (never written to).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -32,3 +36,22 @@ def write_mnist_subset(dest: Path, n_train: int, n_test: int) -> Path:
         lab_header[1] = count
         (raw_out / f"{split}-labels-idx1-ubyte").write_bytes(lab_header.tobytes() + labels[8:8 + count])
     return dest
+
+
+def cli_text(err: BaseException) -> str:
+    """The one line the CLI prints for a library error: parameters spelled as ``--flags``. The library's own
+    message names the parameter (``devices``); only the CLI layer turns it into ``--devices``."""
+    from ddp_recipes.errors import ConfigError
+
+    return err.cli() if isinstance(err, ConfigError) else str(err)
+
+
+@contextlib.contextmanager
+def raises_cli(exc: type[BaseException], match: str | None = None) -> Iterator[Any]:
+    """``pytest.raises`` that matches ``match`` against :func:`cli_text` of the error."""
+    import pytest
+
+    with pytest.raises(exc) as info:
+        yield info
+    text = cli_text(info.value)
+    assert match is None or re.search(match, text), f"{match!r} not in {text!r}"

@@ -19,7 +19,7 @@ from ddp_recipes.data.mnist import load_split
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.userclass import follow_checkpoint, resolve_classes, same_class, source_file
 from recipes import mnist, resnet
-from tests.helpers import SHARED_DATA, free_port
+from tests.helpers import SHARED_DATA, free_port, raises_cli
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
@@ -356,11 +356,11 @@ def test_follow_checkpoint_rules(examples_on_path):
     # A given class must be the recorded one; a script's class matches by name.
     given = resolve_classes(MNISTClassifier, DropoutCNN)
     assert follow_checkpoint(given, record("__main__:DropoutCNN"), "c.ckpt").model is DropoutCNN
-    with pytest.raises(ConfigError, match="trained with ddp_recipes.modules.mnist:MNISTClassifier .* drop --model-class"):
+    with raises_cli(ConfigError, match="trained with ddp_recipes.modules.mnist:MNISTClassifier .* drop --model-class"):
         follow_checkpoint(given, record("ddp_recipes.modules.mnist:MNISTClassifier"), "c.ckpt")
     with pytest.raises(ConfigError, match="another recipe"):
         follow_checkpoint(plain, record("ddp_recipes.modules.resnet:ResNetClassifier"), "c.ckpt")
-    with pytest.raises(ConfigError, match="drop --datamodule-class"):
+    with raises_cli(ConfigError, match="drop --datamodule-class"):
         follow_checkpoint(resolve_classes(MNISTClassifier, datamodule_cls=followed.datamodule),
                           record("ddp_recipes.modules.mnist:MNISTClassifier"), "c.ckpt")
     # Checkpoints written before classes were recorded are not checked.

@@ -9,6 +9,7 @@ import torch
 
 from ddp_recipes.config import ConfigError, RunConfig, build_parser, parse_config
 from ddp_recipes.schedules import scale_lr, warmup_cosine, warmup_cosine_factor
+from tests.helpers import cli_text, raises_cli
 
 
 def test_cli_is_generated_from_the_dataclass():
@@ -52,7 +53,7 @@ def test_batch_plan(kwargs, plan):
 def test_bad_values_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError) as err:
         RunConfig(**kwargs)
-    assert flag in str(err.value) and "\n" not in str(err.value)
+    assert flag in cli_text(err.value) and "\n" not in str(err.value)
 
 
 def test_torchrun_environment_sets_the_world(monkeypatch):
@@ -72,7 +73,7 @@ def test_lr_scaling_rules():
     assert scale_lr(0.1, 1024, 256, "linear") == pytest.approx(0.4)
     assert scale_lr(0.1, 1024, 256, "sqrt") == pytest.approx(0.2)
     assert scale_lr(0.1, 1024, 256, "none") == 0.1
-    with pytest.raises(ValueError, match="--lr-scaling"):
+    with raises_cli(ValueError, match="--lr-scaling"):
         scale_lr(0.1, 1024, 256, "cubic")
 
 

@@ -162,10 +162,10 @@ def test_sharding_verdict():
 
 def test_build_trainer_and_cli_wiring():
     cfg = parse_config(RunConfig, ["--devices", "1", "--batch-size", "32", "--lr-scaling", "sqrt"])
-    kwargs = cfg.trainer_kwargs()
-    assert kwargs["diagnostics"] is True
-    assert (kwargs["lr_scaling"], kwargs["reference_batch"], kwargs["global_batch"]) == ("sqrt", 64, 32)
-    trainer = build_trainer(**kwargs, logger=False, enable_checkpointing=False)
+    plan = cfg.plan  # resolved once, frozen; build_trainer reads it whole
+    assert plan.diagnostics is True
+    assert (plan.lr_scaling, plan.reference_batch, plan.batch.global_batch) == ("sqrt", 64, 32)
+    trainer = build_trainer(**cfg.trainer_kwargs(), logger=False, enable_checkpointing=False)
     diag = [c for c in trainer.callbacks if isinstance(c, DDPDiagnostics)]
     assert len(diag) == 1 and (diag[0].lr_scaling, diag[0].global_batch) == ("sqrt", 32)
     off = parse_config(RunConfig, ["--devices", "1", "--no-diagnostics"]).trainer_kwargs()

@@ -21,7 +21,7 @@ from ddp_recipes.data.images import (
     default_num_workers,
 )
 from ddp_recipes.modules.resnet import ResNetClassifier
-from tests.helpers import SHARED_DATA
+from tests.helpers import SHARED_DATA, cli_text, raises_cli
 
 # ---------------------------------------------------------------- loader defaults
 
@@ -89,10 +89,10 @@ def test_cifar10_offline_names_data_dir(tmp_path, monkeypatch):
 
     monkeypatch.setattr(datasets.CIFAR10, "download", offline)
     dm = CIFAR10DataModule(tmp_path / "nothing")
-    with pytest.raises(FileNotFoundError, match="--data-dir") as info:
+    with raises_cli(FileNotFoundError, match="--data-dir") as info:
         dm.prepare_data()
     assert "\n" not in str(info.value) and "URLError" in str(info.value)
-    with pytest.raises(FileNotFoundError, match="--data-dir"):
+    with raises_cli(FileNotFoundError, match="--data-dir"):
         dm.setup("fit")  # a node that never ran prepare_data says the same
 
 
@@ -136,7 +136,7 @@ def test_imagefolder_layout_errors(tmp_path, present, state):
     for step in (dm.prepare_data, lambda: dm.setup("fit"), lambda: dm.num_classes):
         with pytest.raises(FileNotFoundError) as info:
             step()
-        message = str(info.value)
+        message = cli_text(info.value)
         assert message.startswith("--data imagefolder needs <dir>/train and <dir>/val class subfolders; ")
         assert message.endswith(f"--data-dir {tmp_path} has {state}") and "\n" not in message
 

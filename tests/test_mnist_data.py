@@ -18,6 +18,7 @@ from ddp_recipes.data import samplers
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.data.samplers import ExactDistributedSampler, exact_eval_loader
 from tests.helpers import SHARED_DATA as DATA_DIR
+from tests.helpers import cli_text, raises_cli
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_lightning_keeps_exact_sampler_but_shards_train():
 
 
 def _assert_one_line_error(excinfo):
-    message = str(excinfo.value)
+    message = cli_text(excinfo.value)
     assert "\n" not in message and "--data-dir" in message
 
 
@@ -146,5 +147,5 @@ def test_corrupt_data_dir(data_dir, tmp_path, damage):
 
 
 def test_val_size_too_large(data_dir):
-    with pytest.raises(ValueError, match="--val-size"):
+    with raises_cli(ValueError, match="--val-size"):
         _module(data_dir, val_size=8000)

@@ -12,6 +12,7 @@ from torch import nn
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import MNISTClassifier
 from tests.helpers import SHARED_DATA as DATA_DIR
+from tests.helpers import raises_cli
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_archs_give_logits(arch):
 
 
 def test_unknown_arch_names_flag():
-    with pytest.raises(ValueError, match=r"--arch must be one of mlp, cnn \(got 'resnet'\)"):
+    with raises_cli(ValueError, match=r"--arch must be one of mlp, cnn \(got 'resnet'\)"):
         MNISTClassifier(arch="resnet")
 
 

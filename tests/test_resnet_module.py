@@ -12,6 +12,7 @@ from torch import nn
 from ddp_recipes.data.images import SyntheticImageDataModule
 from ddp_recipes.modules import resnet as resnet_mod
 from ddp_recipes.modules.resnet import ResNetClassifier
+from tests.helpers import cli_text, raises_cli
 
 
 def _trainer(**kwargs) -> Trainer:
@@ -49,7 +50,7 @@ def test_build_model_per_arch(arch, params, fc_in):
 
 
 def test_unknown_arch_names_flag():
-    with pytest.raises(ValueError, match=r"--arch must be a torchvision classification model.*got 'x'"):
+    with raises_cli(ValueError, match=r"--arch must be a torchvision classification model.*got 'x'"):
         ResNetClassifier(arch="x")
 
 
@@ -69,7 +70,7 @@ def test_build_model_override_is_used():
 
 
 def test_grad_checkpointing_needs_resnet_layout():
-    with pytest.raises(ValueError, match="--grad-checkpointing needs a torchvision-style ResNet"):
+    with raises_cli(ValueError, match="--grad-checkpointing needs a torchvision-style ResNet"):
         _TinyNet(grad_checkpointing=True)
 
 
@@ -92,14 +93,14 @@ def test_check_image_size_bounds_match_network(cifar_stem, expected):
     assert ResNetClassifier.min_image_size(cifar_stem) == stride == expected
     assert _layer4_side(model, stride, device="meta") == 1
     ResNetClassifier.check_image_size(stride, cifar_stem)
-    with pytest.raises(ValueError, match="--image-size") as info:
+    with raises_cli(ValueError, match="--image-size") as info:
         ResNetClassifier.check_image_size(stride - 1, cifar_stem)
-    assert "--cifar-stem" in str(info.value) and "\n" not in str(info.value)
+    assert "--cifar-stem" in cli_text(info.value) and "\n" not in str(info.value)
 
 
 def test_fit_rejects_too_small_images():
     dm = SyntheticImageDataModule(num_samples=8, image_size=16, batch_size=4)
-    with pytest.raises(ValueError, match="--image-size 16 is too small .*--cifar-stem"):
+    with raises_cli(ValueError, match="--image-size 16 is too small .*--cifar-stem"):
         _trainer(max_steps=1).fit(ResNetClassifier(), dm)
 
 

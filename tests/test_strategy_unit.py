@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from ddp_recipes import TunedDDPStrategy, build_trainer
 from ddp_recipes.syncbn import SyncBatchNormPlugin
+from tests.helpers import raises_cli
 
 
 def test_registry_names_work_like_lightnings():
@@ -32,7 +33,7 @@ def test_ddpstrategy_arguments_pass_through():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="--comm-hook"):
+    with raises_cli(ValueError, match="--comm-hook"):
         TunedDDPStrategy(comm_hook="int8")
     with pytest.raises(ValueError, match="not both"):
         TunedDDPStrategy(comm_hook="fp16", ddp_comm_hook=lambda state, bucket: None)

@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from ddp_recipes.data.samplers import _world, exact_eval_loader, resumable_train_loader
+from ddp_recipes.errors import DataError
 
 
 class SplitDataModule(L.LightningDataModule):
@@ -40,8 +41,8 @@ class SplitDataModule(L.LightningDataModule):
         if len(dataset) < world:
             # Exact (unpadded) sharding would leave a rank without a batch; Lightning then fails on that rank
             # only and the others wait for it. Every rank knows the sizes, so every rank stops here.
-            raise ValueError(f"the {what} set has {len(dataset)} sample(s) for {world} ranks: with exact sharding "
-                             f"every rank needs one; give it at least {world} (e.g. --val-size) or use fewer --devices")
+            raise DataError(f"the {what} set has {len(dataset)} sample(s) for {world} ranks: with exact sharding "
+                             f"every rank needs one; give it at least {world} (e.g. {{val_size}}) or use fewer {{devices}}")
         return exact_eval_loader(dataset, self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     @staticmethod

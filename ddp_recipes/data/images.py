@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
+from ddp_recipes.errors import ConfigError, DataError, MissingDataError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied
@@ -47,9 +48,9 @@ class _ImageDataModule(SplitDataModule):
         super().__init__()
         self.seed = seed  # of the training order: same seed and epoch, same order, resumed or not
         if batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1 (got {batch_size})")
+            raise ConfigError(f"{{batch_size}} must be >= 1 (got {batch_size})")
         if num_workers is not None and num_workers < 0:
-            raise ValueError(f"--num-workers must be >= 0 (got {num_workers})")
+            raise ConfigError(f"{{num_workers}} must be >= 0 (got {num_workers})")
         self.batch_size = batch_size
         self._num_workers = num_workers
         self._pin_memory = pin_memory
@@ -91,13 +92,13 @@ class SyntheticImageDataModule(_ImageDataModule):
                  batch_size: int = 32, seed: int = 0, num_workers: int = 0, val_samples: int = 0) -> None:
         super().__init__(batch_size, num_workers, pin_memory=None)
         if num_samples < 1:
-            raise ValueError(f"--num-samples must be >= 1 (got {num_samples})")
+            raise ConfigError(f"{{num_samples}} must be >= 1 (got {num_samples})")
         if val_samples < 0:
-            raise ValueError(f"--val-samples must be >= 0 (got {val_samples})")
+            raise ConfigError(f"{{val_samples}} must be >= 0 (got {val_samples})")
         if image_size < 1:
-            raise ValueError(f"--image-size must be >= 1 (got {image_size})")
+            raise ConfigError(f"{{image_size}} must be >= 1 (got {image_size})")
         if num_classes < 1:
-            raise ValueError(f"--num-classes must be >= 1 (got {num_classes})")
+            raise ConfigError(f"{{num_classes}} must be >= 1 (got {num_classes})")
         self.num_samples, self.val_samples, self.seed = num_samples, val_samples, seed
         self._image_size, self._num_classes = image_size, num_classes
 
@@ -144,9 +145,9 @@ class CIFAR10DataModule(_ImageDataModule):
         return 32
 
     def _not_found(self, reason: str) -> FileNotFoundError:
-        return FileNotFoundError(
+        return MissingDataError(
             f"CIFAR-10 not found under {self.data_dir / datasets.CIFAR10.base_folder} ({reason}): pass "
-            "--data-dir pointing at a folder holding cifar-10-batches-py, or run once with internet")
+            "{data_dir} pointing at a folder holding cifar-10-batches-py, or run once with internet", "data_dir")
 
     @override
     def prepare_data(self) -> None:
@@ -187,9 +188,9 @@ class ImageFolderDataModule(_ImageDataModule):
                  min_crop_scale: float = 0.08, seed: int = 0) -> None:
         super().__init__(batch_size, num_workers, pin_memory, seed)
         if image_size < 1:
-            raise ValueError(f"--image-size must be >= 1 (got {image_size})")
+            raise ConfigError(f"{{image_size}} must be >= 1 (got {image_size})")
         if not 0 < min_crop_scale <= 1:
-            raise ValueError(f"--min-crop-scale must be in (0, 1] (got {min_crop_scale})")
+            raise ConfigError(f"{{min_crop_scale}} must be in (0, 1] (got {min_crop_scale})")
         self.data_dir = Path(data_dir)
         self._image_size = image_size
         self.min_crop_scale = min_crop_scale
@@ -209,7 +210,10 @@ class ImageFolderDataModule(_ImageDataModule):
     def _train_classes(self) -> list[str]:
         if self._classes is None:
             self.check_layout()
-            self._classes, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "train"))
+            try:
+                self._classes, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "train"))
+            except FileNotFoundError as err:  # torchvision: train/ holds no class folder
+                raise MissingDataError(f"{{data_dir}} {self.data_dir}: {err}", "data_dir") from None
         return self._classes
 
     def check_layout(self) -> None:
@@ -221,16 +225,19 @@ class ImageFolderDataModule(_ImageDataModule):
             state = "neither (it is not a directory)"
         else:
             state = f"only {have[0]}/" if have else "neither"
-        raise FileNotFoundError(f"--data imagefolder needs <dir>/train and <dir>/val class subfolders; "
-                                f"--data-dir {self.data_dir} has {state}")
+        raise MissingDataError(f"{{data}} imagefolder needs <dir>/train and <dir>/val class subfolders; "
+                               f"{{data_dir}} {self.data_dir} has {state}", "data_dir")
 
     def _check_val_classes(self) -> None:
         train = self._train_classes()
-        val, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "val"))
+        try:
+            val, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "val"))
+        except FileNotFoundError as err:
+            raise MissingDataError(f"{{data_dir}} {self.data_dir}: {err}", "data_dir") from None
         if val != train:
             # ImageFolder numbers classes by sorted folder name per split: any difference mislabels val.
             missing, extra = sorted(set(train) - set(val)), sorted(set(val) - set(train))
-            raise ValueError(f"--data-dir {self.data_dir}: val/ class folders differ from train/ "
+            raise DataError(f"{{data_dir}} {self.data_dir}: val/ class folders differ from train/ "
                              f"(missing in val: {missing[:5]}, extra in val: {extra[:5]})")
 
     def train_transform(self) -> v2.Transform:
@@ -255,8 +262,11 @@ class ImageFolderDataModule(_ImageDataModule):
             return
         self.check_layout()
         self._check_val_classes()
-        self.train_set = datasets.ImageFolder(os.fspath(self.data_dir / "train"), transform=self.train_transform())
-        self.val_set = datasets.ImageFolder(os.fspath(self.data_dir / "val"), transform=self.val_transform())
+        try:
+            self.train_set = datasets.ImageFolder(os.fspath(self.data_dir / "train"), transform=self.train_transform())
+            self.val_set = datasets.ImageFolder(os.fspath(self.data_dir / "val"), transform=self.val_transform())
+        except FileNotFoundError as err:  # torchvision: a class folder without a single image file
+            raise MissingDataError(f"{{data_dir}} {self.data_dir}: {err}", "data_dir") from None
         self.test_set = self.val_set
 
 

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
+from ddp_recipes.errors import ConfigError, DataError, MissingDataError
 
 MEAN, STD = 0.1307, 0.3081  # over the 60k MNIST training images; the write-up's Normalize values
 _SPLITS = ("train", "t10k")
@@ -41,11 +42,11 @@ def _header(path: Path, magic: int, ndim: int) -> list[int]:
     with open(path, "rb") as f:
         head = f.read(4 + 4 * ndim)
     if len(head) < 4 + 4 * ndim or int.from_bytes(head[:4], "big") != magic:
-        raise ValueError(f"{path.name} is not an MNIST idx file (bad header)")
+        raise DataError(f"{path.name} is not an MNIST idx file (bad header)")
     dims = [int.from_bytes(head[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
     expected = 4 + 4 * ndim + torch.Size(dims).numel()
     if path.stat().st_size != expected:
-        raise ValueError(f"{path.name} has {path.stat().st_size} bytes, its header promises {expected} (truncated?)")
+        raise DataError(f"{path.name} has {path.stat().st_size} bytes, its header promises {expected} (truncated?)")
     return dims
 
 
@@ -59,8 +60,8 @@ def check_mnist(data_dir: str | Path) -> dict[str, int]:
     paths = [p for split in _SPLITS for p in _files(data_dir, split)]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
-        raise FileNotFoundError(
-            f"MNIST not found under {raw} (missing {', '.join(missing)}): pass --data-dir pointing at a "
+        raise MissingDataError(
+            f"MNIST not found under {raw} (missing {', '.join(missing)}): pass {{data_dir}} pointing at a "
             "folder holding MNIST/raw/{train,t10k}-*-ubyte")
     counts = {}
     try:
@@ -69,13 +70,13 @@ def check_mnist(data_dir: str | Path) -> dict[str, int]:
             n, rows, cols = _header(images, _IMAGE_MAGIC, 3)
             (n_labels,) = _header(labels, _LABEL_MAGIC, 1)
             if (rows, cols) != (28, 28) or n != n_labels or n == 0:
-                raise ValueError(f"{split}: {n} images of {rows}x{cols} vs {n_labels} labels")
+                raise DataError(f"{split}: {n} images of {rows}x{cols} vs {n_labels} labels")
             counts[split] = n
     except OSError as e:  # unreadable: permissions, a directory in a file's place, ...
-        raise ValueError(f"MNIST under {raw} is unreadable ({e}): pass --data-dir pointing at a readable "
+        raise DataError(f"MNIST under {raw} is unreadable ({e}): pass {{data_dir}} pointing at a readable "
                          "copy of MNIST/raw/{train,t10k}-*-ubyte") from e
     except ValueError as e:
-        raise ValueError(f"MNIST under {raw} is corrupt ({e}): delete it or pass --data-dir pointing at a "
+        raise DataError(f"MNIST under {raw} is corrupt ({e}): delete it or pass {{data_dir}} pointing at a "
                          "good copy of MNIST/raw/{train,t10k}-*-ubyte") from e
     return counts
 
@@ -87,7 +88,7 @@ def load_split(data_dir: str | Path, train: bool) -> tuple[torch.Tensor, torch.T
     images = ds.data.unsqueeze(1).float().div_(255).sub_(MEAN).div_(STD)
     labels = ds.targets.long()
     if labels.numel() and (labels.min() < 0 or labels.max() > 9):
-        raise ValueError(f"MNIST under {_raw_dir(data_dir)} is corrupt (labels outside 0-9): pass --data-dir "
+        raise DataError(f"MNIST under {_raw_dir(data_dir)} is corrupt (labels outside 0-9): pass {{data_dir}} "
                          "pointing at a good copy of MNIST/raw/{train,t10k}-*-ubyte")
     return images, labels
 
@@ -102,9 +103,9 @@ class MNISTDataModule(SplitDataModule):
                  num_workers: int = 0, download: bool = True, pin_memory: bool = False) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1 (got {batch_size})")
+            raise ConfigError(f"{{batch_size}} must be >= 1 (got {batch_size})")
         if val_size < 0:
-            raise ValueError(f"--val-size must be >= 0 (got {val_size})")
+            raise ConfigError(f"{{val_size}} must be >= 0 (got {val_size})")
         self.data_dir = Path(data_dir)
         self.batch_size = batch_size
         self.val_size = val_size
@@ -133,9 +134,9 @@ class MNISTDataModule(SplitDataModule):
             for train in (True, False):
                 MNIST(root=os.fspath(self.data_dir), train=train, download=True)
         except Exception as e:  # torchvision raises RuntimeError after every mirror failed (offline)
-            raise FileNotFoundError(
+            raise MissingDataError(
                 f"MNIST not found under {_raw_dir(self.data_dir)} and it could not be downloaded "
-                f"({type(e).__name__}; offline?): pass --data-dir pointing at a folder holding "
+                f"({type(e).__name__}; offline?): pass {{data_dir}} pointing at a folder holding "
                 "MNIST/raw/{train,t10k}-*-ubyte") from None
         finally:
             socket.setdefaulttimeout(previous_timeout)
@@ -147,7 +148,7 @@ class MNISTDataModule(SplitDataModule):
         # Other nodes never ran prepare_data: check here too, with the same message.
         counts = check_mnist(self.data_dir)
         if self.val_size >= counts["train"]:
-            raise ValueError(f"--val-size {self.val_size} leaves no training data ({counts['train']} images)")
+            raise ConfigError(f"{{val_size}} {self.val_size} leaves no training data ({counts['train']} images)")
         if stage in (None, "fit", "validate") and self.train_set is None:
             images, labels = load_split(self.data_dir, train=True)
             perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))

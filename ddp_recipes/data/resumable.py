@@ -33,6 +33,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_recipes.errors import CheckpointError
+
 # Mixing constants: distinct (epoch, index) pairs of one seed give distinct 64-bit seeds for any index
 # below 2**31 (a 2-billion-sample epoch).
 _INDEX_SPAN = 2**31 - 1
@@ -217,9 +219,9 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
         if state.get("seed") != sampler.seed or state.get("dataset_len") != len(sampler.dataset):  # type: ignore[arg-type]
-            raise ValueError(f"--resume: the checkpoint's training data (seed {state.get('seed')}, "
+            raise CheckpointError(f"{{resume}}: the checkpoint's training data (seed {state.get('seed')}, "
                              f"{state.get('dataset_len')} samples) is not this run's (seed {sampler.seed}, "
-                             f"{len(sampler.dataset)} samples); pass the same --seed and data")  # type: ignore[arg-type]
+                             f"{len(sampler.dataset)} samples); pass the same {{seed}} and data")  # type: ignore[arg-type]
         sampler.resume_at(state["epoch"], state["samples_seen"])
         self._loaded_version += 1
 

@@ -25,7 +25,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from ddp_recipes.config import ConfigError
+from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.logging import TrainLossLogging
 from ddp_recipes.schedules import lightning_scheduler
 

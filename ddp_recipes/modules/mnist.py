@@ -12,9 +12,11 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from ddp_recipes.choices import MNIST_ARCHS
+from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
 
-ARCHS = ("mlp", "cnn")
+ARCHS = MNIST_ARCHS  # the choice list lives in ddp_recipes.choices
 
 
 class MNISTClassifier(ImageClassifier):
@@ -41,7 +43,7 @@ class MNISTClassifier(ImageClassifier):
                 nn.Conv2d(32, 64, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),  # 64x5x5
                 nn.Flatten(), nn.Linear(64 * 5 * 5, 128), nn.ReLU(), nn.Linear(128, num_classes),
             )
-        raise ValueError(f"--arch must be one of {', '.join(ARCHS)} (got {arch!r})")
+        raise ConfigError(f"{{arch}} must be one of {', '.join(ARCHS)} (got {arch!r})")
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchvision import models
 from typing_extensions import override
 
+from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
 
 # Every torchvision classification model (not detection/segmentation/video: those take other inputs).
@@ -88,7 +89,7 @@ class ResNetClassifier(ImageClassifier):
             missing = [n for n in ("conv1", "bn1", "relu", "maxpool", *STAGES, "avgpool", "fc")
                        if not hasattr(self.model, n)]
             if missing:
-                raise ValueError(f"--grad-checkpointing needs a torchvision-style ResNet; build_model() "
+                raise ConfigError(f"{{grad_checkpointing}} needs a torchvision-style ResNet; build_model() "
                                  f"returned a {type(self.model).__name__} without {', '.join(missing)}")
         if channels_last:
             # NHWC lets cuDNN use tensor-core convolution kernels without transposes under AMP.
@@ -98,21 +99,21 @@ class ResNetClassifier(ImageClassifier):
     def _check_hparams(self) -> None:
         hp = self.hparams
         if hp.num_classes < 1:
-            raise ValueError(f"--num-classes must be >= 1 (got {hp.num_classes})")
+            raise ConfigError(f"{{num_classes}} must be >= 1 (got {hp.num_classes})")
         if hp.lr <= 0:
-            raise ValueError(f"--lr must be > 0 (got {hp.lr})")
+            raise ConfigError(f"{{lr}} must be > 0 (got {hp.lr})")
         if not 0 <= hp.momentum < 1:
-            raise ValueError(f"--momentum must be in [0, 1) (got {hp.momentum})")
+            raise ConfigError(f"{{momentum}} must be in [0, 1) (got {hp.momentum})")
         if hp.nesterov and hp.momentum == 0:
-            raise ValueError("--nesterov needs --momentum > 0")
+            raise ConfigError("{nesterov} needs {momentum} > 0")
         if hp.weight_decay < 0:
-            raise ValueError(f"--weight-decay must be >= 0 (got {hp.weight_decay})")
+            raise ConfigError(f"{{weight_decay}} must be >= 0 (got {hp.weight_decay})")
         if not 0 <= hp.label_smoothing < 1:
-            raise ValueError(f"--label-smoothing must be in [0, 1) (got {hp.label_smoothing})")
+            raise ConfigError(f"{{label_smoothing}} must be in [0, 1) (got {hp.label_smoothing})")
         if hp.warmup_epochs < 0:
-            raise ValueError(f"--warmup-epochs must be >= 0 (got {hp.warmup_epochs})")
+            raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {hp.warmup_epochs})")
         if not 0 <= hp.get("dropout", 0.0) < 1:
-            raise ValueError(f"--dropout must be in [0, 1) (got {hp.dropout})")
+            raise ConfigError(f"{{dropout}} must be in [0, 1) (got {hp.dropout})")
 
     @override
     def build_metrics(self) -> dict[str, Metric]:
@@ -146,10 +147,10 @@ class ResNetClassifier(ImageClassifier):
         if image_size >= need:
             return
         if cifar_stem:
-            raise ValueError(f"--image-size {image_size} is too small even with --cifar-stem: the network "
+            raise ConfigError(f"{{image_size}} {image_size} is too small even with {{cifar_stem}}: the network "
                              f"downsamples {need}x, so it needs >= {need} px")
-        raise ValueError(f"--image-size {image_size} is too small for the ImageNet stem (the network "
-                         f"downsamples {need}x, so it needs >= {need} px): use --cifar-stem (>= "
+        raise ConfigError(f"{{image_size}} {image_size} is too small for the ImageNet stem (the network "
+                         f"downsamples {need}x, so it needs >= {need} px): use {{cifar_stem}} (>= "
                          f"{cls.min_image_size(True)} px) or larger images")
 
     @override
@@ -162,7 +163,7 @@ class ResNetClassifier(ImageClassifier):
             self.check_image_size(image_size, self.hparams.cifar_stem)
         num_classes = getattr(datamodule, "num_classes", None)
         if isinstance(num_classes, int) and num_classes != self.hparams.num_classes:
-            raise ValueError(f"the data has {num_classes} classes but the model was built with "
+            raise ConfigError(f"the data has {num_classes} classes but the model was built with "
                              f"num_classes={self.hparams.num_classes}")
 
     @override
@@ -207,18 +208,18 @@ class ResNetClassifier(ImageClassifier):
 def arch_features(arch: str, cifar_stem: bool, dropout: float, grad_checkpointing: bool) -> None:
     """Raise a ``ValueError`` naming the flag when ``arch`` lacks what a feature needs."""
     if arch not in ARCHS:
-        raise ValueError(f"--arch must be a torchvision classification model, e.g. resnet50, resnext50_32x4d, "
+        raise ConfigError(f"{{arch}} must be a torchvision classification model, e.g. resnet50, resnext50_32x4d, "
                          f"wide_resnet50_2, efficientnet_b0 (torchvision.models.list_models()); got {arch!r}")
     if arch in RESNET_FAMILY:
         return
     if cifar_stem:
-        raise ValueError(f"--cifar-stem replaces a ResNet's conv1/maxpool stem; --arch {arch} has none "
-                         "(use --no-cifar-stem, or a ResNet-family --arch)")
+        raise ConfigError(f"{{cifar_stem}} replaces a ResNet's conv1/maxpool stem; {{arch}} {arch} has none "
+                         "(use {no_cifar_stem}, or a ResNet-family {arch})")
     if grad_checkpointing:
-        raise ValueError(f"--grad-checkpointing recomputes a ResNet's layer1..layer4 stages; --arch {arch} has "
-                         "no such stages (drop the flag, or use a ResNet-family --arch)")
+        raise ConfigError(f"{{grad_checkpointing}} recomputes a ResNet's layer1..layer4 stages; {{arch}} {arch} has "
+                         "no such stages (drop the flag, or use a ResNet-family {arch})")
     if dropout > 0 and "dropout" not in _builder_options(arch):
-        raise ValueError(f"--dropout: --arch {arch} has no dropout option in torchvision (drop the flag, or use "
+        raise ConfigError(f"{{dropout}}: {{arch}} {arch} has no dropout option in torchvision (drop the flag, or use "
                          "a model that has one, e.g. efficientnet_b0, mobilenet_v3_large, vit_b_16)")
 
 
@@ -276,5 +277,5 @@ def check_arch_input(arch: str, num_classes: int, image_size: int, cifar_stem: b
             model(torch.empty(1, 3, image_size, image_size))
     except (RuntimeError, ValueError, AssertionError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"--image-size {image_size} does not fit --arch {arch} ({reason}); pick an image size "
+        raise ConfigError(f"{{image_size}} {image_size} does not fit {{arch}} {arch} ({reason}); pick an image size "
                          "the model takes (e.g. 224)") from None

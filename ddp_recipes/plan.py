@@ -1,0 +1,156 @@
+"""The resolved run: every derived value computed once, frozen, and read by the runner, the trainer and the
+DataModules. A :class:`~ddp_recipes.config.RunConfig` says what was asked; a :class:`RunPlan` says what runs.
+
+:class:`DDPOptions` are the DDP knobs as one object: config -> ``build_trainer`` -> ``TunedDDPStrategy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ddp_recipes.choices import COMM_HOOKS, LR_SCALING_RULES, check_choice
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.schedules import scale_lr
+from ddp_recipes.world import (
+    check_devices,
+    resolve_accelerator,
+    resolve_precision,
+    resolve_world,
+)
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """How DistributedDataParallel wraps and synchronises the model (the DDP flags of every recipe)."""
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    comm_hook: str = "none"
+    bucket_cap_mb: float | None = None  # None: DDP's own default (25 MiB)
+    sync_batchnorm: bool = False
+    timeout_s: float | None = None  # None: torch's default collective timeout
+
+    def __post_init__(self) -> None:
+        check_choice("comm_hook", self.comm_hook, COMM_HOOKS)
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ConfigError(f"{{bucket_cap_mb}} must be > 0 (got {self.bucket_cap_mb})")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ConfigError(f"{{timeout_s}} must be > 0 seconds (got {self.timeout_s})")
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`~ddp_recipes.strategy.TunedDDPStrategy` these options set."""
+        return dict(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
+                    bucket_cap_mb=self.bucket_cap_mb, comm_hook=self.comm_hook,
+                    timeout=timedelta(seconds=self.timeout_s) if self.timeout_s else None)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Samples per optimizer step: ``per_device`` x world size x ``accumulation`` = ``global_batch``."""
+
+    per_device: int
+    accumulation: int
+    global_batch: int
+
+    @classmethod
+    def solve(cls, world: int, per_device: int | None, accumulation: int | None, global_batch: int | None,
+              default_per_device: int) -> BatchPlan:
+        """The plan from whichever of the three were given (any two fix the third)."""
+        if global_batch is None:
+            per_device = per_device or default_per_device
+            accumulation = accumulation or 1
+            return cls(per_device, accumulation, per_device * world * accumulation)
+        if per_device is None:
+            accumulation = accumulation or 1
+            if global_batch % (world * accumulation):
+                raise ConfigError(
+                    f"{{global_batch_size}} {global_batch} is not divisible by world size x accumulation = "
+                    f"{world} x {accumulation}; pick a multiple of {world * accumulation} or change "
+                    "{accumulate_grad_batches}")
+            return cls(global_batch // (world * accumulation), accumulation, global_batch)
+        derived, rest = divmod(global_batch, per_device * world)
+        if rest or derived < 1:
+            raise ConfigError(
+                f"{{global_batch_size}} {global_batch} is not a multiple of {{batch_size}} x world size = "
+                f"{per_device} x {world}; pick a multiple of {per_device * world}")
+        if accumulation is not None and accumulation != derived:
+            raise ConfigError(
+                f"{{accumulate_grad_batches}} {accumulation} contradicts {{global_batch_size}} {global_batch} = "
+                f"{per_device} x {world} devices x {derived}; give two of the three, not all three")
+        return cls(per_device, derived, global_batch)
+
+    def astuple(self) -> tuple[int, int, int]:
+        return self.per_device, self.accumulation, self.global_batch
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What runs: resolved world, hardware, batch arithmetic, learning rate, loader workers and DDP options.
+
+    Built by :meth:`RunConfig.plan <ddp_recipes.config.RunConfig.plan>` (every field known) or by
+    :func:`~ddp_recipes.build_trainer` from its keywords (the batch and LR facts then stay None: the
+    trainer does not need them, and the diagnostics skip the checks that do).
+    """
+
+    devices: int
+    num_nodes: int
+    accelerator: str  # "cpu" or "cuda"
+    precision: str  # what Lightning runs: 16-mixed on CPU has become bf16-mixed
+    ddp: DDPOptions
+    accumulation: int = 1  # micro-batches per optimizer step (the Trainer's accumulate_grad_batches)
+    max_epochs: int | None = None
+    max_steps: int = -1
+    seed: int | None = None
+    tf32: bool = True
+    diagnostics: bool = True
+    batch: BatchPlan | None = None
+    base_lr: float | None = None
+    lr_scaling: str | None = None
+    reference_batch: int | None = None
+    warmup_epochs: float | None = None
+    num_workers: int | None = None
+    compile_backend: str | None = None  # None: eager
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def lr(self) -> float | None:
+        """The peak LR: ``base_lr`` scaled from ``reference_batch`` to the global batch by ``lr_scaling``."""
+        if self.base_lr is None or self.batch is None or self.reference_batch is None:
+            return self.base_lr
+        return scale_lr(self.base_lr, self.batch.global_batch, self.reference_batch, self.lr_scaling or "none")
+
+    @classmethod
+    def resolve(cls, *, devices: int | None = None, num_nodes: int | None = None, accelerator: str = "auto",
+                precision: str = "32-true", ddp: DDPOptions | None = None, accumulate_grad_batches: int | None = None,
+                per_device_batch: int | None = None, global_batch: int | None = None, default_batch: int | None = None,
+                lr_scaling: str | None = None, **facts: Any) -> RunPlan:
+        """Resolve the world (flags, else torchrun's environment), the accelerator and precision it gets, and
+        the batch plan; check what can be checked before any process starts."""
+        devices, num_nodes = resolve_world(devices, num_nodes)
+        if accumulate_grad_batches is not None and accumulate_grad_batches < 1:
+            raise ConfigError(f"{{accumulate_grad_batches}} must be >= 1 (got {accumulate_grad_batches})")
+        if lr_scaling is not None:
+            check_choice("lr_scaling", lr_scaling, LR_SCALING_RULES)
+        accel = resolve_accelerator(accelerator)
+        check_devices(devices, accel)
+        batch = None
+        if default_batch is not None or per_device_batch is not None or global_batch is not None:
+            batch = BatchPlan.solve(devices * num_nodes, per_device_batch, accumulate_grad_batches, global_batch,
+                                    default_batch or 1)
+        return cls(devices=devices, num_nodes=num_nodes, accelerator=accel,
+                   precision=resolve_precision(precision, accel), ddp=ddp or DDPOptions(), batch=batch,
+                   accumulation=batch.accumulation if batch else accumulate_grad_batches or 1,
+                   lr_scaling=lr_scaling, **facts)
+
+    def replace(self, **changes: Any) -> RunPlan:
+        return dataclasses.replace(self, **changes)
