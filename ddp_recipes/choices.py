@@ -33,3 +33,11 @@ def check_choice(param: str, value: Any, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise ConfigError(f"{{{param}}} must be one of {', '.join(map(str, choices))} (got {value!r})", param)
+
+
+# Appended with the ImageNet training flags (torchvision's classification reference names).
+AutoAugment = Literal["ra", "ta_wide", "augmix", "imagenet"]
+Interpolation = Literal["nearest", "bilinear", "bicubic"]
+
+AUTO_AUGMENTS: tuple[str, ...] = get_args(AutoAugment)
+INTERPOLATIONS: tuple[str, ...] = get_args(Interpolation)

@@ -4,7 +4,9 @@ All three share one base (:class:`~ddp_recipes.data.base.SplitDataModule`): a re
 (a ``DistributedSampler`` order built at every world size, seeded per-sample augmentation, a position that
 checkpoints save; Lightning keeps it and calls ``set_epoch``), exact unpadded evaluation loaders, and
 loader defaults fitted to the machine (:func:`default_num_workers`, pinned memory only with CUDA). Each exposes ``num_classes`` and
-``image_size`` so a recipe can size the model and check the stem before training.
+``image_size`` so a recipe can size the model and check the stem before training. The CIFAR-10 and folder
+modules take the augmentation options of torchvision's classification reference; the pipelines are built
+by :mod:`ddp_recipes.data.augment`, and are the same as before when no option is given.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from torchvision import datasets
 from torchvision.transforms import v2
 from typing_extensions import override
 
+from ddp_recipes.choices import AutoAugment, Interpolation
+from ddp_recipes.data import augment
+from ddp_recipes.data.augment import IMAGENET_MEAN as IMAGENET_MEAN  # public here before augment.py
+from ddp_recipes.data.augment import IMAGENET_STD as IMAGENET_STD
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
 from ddp_recipes.errors import ConfigError, DataError, MissingDataError
 
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied
 # 0.2023/0.1994/0.2010, which are a std of per-image means).
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -127,12 +132,23 @@ class SyntheticImageDataModule(_ImageDataModule):
 
 
 class CIFAR10DataModule(_ImageDataModule):
-    """CIFAR-10 through torchvision: pad-4 random crop + flip for training; validation is the test split."""
+    """CIFAR-10 through torchvision: pad-4 random crop + flip for training; validation is the test split.
+
+    ``auto_augment``, ``ra_magnitude``, ``augmix_severity``, ``random_erase`` and ``interpolation`` are
+    those of :func:`ddp_recipes.data.augment.train_transform` (``interpolation`` only matters to the
+    auto-augmentation here: the crop does not resample). Validation stays uncropped.
+    """
 
     def __init__(self, data_dir: str | Path = "data", batch_size: int = 128, num_workers: int | None = None,
-                 pin_memory: bool | None = None, seed: int = 0) -> None:
+                 pin_memory: bool | None = None, seed: int = 0, *, auto_augment: AutoAugment | None = None,
+                 ra_magnitude: int = 9, augmix_severity: int = 3, random_erase: float = 0.0,
+                 interpolation: Interpolation = "bilinear") -> None:
         super().__init__(batch_size, num_workers, pin_memory, seed)
         self.data_dir = Path(data_dir)
+        self.auto_augment, self.ra_magnitude = auto_augment, ra_magnitude
+        self.augmix_severity, self.random_erase = augmix_severity, random_erase
+        self.interpolation = interpolation
+        self.train_transform()  # a bad option fails here, once, not in setup on every rank
 
     @property
     @override
@@ -158,17 +174,24 @@ class CIFAR10DataModule(_ImageDataModule):
         except (OSError, RuntimeError) as e:  # URLError is an OSError; torchvision raises RuntimeError too
             raise self._not_found(f"download failed with {type(e).__name__}; offline?") from None
 
+    def train_transform(self) -> v2.Transform:
+        return augment.train_transform(
+            32, small_image=True, auto_augment=self.auto_augment, ra_magnitude=self.ra_magnitude,
+            augmix_severity=self.augmix_severity, random_erase=self.random_erase,
+            interpolation=self.interpolation, mean=CIFAR10_MEAN, std=CIFAR10_STD)
+
+    def val_transform(self) -> v2.Transform:
+        return augment.normalize_transform(CIFAR10_MEAN, CIFAR10_STD)
+
     @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        augment = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]
-        tail = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
         try:  # other nodes never ran prepare_data: fail here with the same message
             self.train_set = datasets.CIFAR10(os.fspath(self.data_dir), train=True, download=False,
-                                              transform=v2.Compose(augment + tail))
+                                              transform=self.train_transform())
             self.val_set = datasets.CIFAR10(os.fspath(self.data_dir), train=False, download=False,
-                                            transform=v2.Compose(tail))
+                                            transform=self.val_transform())
         except RuntimeError:  # torchvision: "Dataset not found or corrupted"
             raise self._not_found("missing or corrupt") from None
         self.test_set = self.val_set
@@ -181,11 +204,19 @@ class ImageFolderDataModule(_ImageDataModule):
     center-crop, the standard ImageNet evaluation. ``val`` must hold the same class folders as ``train``.
     ``min_crop_scale`` is the smallest crop area: 0.08 is the ImageNet (Inception) default; small images
     and short runs train better with a milder one (an 8% crop of a 32 px digit is a stroke fragment).
+
+    The reference's options (:mod:`ddp_recipes.data.augment`): ``train_crop_size`` and ``val_crop_size``
+    default to ``image_size``, ``val_resize_size`` to the 256/224 ratio of the validation crop, e.g.
+    ``train_crop_size=176, val_resize_size=232, val_crop_size=224`` trains at a lower resolution than it
+    evaluates (FixRes). ``image_size`` stays the size the recipe checks the model's stem against.
     """
 
     def __init__(self, data_dir: str | Path, batch_size: int = 64, image_size: int = 224,
                  num_workers: int | None = None, pin_memory: bool | None = None,
-                 min_crop_scale: float = 0.08, seed: int = 0) -> None:
+                 min_crop_scale: float = 0.08, seed: int = 0, *, auto_augment: AutoAugment | None = None,
+                 ra_magnitude: int = 9, augmix_severity: int = 3, random_erase: float = 0.0,
+                 train_crop_size: int | None = None, val_resize_size: int | None = None,
+                 val_crop_size: int | None = None, interpolation: Interpolation = "bilinear") -> None:
         super().__init__(batch_size, num_workers, pin_memory, seed)
         if image_size < 1:
             raise ConfigError(f"{{image_size}} must be >= 1 (got {image_size})")
@@ -194,7 +225,16 @@ class ImageFolderDataModule(_ImageDataModule):
         self.data_dir = Path(data_dir)
         self._image_size = image_size
         self.min_crop_scale = min_crop_scale
+        self.auto_augment, self.ra_magnitude = auto_augment, ra_magnitude
+        self.augmix_severity, self.random_erase = augmix_severity, random_erase
+        self.interpolation = interpolation
+        self.train_crop_size = image_size if train_crop_size is None else train_crop_size
+        self.val_crop_size = image_size if val_crop_size is None else val_crop_size
+        self.val_resize_size = val_resize_size
         self._classes: list[str] | None = None
+        # A bad option fails here, once, not in setup on every rank.
+        self.train_transform()
+        self.val_transform()
 
     @property
     @override
@@ -241,16 +281,14 @@ class ImageFolderDataModule(_ImageDataModule):
                              f"(missing in val: {missing[:5]}, extra in val: {extra[:5]})")
 
     def train_transform(self) -> v2.Transform:
-        return imagenet_train_transform(self._image_size, self.min_crop_scale)
+        return augment.train_transform(
+            self.train_crop_size, min_crop_scale=self.min_crop_scale, auto_augment=self.auto_augment,
+            ra_magnitude=self.ra_magnitude, augmix_severity=self.augmix_severity,
+            random_erase=self.random_erase, interpolation=self.interpolation)
 
     def val_transform(self) -> v2.Transform:
-        size = self._image_size
-        return v2.Compose([v2.Resize(int(size * 256 / 224), antialias=True), v2.CenterCrop(size),
-                           *self._tail()])
-
-    @staticmethod
-    def _tail() -> list[v2.Transform]:
-        return _imagenet_tail()
+        return augment.eval_transform(self.val_crop_size, resize_size=self.val_resize_size,
+                                      interpolation=self.interpolation)
 
     @override
     def prepare_data(self) -> None:
@@ -270,12 +308,8 @@ class ImageFolderDataModule(_ImageDataModule):
         self.test_set = self.val_set
 
 
-def _imagenet_tail() -> list[v2.Transform]:
-    return [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-
-
 def imagenet_train_transform(image_size: int, min_crop_scale: float = 0.08) -> v2.Transform:
     """RandomResizedCrop + flip + float + ImageNet normalisation; takes PIL images and uint8 tensors alike
-    (``python -m ddp_recipes.bench loader`` times both)."""
-    crop = v2.RandomResizedCrop(image_size, scale=(min_crop_scale, 1.0), antialias=True)
-    return v2.Compose([crop, v2.RandomHorizontalFlip(), *_imagenet_tail()])
+    (``python -m ddp_recipes.bench loader`` times both). :func:`ddp_recipes.data.augment.train_transform`
+    with its defaults."""
+    return augment.train_transform(image_size, min_crop_scale=min_crop_scale)
