@@ -45,7 +45,9 @@ def adjusted_decay(decay: float, world_size: int, per_device_batch: int, update_
         return 1 - alpha
 
     ``decay`` is then the value tuned for one sample per update over one epoch: 0.99998 with 8 devices x 128
-    images, every 32 steps, over 600 epochs gives 1 - 2e-5 * 54.61 = 0.998908.
+    images, every 32 steps, over 600 epochs gives 1 - 2e-5 * 54.61 = 0.998908. Updates are counted in
+    optimizer steps, so with gradient accumulation pass the batch of one optimizer step on one device
+    (per-device batch x accumulation); the reference has no accumulation.
     """
     check_ema(decay, update_every)
     if world_size < 1 or per_device_batch < 1:
@@ -86,7 +88,9 @@ class ModelEMA(Callback):
     copies. While the LR warm-up lasts (the first ``round(warmup_epochs * steps_per_epoch)`` optimizer
     steps, the rounding of :func:`~ddp_recipes.schedules.lightning_scheduler`), every update copies, and so
     does the first one after it, as in the reference. Pass the warm-up of the LR schedule; for the
-    reference's decay use :func:`adjusted_decay`.
+    reference's decay use :func:`adjusted_decay`. (The reference counts batches from 0 in each epoch and
+    updates after batches 0, k, 2k...; counting optimizer steps over the whole run instead keeps the
+    rhythm across epochs, accumulation and resumes.)
 
     The average lives here, not in the LightningModule, so DDP neither broadcasts it nor waits for its
     gradients; it has the network's device and dtypes and no gradients. :attr:`network` is the averaged
