@@ -155,9 +155,14 @@ class ImageClassifier(TrainLossLogging):
         return getattr(self, f"{stage}_loss_ema"), getattr(self, name)
 
     def _evaluate_ema(self, network: nn.Module, x: torch.Tensor, y: torch.Tensor, stage: str) -> None:
-        logits = self.forward_ema(network, x)
+        self._log_ema(self.forward_ema(network, x), y, stage)
+
+    # Eager under --compile: dynamo would otherwise specialise self.log on every metric name, and the EMA's
+    # names push it past its recompile limit (a warning per run). Updating a few metrics costs nothing.
+    @torch.compiler.disable
+    def _log_ema(self, logits: torch.Tensor, y: torch.Tensor, stage: str) -> None:
         loss_metric, metrics = self._ema_metrics(stage, logits.device)
-        loss_metric.update(self.loss(logits, y, stage), weight=x.shape[0])
+        loss_metric.update(self.loss(logits, y, stage), weight=y.shape[0])
         # metric_attribute: made after Lightning indexed the module's metrics, so name them.
         self.log(f"{stage}_loss_ema", loss_metric, on_step=False, on_epoch=True, metric_attribute=f"{stage}_loss_ema")
         for name, metric in metrics.items():
