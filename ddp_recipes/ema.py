@@ -92,6 +92,9 @@ class ModelEMA(Callback):
     updates after batches 0, k, 2k...; counting optimizer steps over the whole run instead keeps the
     rhythm across epochs, accumulation and resumes.)
 
+    Checkpoint callbacks (``ModelCheckpoint``, the pack's ``LastCheckpoint``) run after it, as Lightning
+    orders them last, so a checkpoint taken at a step holds that step's update.
+
     The average lives here, not in the LightningModule, so DDP neither broadcasts it nor waits for its
     gradients; it has the network's device and dtypes and no gradients. :attr:`network` is the averaged
     network (None before the fit, validation or test starts).
