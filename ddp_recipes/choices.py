@@ -18,6 +18,9 @@ Accelerator = Literal["auto", "cpu", "gpu", "cuda"]
 Backend = Literal["auto", "gloo", "nccl"]
 ResNetData = Literal["synthetic", "cifar10", "imagefolder"]
 MNISTArch = Literal["mlp", "cnn"]
+Optimizer = Literal["sgd", "sgd_nesterov", "adamw", "rmsprop"]
+LRScheduler = Literal["cosineannealinglr", "steplr", "exponentiallr"]
+WarmupMethod = Literal["linear", "constant"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
@@ -26,6 +29,9 @@ ACCELERATORS: tuple[str, ...] = get_args(Accelerator)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 RESNET_DATA: tuple[str, ...] = get_args(ResNetData)
 MNIST_ARCHS: tuple[str, ...] = get_args(MNISTArch)
+OPTIMIZERS: tuple[str, ...] = get_args(Optimizer)
+LR_SCHEDULERS: tuple[str, ...] = get_args(LRScheduler)
+WARMUP_METHODS: tuple[str, ...] = get_args(WarmupMethod)
 
 
 def check_choice(param: str, value: Any, choices: Iterable[Any]) -> None:

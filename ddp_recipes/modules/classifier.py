@@ -11,10 +11,14 @@ and schedule, DDP-exact metrics, checkpoints, resume):
                             global batch. The recipe's warm-up/cosine schedule is attached to it.
 ``build_metrics()``         evaluation metrics by name: ``{"acc": ...}`` is logged as ``val_acc``/``test_acc``
 ==========================  ==========================================================================
+
+With a :class:`~ddp_recipes.ema.ModelEMA` callback attached, validation and test also evaluate the averaged
+network on every batch and log each metric again with an ``_ema`` suffix (``val_acc_ema``, ``val_loss_ema``).
 """
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import ClassVar
 
 import torch
@@ -25,6 +29,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from ddp_recipes.ema import ModelEMA
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.logging import TrainLossLogging
 from ddp_recipes.schedules import lightning_scheduler
@@ -116,6 +121,54 @@ class ImageClassifier(TrainLossLogging):
         for name, metric in getattr(self, f"{stage}_metrics").items():
             metric.update(logits, y)
             self.log(f"{stage}_{name}", metric, on_step=False, on_epoch=True, prog_bar=name == "acc")
+        ema = self._ema_network()
+        if ema is not None:
+            self._evaluate_ema(ema, x, y, stage)
+
+    # ---- the EMA network's evaluation (a ModelEMA callback attached) --------------------------------------
+
+    def _ema_network(self) -> nn.Module | None:
+        trainer = self._trainer
+        for callback in trainer.callbacks if trainer is not None else ():
+            if isinstance(callback, ModelEMA) and callback.network is not None:
+                return callback.network
+        return None
+
+    def forward_ema(self, network: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` with ``self.model``'s weights and buffers replaced by ``network``'s (an EMA copy of it).
+
+        Runs this module's own ``forward`` (channels-last, any override), nothing swapped for good.
+        """
+        tensors = {f"model.{name}": t for name, t in chain(network.named_parameters(), network.named_buffers())}
+        return torch.func.functional_call(self, tensors, (x,), strict=False)
+
+    def _ema_metrics(self, stage: str, device: torch.device) -> tuple[MeanMetric, nn.ModuleDict]:
+        """The ``_ema`` twins of the stage's metrics, made on first use: a module or checkpoint of a run
+        without EMA never has them, and their states stay out of checkpoints (non-persistent)."""
+        name = f"{stage}_metrics_ema"
+        if not hasattr(self, name):
+            loss, metrics = MeanMetric(), nn.ModuleDict(self.build_metrics())
+            for metric in (loss, *metrics.values()):
+                metric.persistent(False)
+            setattr(self, f"{stage}_loss_ema", loss.to(device))
+            setattr(self, name, metrics.to(device))
+        return getattr(self, f"{stage}_loss_ema"), getattr(self, name)
+
+    def _evaluate_ema(self, network: nn.Module, x: torch.Tensor, y: torch.Tensor, stage: str) -> None:
+        self._log_ema(self.forward_ema(network, x), y, stage)
+
+    # Eager under --compile: dynamo would otherwise specialise self.log on every metric name, and the EMA's
+    # names push it past its recompile limit (a warning per run). Updating a few metrics costs nothing.
+    @torch.compiler.disable
+    def _log_ema(self, logits: torch.Tensor, y: torch.Tensor, stage: str) -> None:
+        loss_metric, metrics = self._ema_metrics(stage, logits.device)
+        loss_metric.update(self.loss(logits, y, stage), weight=y.shape[0])
+        # metric_attribute: made after Lightning indexed the module's metrics, so name them.
+        self.log(f"{stage}_loss_ema", loss_metric, on_step=False, on_epoch=True, metric_attribute=f"{stage}_loss_ema")
+        for name, metric in metrics.items():
+            metric.update(logits, y)
+            self.log(f"{stage}_{name}_ema", metric, on_step=False, on_epoch=True,
+                     metric_attribute=f"{stage}_metrics_ema.{name}")
 
     @override
     def configure_optimizers(self):
