@@ -27,7 +27,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from ddp_recipes.config import ConfigError
+from ddp_recipes.errors import ConfigError
 
 CHECKPOINT_KEY = "ddp_recipes"
 SCRIPT_MODULES = ("__main__", "__mp_main__")
