@@ -6,8 +6,10 @@ validation, ``build_trainer``, the strategy, the bench and the doctor all read t
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Iterable
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 
 from ddp_recipes.errors import ConfigError
 
@@ -47,3 +49,23 @@ Interpolation = Literal["nearest", "bilinear", "bicubic"]
 
 AUTO_AUGMENTS: tuple[str, ...] = get_args(AutoAugment)
 INTERPOLATIONS: tuple[str, ...] = get_args(Interpolation)
+
+
+def check_choices(config: Any) -> None:
+    """Every field annotated with a ``Literal`` holds one of its values (the CLI checks them too; a config
+    built in Python is checked here)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        choices = literal_choices(hints[f.name])
+        if choices and getattr(config, f.name) is not None:
+            check_choice(f.name, getattr(config, f.name), choices)
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values of a ``Literal[...]`` annotation (also inside ``X | None``); None for any other type."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    for arg in get_args(annotation):
+        if get_origin(arg) is Literal:
+            return get_args(arg)
+    return None

@@ -7,15 +7,11 @@ metadata; validation lives in ``__post_init__`` and names the flag it rejects.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
-import tempfile
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any
 
 from ddp_recipes.choices import (  # noqa: F401 - re-exported: the config's choice lists
     ACCELERATORS,
@@ -27,6 +23,7 @@ from ddp_recipes.choices import (  # noqa: F401 - re-exported: the config's choi
     LRScaling,
     Precision,
     check_choice,
+    check_choices,
 )
 from ddp_recipes.errors import CheckpointError, ConfigError, DataError, flag  # noqa: F401 - re-exported
 from ddp_recipes.plan import DDPOptions, RunPlan
@@ -59,7 +56,8 @@ class RunConfig:
     lr_scaling: LRScaling = opt("linear", "scale the LR from --lr-reference-batch to the global batch: linear, sqrt "
                                           "or none")
     lr_reference_batch: int | None = opt(None, "the global batch the base --lr was tuned for (recipe default)")
-    warmup_epochs: float = opt(0.0, "linear LR warm-up length in epochs, then cosine decay (0: constant LR)")
+    warmup_epochs: float = opt(0.0, "LR warm-up length in epochs (fractions allowed), then the schedule (0: none)",
+                               aliases=("--lr-warmup-epochs",))
     seed: int = opt(42, "base seed; every rank seeds its random streams with seed + global rank")
     sync_batchnorm: bool = opt(False, "synchronise BatchNorm statistics across ranks (CPU and CUDA)")
     find_unused_parameters: bool = opt(False, "let DDP handle parameters that get no gradient (slower)")
@@ -204,104 +202,5 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def check_choices(config: Any) -> None:
-    """Every field annotated with a ``Literal`` holds one of its values (the CLI checks them too; a config
-    built in Python is checked here)."""
-    hints = typing.get_type_hints(type(config))
-    for f in dataclasses.fields(config):
-        choices = literal_choices(hints[f.name])
-        if choices and getattr(config, f.name) is not None:
-            check_choice(f.name, getattr(config, f.name), choices)
-
-
-def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
-    """The values of a ``Literal[...]`` annotation (also inside ``X | None``); None for any other type."""
-    if get_origin(annotation) is Literal:
-        return get_args(annotation)
-    for arg in get_args(annotation):
-        if get_origin(arg) is Literal:
-            return get_args(arg)
-    return None
-
-
-# ---- CLI generation ------------------------------------------------------------------------------------
-
-C = TypeVar("C", bound=RunConfig)
-
-
-def _base_type(annotation: Any) -> tuple[type, bool]:
-    """(scalar type, optional?) of a field annotation such as ``int | None`` or ``Literal[...] | None``."""
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    if get_origin(annotation) is Literal:
-        return type(get_args(annotation)[0]), False
-    if args and get_origin(args[0]) is Literal:
-        return type(get_args(args[0])[0]), len(args) < len(get_args(annotation))
-    if args:
-        return args[0], len(args) < len(get_args(annotation))
-    return annotation, False
-
-
-def _bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def build_parser(cls: type[RunConfig], prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one flat kebab-case flag per field of the config dataclass."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init or f.name.startswith("_"):
-            continue
-        kind, _ = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_text = f.metadata.get("help", "")
-        if kind is bool:
-            # --sync-batchnorm turns it on, --no-sync-batchnorm off: no value needed.
-            parser.add_argument(flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_text)
-            continue
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text, "type": kind}
-        choices = f.metadata.get("choices") or literal_choices(hints[f.name])
-        if choices:
-            kwargs["choices"] = choices
-            kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
-        parser.add_argument(flag(f.name), **kwargs)
-    return parser
-
-
-def writable_dir(path: str, param: str) -> Path:
-    """Create ``path`` if needed (rank-safe) and prove it is writable, or raise naming ``param`` (a config
-    field such as ``output_dir``; a leading ``--flag`` spelling is accepted too)."""
-    param = param.lstrip("-").replace("-", "_")
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise ConfigError(f"{{{param}}} {path} is not writable ({err.strerror}); pass a writable {{{param}}}",
-                          param) from None
-    return out
-
-
-def fail(message: str, prog: str) -> typing.NoReturn:
-    """Print a one-line error naming the flag and exit 2, argparse's convention for bad usage."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None,
-                 description: str | None = None) -> C:
-    """Parse ``argv`` into ``cls``; a bad value exits 2 with a one-line message naming the flag."""
-    parser = build_parser(cls, prog=prog, description=description)
-    namespace = parser.parse_args(argv)
-    try:
-        return cls(**vars(namespace))
-    except ConfigError as err:
-        fail(err.cli(), parser.prog)
+# The CLI lives in ddp_recipes.cli; re-exported here, where 0.1 defined it.
+from ddp_recipes.cli import build_parser, fail, parse_config, writable_dir  # noqa: E402, F401

@@ -42,6 +42,12 @@ class ConfigError(ValueError):
         aliases = aliases or {}
         return self.render(lambda p: flag(aliases.get(p, p))).strip().splitlines()[0]
 
+    def renamed(self, **names: str) -> ConfigError:
+        """The same error with parameters renamed (``decay="model_ema_decay"``): a library function's keyword
+        is a differently named field of the config that called it."""
+        template = _PARAM.sub(lambda m: "{" + names.get(m.group(1), m.group(1)) + "}", self.template)
+        return type(self)(template, names.get(self.param, self.param) if self.param else None)
+
     def __str__(self) -> str:
         return self.render(lambda p: p)
 

@@ -308,3 +308,34 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
         shown.update({k: round(v, 4) for k, v in test_metrics.items()})
         print("summary " + json.dumps(shown), flush=True)
     return summary
+
+
+def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], datamodule: L.LightningDataModule,
+                  ckpt_path: str, checkpoint: dict[str, Any], classes: RecipeClasses | None = None) -> dict[str, Any]:
+    """Evaluate the checkpoint ``ckpt_path`` on the test set, no training: every rank loads it, the test set
+    is sharded exactly (no padded duplicates), and the metrics are the whole set's. When the checkpoint
+    holds EMA weights (``--model-ema``) they are evaluated too (``test_acc_ema``, ...). Writes
+    ``<output-dir>/test.json`` on rank 0 and returns the same dict on every rank."""
+    from ddp_recipes.ema import ModelEMA, ema_state_dict
+
+    out = writable_dir(cfg.output_dir, "output_dir")
+    callbacks: list[Callback] = []
+    ema_state = next((state for key, state in (checkpoint.get("callbacks") or {}).items()
+                      if str(key).split("{")[0] == ModelEMA.__qualname__), None)
+    if ema_state and ema_state_dict(checkpoint) is not None:
+        ema = ModelEMA(decay=float(ema_state.get("decay", 0.99998)), update_every=int(ema_state.get("update_every", 1)))
+        ema.load_state_dict(ema_state)  # Lightning restores callback state for fit only
+        callbacks.append(ema)
+    trainer = make_trainer(cfg, callbacks=callbacks, logger=False, enable_checkpointing=False)
+    model = build_model()
+    with plain_data():
+        results = trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)
+    metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
+    summary = {"checkpoint": ckpt_path, "world_size": trainer.world_size, "precision": trainer.precision,
+               "ema": bool(callbacks), **metrics, "config": cfg.to_dict(),
+               **(classes.record() if classes is not None else {})}
+    if trainer.is_global_zero:
+        write_json_atomic(out / "test.json", summary)
+        print("test " + json.dumps({"checkpoint": ckpt_path, **{k: round(v, 4) for k, v in metrics.items()}}),
+              flush=True)
+    return summary

@@ -13,21 +13,30 @@ saved atomically on rank 0; ``--resume auto`` continues exactly from the newest 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
 import lightning as L
 
 from ddp_recipes.checkpoint import check_compatible
-from ddp_recipes.choices import ResNetData
+from ddp_recipes.choices import AutoAugment, Interpolation, LRScheduler, Optimizer, ResNetData, WarmupMethod
 from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.images import (
     CIFAR10DataModule,
     ImageFolderDataModule,
     SyntheticImageDataModule,
 )
+from ddp_recipes.ema import ModelEMA, adjusted_decay, check_ema
 from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
-from ddp_recipes.runner import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
+from ddp_recipes.runner import (
+    checkpoint_callbacks,
+    has_loader,
+    open_resume,
+    run_fit_test,
+    run_test_only,
+    scaled_lr,
+)
 from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.resnet"
@@ -55,11 +64,45 @@ class ResNetConfig(RunConfig):
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
     dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own "
                               "dropout option, e.g. EfficientNet's head or ViT's blocks; 0 keeps torchvision's default)")
-    cosine: bool = opt(True, "cosine LR decay over the run after the warm-up")
+    cosine: bool | None = opt(None, "cosine LR decay to 0 over the run after a linear warm-up from 0 (default: on "
+                                    "unless --lr-scheduler is given)")
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
     output_dir: str = opt("runs/resnet", "where logs, checkpoints and summary.json go")
+    # torchvision's classification reference (references/classification/train.py), same flag names.
+    auto_augment: AutoAugment | None = opt(None, "training augmentation policy: ra (RandAugment), ta_wide "
+                                                 "(TrivialAugmentWide), augmix or imagenet (AutoAugment)")
+    ra_magnitude: int = opt(9, "RandAugment magnitude (--auto-augment ra)")
+    augmix_severity: int = opt(3, "AugMix severity (--auto-augment augmix)")
+    random_erase: float = opt(0.0, "RandomErasing probability on training images (after normalization)")
+    train_crop_size: int | None = opt(None, "training RandomResizedCrop size of --data imagefolder (default: "
+                                            "--image-size)")
+    val_resize_size: int | None = opt(None, "evaluation resize of --data imagefolder (default: val crop x 256/224)")
+    val_crop_size: int | None = opt(None, "evaluation center crop of --data imagefolder (default: --image-size)")
+    interpolation: Interpolation = opt("bilinear", "resize interpolation of crops, resizes and the policy")
+    mixup_alpha: float = opt(0.0, "MixUp's Beta(alpha, alpha) for training batches (0: off)")
+    cutmix_alpha: float = opt(0.0, "CutMix's Beta(alpha, alpha) for training batches (0: off; with MixUp: one of "
+                                   "the two per batch)")
+    model_ema: bool = opt(False, "keep an exponential moving average of the weights; evaluated as val_acc_ema / "
+                                 "test_acc_ema and saved in checkpoints")
+    model_ema_steps: int = opt(32, "optimizer steps between EMA updates")
+    model_ema_decay: float = opt(0.99998, "EMA decay per update, adjusted for world size x batch x --model-ema-steps "
+                                          "over --max-epochs as torchvision's reference does (unadjusted when only "
+                                          "--max-steps is given)")
+    clip_grad_norm: float | None = opt(None, "clip the global gradient norm to this (after the all-reduce)")
+    optimizer: Optimizer = opt("sgd", "sgd, sgd_nesterov, adamw or rmsprop (torchvision's settings)", aliases=("--opt",))
+    norm_weight_decay: float = opt(0.0, "weight decay of normalization layers (torchvision's default: --weight-decay)")
+    bias_weight_decay: float = opt(0.0, "weight decay of biases (torchvision's default: --weight-decay)")
+    lr_scheduler: LRScheduler | None = opt(None, "torchvision's schedule after the warm-up: cosineannealinglr, steplr "
+                                                 "or exponentiallr (default: --cosine)")
+    lr_step_size: int = opt(30, "epochs between --lr-scheduler steplr decays")
+    lr_gamma: float = opt(0.1, "decay factor of steplr (per step) and exponentiallr (per epoch)")
+    lr_min: float = opt(0.0, "cosineannealinglr's final LR")
+    lr_warmup_method: WarmupMethod = opt("constant", "--lr-scheduler warm-up: linear (from --lr-warmup-decay x lr) "
+                                                     "or constant (--lr-warmup-decay x lr)")
+    lr_warmup_decay: float = opt(0.01, "--lr-scheduler warm-up's starting factor")
+    test_only: bool = opt(False, "evaluate the --resume checkpoint (and its EMA weights) on the test set; no training")
 
     DEFAULT_BATCH_SIZE = 128
     DEFAULT_LR = 0.1
@@ -75,6 +118,9 @@ class ResNetConfig(RunConfig):
         super().__post_init__()
         if self.data == "cifar10":
             self.image_size = 32
+        self._check_reference_flags()
+        if self.cosine is None:
+            self.cosine = self.lr_scheduler is None
         if self.cifar_stem is None:
             self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY
         if self.num_classes is not None and self.num_classes < 1:
@@ -84,41 +130,112 @@ class ResNetConfig(RunConfig):
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"{{dropout}} must be in [0, 1) (got {self.dropout})")
         arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
+        try:
+            check_ema(self.model_ema_decay, self.model_ema_steps, self.warmup_epochs)
+        except ConfigError as err:
+            raise err.renamed(decay="model_ema_decay", update_every="model_ema_steps") from None
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"{{clip_grad_norm}} must be > 0 (got {self.clip_grad_norm})")
+
+    def check_own_data_flags(self) -> None:
+        """The recipe's own --data honours the augmentation flags only where they mean something."""
+        self._refuse_unused([(self.data == "synthetic", ("auto_augment", "random_erase", "interpolation"),
+                              "image data ({data} cifar10 or imagefolder, or {datamodule_class})"),
+                             (self.data == "cifar10", ("train_crop_size", "val_resize_size", "val_crop_size"),
+                              "{data} imagefolder (CIFAR-10 is 32 px)")])
+
+    def _refuse_unused(self, needs: list[tuple[bool, tuple[str, ...], str]]) -> None:
+        for missing, names, requirement in needs:
+            changed = self._changed(*names) if missing else []
+            if changed:
+                raise ConfigError(f"{{{changed[0]}}} has no effect without {requirement}; add it or drop "
+                                  f"{{{changed[0]}}}", changed[0])
+
+    def _changed(self, *names: str) -> list[str]:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [name for name in names if getattr(self, name) != defaults[name]]
+
+    def _check_reference_flags(self) -> None:
+        """A flag that would have no effect is refused, never silently dropped."""
+        needs = [(self.lr_scheduler is None, ("lr_step_size", "lr_gamma", "lr_min", "lr_warmup_method",
+                                              "lr_warmup_decay"), "{lr_scheduler}"),
+                 (not self.model_ema, ("model_ema_steps", "model_ema_decay"), "{model_ema}"),
+                 (self.auto_augment != "ra", ("ra_magnitude",), "{auto_augment} ra"),
+                 (self.auto_augment != "augmix", ("augmix_severity",), "{auto_augment} augmix")]
+        self._refuse_unused(needs)
+        if self.cosine and self.lr_scheduler is not None:
+            raise ConfigError("{cosine} and {lr_scheduler} are two schedules; give one")
+        for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{{{name}}} must be >= 1 (got {value})", name)
+
+    @property
+    def eval_sizes(self) -> set[int]:
+        """The input sides the model meets: training and evaluation crops."""
+        if self.data == "cifar10":
+            return {32}
+        return {self.train_crop_size or self.image_size, self.val_crop_size or self.image_size}
 
 
 def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
     """The recipe's data (--data), or a user's DataModule class given the values of the flags it declares."""
     batch, workers = cfg.plan.batch.per_device, cfg.plan.num_workers
+    augment = dict(auto_augment=cfg.auto_augment, ra_magnitude=cfg.ra_magnitude, augmix_severity=cfg.augmix_severity,
+                   random_erase=cfg.random_erase, interpolation=cfg.interpolation)
+    crops = dict(train_crop_size=cfg.train_crop_size, val_resize_size=cfg.val_resize_size,
+                 val_crop_size=cfg.val_crop_size)
     if cls is not None:
         offered = dict(data_dir=cfg.data_dir, batch_size=batch, seed=cfg.seed, num_workers=workers,
-                       image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale)
+                       image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale, **augment, **crops)
         if cfg.num_classes is not None:
             offered["num_classes"] = cfg.num_classes
         return construct_datamodule(cls, offered)
+    cfg.check_own_data_flags()
     if cfg.data == "synthetic":
         return SyntheticImageDataModule(num_samples=cfg.synthetic_samples, image_size=cfg.image_size,
                                         num_classes=cfg.num_classes or 10, batch_size=batch, seed=cfg.seed,
                                         num_workers=workers, val_samples=cfg.synthetic_val_samples)
     if cfg.data == "cifar10":
-        return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed)
+        return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed, **augment)
     dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,
-                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed)
+                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment, **crops)
     dm.check_layout()  # before any process starts: a wrong --data-dir fails here, in one line
     return dm
 
 
 def model_args(cfg: ResNetConfig, num_classes: int, lr: float) -> dict:
     """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults)."""
-    return dict(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
+    args = dict(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
                 momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
                 label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
                 cosine=cfg.cosine, channels_last=cfg.channels_last,
                 grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
+    # torchvision's training flags reach the module only when set: a subclass written for 0.1 (no **kwargs)
+    # keeps working until it is given one of them.
+    reference = dict(optimizer=cfg.optimizer, norm_weight_decay=cfg.norm_weight_decay,
+                     bias_weight_decay=cfg.bias_weight_decay, lr_scheduler=cfg.lr_scheduler,
+                     lr_step_size=cfg.lr_step_size, lr_gamma=cfg.lr_gamma, lr_min=cfg.lr_min,
+                     lr_warmup_method=cfg.lr_warmup_method, lr_warmup_decay=cfg.lr_warmup_decay,
+                     mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha)
+    return {**args, **{name: value for name, value in reference.items() if name in cfg._changed(name)}}
 
 
 def build_model(cfg: ResNetConfig, num_classes: int, lr: float,
                 cls: type[ResNetClassifier] = ResNetClassifier) -> ResNetClassifier:
     return cls(**model_kwargs(cls, model_args(cfg, num_classes, lr)))
+
+
+def ema_callback(cfg: ResNetConfig) -> ModelEMA:
+    """``--model-ema``: the decay adjusted as torchvision's reference does, from the samples between two
+    updates (global batch x ``--model-ema-steps``) over the epochs; unadjusted when the run is bounded by
+    ``--max-steps`` only (its epoch count is unknown before the data is sized)."""
+    plan = cfg.plan
+    decay = cfg.model_ema_decay
+    if plan.max_epochs and plan.max_epochs > 0:
+        decay = adjusted_decay(decay, plan.world_size, plan.batch.per_device * plan.batch.accumulation,
+                               cfg.model_ema_steps, plan.max_epochs)
+    return ModelEMA(decay=decay, update_every=cfg.model_ema_steps, warmup_epochs=cfg.warmup_epochs)
 
 
 def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
@@ -155,7 +272,8 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             raise ConfigError(f"{{image_size}} {cfg.image_size} but {type(datamodule).__name__}.image_size is "
                               f"{data_size}; pass {{image_size}} {data_size}")
         if classes.model_class.build_model is ResNetClassifier.build_model:
-            check_arch_input(cfg.arch, num_classes, cfg.image_size, cfg.cifar_stem, cfg.dropout)
+            for size in sorted({cfg.image_size, *cfg.eval_sizes}):
+                check_arch_input(cfg.arch, num_classes, size, cfg.cifar_stem, cfg.dropout)
         if resume:
             check_compatible(checkpoint, resume, {"arch": cfg.arch, "num_classes": num_classes,
                                                   "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout},
@@ -165,10 +283,23 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
         own_data = classes.datamodule is None
         has_val = (cfg.data != "synthetic" or cfg.synthetic_val_samples > 0) if own_data else has_loader(datamodule, "val")
         has_test = has_val if own_data else has_loader(datamodule, "test")
-        return run_fit_test(cfg, lambda: build_model(cfg, num_classes, lr, classes.model_class), datamodule, lr,
-                            callbacks=checkpoint_callbacks(cfg, has_val, classes.model_class), ckpt_path=resume,
-                            test=has_test, save_final=False, classes=classes,
-                            extra={"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume})
+        model = lambda: build_model(cfg, num_classes, lr, classes.model_class)  # noqa: E731
+        if cfg.test_only:
+            if not resume:
+                raise ConfigError("{test_only} needs {resume} PATH (or auto with a checkpoint in {output_dir}): the "
+                                  "checkpoint to evaluate")
+            if not has_test:
+                raise ConfigError("{test_only}: the data has no test set (--data synthetic with "
+                                  "{synthetic_val_samples} 0, or a DataModule without test_dataloader)")
+            return run_test_only(cfg, model, datamodule, resume, checkpoint, classes=classes)
+        callbacks = checkpoint_callbacks(cfg, has_val, classes.model_class)
+        if cfg.model_ema:
+            callbacks.append(ema_callback(cfg))
+        clip = dict(gradient_clip_val=cfg.clip_grad_norm, gradient_clip_algorithm="norm") if cfg.clip_grad_norm else {}
+        return run_fit_test(cfg, model, datamodule, lr, callbacks=callbacks, ckpt_path=resume, test=has_test,
+                            save_final=False, classes=classes,
+                            extra={"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume},
+                            **clip)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
         fail(err.cli(), PROG)
     except OSError as err:

@@ -8,7 +8,11 @@ and schedule, DDP-exact metrics, checkpoints, resume):
 ``loss(logits, y, stage)``  the loss of a batch; ``stage`` is ``"train"``, ``"val"`` or ``"test"``
 ``param_groups()``          the optimizer's parameter groups (e.g. no weight decay on norms and biases)
 ``build_optimizer(groups)`` the optimizer; use ``self.hparams.lr``, which is already scaled for the
-                            global batch. The recipe's warm-up/cosine schedule is attached to it.
+                            global batch (default: ``hparams.optimizer``, SGD unless set)
+``build_scheduler(opt)``    the LR schedule's ``configure_optimizers`` entry (default: warm-up + cosine, or
+                            torchvision's ``lr_scheduler`` when the hparams name one)
+``mix_batch(x, y)``         the training batch's mixing (default: MixUp/CutMix when ``mixup_alpha`` /
+                            ``cutmix_alpha`` are set; targets become class probabilities)
 ``build_metrics()``         evaluation metrics by name: ``{"acc": ...}`` is logged as ``val_acc``/``test_acc``
 ==========================  ==========================================================================
 
@@ -29,10 +33,12 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.ema import ModelEMA
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.logging import TrainLossLogging
-from ddp_recipes.schedules import lightning_scheduler
+from ddp_recipes.optim import build_optimizer
+from ddp_recipes.schedules import lightning_reference_scheduler, lightning_scheduler
 
 STAGES = ("val", "test")
 
@@ -65,10 +71,33 @@ class ImageClassifier(TrainLossLogging):
         return [{"params": [p for p in self.parameters() if p.requires_grad]}]
 
     def build_optimizer(self, param_groups: list[dict]) -> torch.optim.Optimizer:
-        """SGD at ``self.hparams.lr`` (the LR already scaled for the global batch)."""
+        """``hparams.optimizer`` (torchvision's ``--opt`` choices; SGD, Nesterov with ``nesterov``, by default)
+        at ``self.hparams.lr`` (the LR already scaled for the global batch)."""
         hp = self.hparams
-        return torch.optim.SGD(param_groups, lr=hp.lr, momentum=hp.momentum, nesterov=bool(hp.get("nesterov", False)),
-                               weight_decay=float(hp.get("weight_decay", 0.0)))
+        name = hp.get("optimizer") or ("sgd_nesterov" if hp.get("nesterov", False) else "sgd")
+        return build_optimizer(name, param_groups, hp.lr, float(hp.get("momentum", 0.0)),
+                               float(hp.get("weight_decay", 0.0)))
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """The ``lr_scheduler`` entry of ``configure_optimizers`` (None: a constant LR). Per optimizer step and
+        sized from the trainer, so it is right at any world size, accumulation and run length."""
+        hp = self.hparams
+        if hp.get("lr_scheduler"):
+            return lightning_reference_scheduler(
+                optimizer, self.trainer, hp.lr_scheduler, lr_step_size=hp.get("lr_step_size", 30),
+                lr_gamma=hp.get("lr_gamma", 0.1), lr_min=hp.get("lr_min", 0.0), lr_warmup_epochs=hp.warmup_epochs,
+                lr_warmup_method=hp.get("lr_warmup_method", "constant"), lr_warmup_decay=hp.get("lr_warmup_decay", 0.01))
+        return lightning_scheduler(optimizer, self.trainer, hp.warmup_epochs, cosine=hp.cosine)
+
+    def mix_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MixUp / CutMix of a training batch (``mixup_alpha``, ``cutmix_alpha``): on each rank, from its own
+        random stream. Returns class-probability targets, which :meth:`loss` (``F.cross_entropy``) takes."""
+        mixer = self.__dict__.get("_mixer", False)
+        if mixer is False:  # built once; kept out of the module tree (no state, nothing for DDP)
+            hp = self.hparams
+            mixer = batch_mixer(int(hp.num_classes), hp.get("mixup_alpha", 0.0), hp.get("cutmix_alpha", 0.0))
+            self.__dict__["_mixer"] = mixer
+        return (x, y) if mixer is None else mixer(x, y)
 
     def build_metrics(self) -> dict[str, Metric]:
         """Evaluation metrics by name, each updated with ``(logits, y)``; by default top-1 accuracy.
@@ -96,7 +125,7 @@ class ImageClassifier(TrainLossLogging):
 
     @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
+        x, y = self.mix_batch(*batch)
         loss = self.loss(self(x), y, "train")
         self.log_train_loss(loss, x.shape[0])
         return loss
@@ -179,8 +208,7 @@ class ImageClassifier(TrainLossLogging):
             rank_zero_warn(f"{type(self).__name__}.build_optimizer() put no parameter group at self.hparams.lr "
                            f"({self.hparams.lr:g}, the LR scaled for the global batch; groups have {lrs}): --lr and "
                            "--lr-scaling have no effect on it")
-        scheduler = lightning_scheduler(optimizer, self.trainer, self.hparams.warmup_epochs,
-                                        cosine=self.hparams.cosine)
+        scheduler = self.build_scheduler(optimizer)
         if scheduler is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": scheduler}

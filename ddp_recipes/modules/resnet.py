@@ -24,8 +24,11 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchvision import models
 from typing_extensions import override
 
+from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
+from ddp_recipes.optim import param_groups
+from ddp_recipes.schedules import check_reference_schedule
 
 # Every torchvision classification model (not detection/segmentation/video: those take other inputs).
 ARCHS = tuple(models.list_models(module=models))
@@ -79,7 +82,11 @@ class ResNetClassifier(ImageClassifier):
     def __init__(self, arch: str = "resnet18", num_classes: int = 10, cifar_stem: bool = False,
                  lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 5e-4,
                  label_smoothing: float = 0.0, warmup_epochs: float = 0.0, cosine: bool = True,
-                 channels_last: bool = False, grad_checkpointing: bool = False, dropout: float = 0.0) -> None:
+                 channels_last: bool = False, grad_checkpointing: bool = False, dropout: float = 0.0,
+                 optimizer: str | None = None, norm_weight_decay: float = 0.0, bias_weight_decay: float = 0.0,
+                 lr_scheduler: str | None = None, lr_step_size: int = 30, lr_gamma: float = 0.1, lr_min: float = 0.0,
+                 lr_warmup_method: str = "constant", lr_warmup_decay: float = 0.01, mixup_alpha: float = 0.0,
+                 cutmix_alpha: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self._check_hparams()
@@ -114,6 +121,12 @@ class ResNetClassifier(ImageClassifier):
             raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {hp.warmup_epochs})")
         if not 0 <= hp.get("dropout", 0.0) < 1:
             raise ConfigError(f"{{dropout}} must be in [0, 1) (got {hp.dropout})")
+        if hp.get("optimizer") not in (None, "sgd", "sgd_nesterov") and hp.nesterov:
+            raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {hp.optimizer} has none (drop {{nesterov}})")
+        if hp.get("lr_scheduler"):
+            check_reference_schedule(hp.lr_scheduler, hp.lr_step_size, hp.lr_gamma, hp.lr_min, hp.warmup_epochs,
+                                     hp.lr_warmup_method, hp.lr_warmup_decay)
+        batch_mixer(hp.num_classes, hp.get("mixup_alpha", 0.0), hp.get("cutmix_alpha", 0.0))  # checks the alphas
 
     @override
     def build_metrics(self) -> dict[str, Metric]:
@@ -191,18 +204,14 @@ class ResNetClassifier(ImageClassifier):
 
     @override
     def param_groups(self) -> list[dict]:
-        """SGD parameter groups: weight decay on conv/linear weights, none on BatchNorm and biases.
+        """Weight decay on conv/linear weights; ``norm_weight_decay`` (default 0) on normalization layers and
+        ``bias_weight_decay`` (default 0) on biases.
 
-        Decaying BN scales and biases only fights the normalization (Goyal et al. 2017, "no bias decay");
-        the ``ndim <= 1`` rule catches exactly those in any conv net, also in a ``build_model`` override.
+        Decaying BN scales and biases only fights the normalization (Goyal et al. 2017, "no bias decay"), so
+        both default to 0, unlike torchvision's reference (which decays them unless told otherwise).
         """
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
-                (no_decay if p.ndim <= 1 else decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return [g for g in groups if g["params"]]
+        hp = self.hparams
+        return param_groups(self, hp.weight_decay, hp.get("norm_weight_decay", 0.0), hp.get("bias_weight_decay", 0.0))
 
 
 def arch_features(arch: str, cifar_stem: bool, dropout: float, grad_checkpointing: bool) -> None:

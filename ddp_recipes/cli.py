@@ -1,0 +1,215 @@
+"""The command line generated from a config dataclass: flat kebab-case flags, a YAML ``--config`` file under
+them, ``--print-config``, and the one place where an input error becomes ``prog: error: --flag ...``.
+
+Precedence: the dataclass's defaults, then ``--config FILE.yaml``, then the flags on the command line.
+``--print-config`` prints the resolved config as YAML that ``--config`` reads back to the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import sys
+import tempfile
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
+
+from ddp_recipes.choices import literal_choices
+from ddp_recipes.errors import ConfigError, flag
+
+if TYPE_CHECKING:
+    from ddp_recipes.config import RunConfig
+
+C = TypeVar("C", bound="RunConfig")
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of a field annotation such as ``int | None`` or ``Literal[...] | None``."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is Literal:
+        return type(get_args(annotation)[0]), False
+    if args and get_origin(args[0]) is Literal:
+        return type(get_args(args[0])[0]), len(args) < len(get_args(annotation))
+    if args:
+        return args[0], len(args) < len(get_args(annotation))
+    return annotation, False
+
+
+def _cli_fields(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+
+
+def build_parser(cls: type[RunConfig], prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flat kebab-case flag per field of the config dataclass (plus the field's
+    ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(cls)
+    for f in _cli_fields(cls):
+        kind, _ = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        names = [flag(f.name), *f.metadata.get("aliases", ())]
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            # --sync-batchnorm turns it on, --no-sync-batchnorm off: no value needed.
+            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text, "type": kind}
+        choices = f.metadata.get("choices") or literal_choices(hints[f.name])
+        if choices:
+            kwargs["choices"] = choices
+            kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
+        parser.add_argument(*names, **kwargs)
+    parser.add_argument("--config", metavar="FILE.yaml", default=None,
+                        help="read flags from this YAML file (keys are flag names; flags given here override it)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML (what --config reads back) and exit without running")
+    return parser
+
+
+def writable_dir(path: str, param: str) -> Path:
+    """Create ``path`` if needed (rank-safe) and prove it is writable, or raise naming ``param`` (a config
+    field such as ``output_dir``; a leading ``--flag`` spelling is accepted too)."""
+    param = param.lstrip("-").replace("-", "_")
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{{{param}}} {path} is not writable ({err.strerror}); pass a writable {{{param}}}",
+                          param) from None
+    return out
+
+
+def fail(message: str, prog: str) -> typing.NoReturn:
+    """Print a one-line error naming the flag and exit 2, argparse's convention for bad usage."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ---- YAML config files -----------------------------------------------------------------------------------
+
+
+def _key_names(cls: type) -> dict[str, str]:
+    """Every spelling a config file may use for a field: its name, its flag without dashes, its aliases."""
+    names: dict[str, str] = {}
+    for f in _cli_fields(cls):
+        for spelling in (f.name, *f.metadata.get("aliases", ())):
+            bare = spelling.lstrip("-")
+            names[bare] = names[bare.replace("-", "_")] = f.name
+    return names
+
+
+def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
+    """A YAML value as the field's type (YAML 1.1 reads ``1e-3`` as a string: numbers in strings are accepted)."""
+    kind, optional = _base_type(annotation)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{{config}} {source}: {key} cannot be null; give a {kind.__name__}", "config")
+    try:
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise TypeError
+            number = float(value)
+            if math.isnan(number) and not (isinstance(value, str) and value.strip().lower() == "nan"):
+                raise TypeError
+            return number
+        if isinstance(value, dict | list):
+            raise TypeError
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{{config}} {source}: {key} must be {'true or false' if kind is bool else 'a ' + kind.__name__}"
+                          f" (got {value!r})", "config") from None
+
+
+def load_config_file(cls: type[RunConfig], path: str) -> dict[str, Any]:
+    """The field values a YAML file sets, checked against ``cls``: an unknown key, a wrong type or an
+    unreadable file is a one-line error naming ``--config`` and the key."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"{{config}} {path}: cannot read it ({err.strerror}); pass a readable YAML file",
+                          "config") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"{{config}} {path} is not valid YAML ({where}{problem})", "config") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{{config}} {path} must hold a mapping of flag names to values (got a "
+                          f"{type(data).__name__})", "config")
+    names, hints = _key_names(cls), typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        field = names.get(str(key))
+        if field is None:
+            close = difflib.get_close_matches(str(key), list(names), n=1)
+            hint = f"did you mean {close[0]}?" if close else "see --help for the flags"
+            raise ConfigError(f"{{config}} {path}: unknown key {key!r}; {hint}", "config")
+        if field in values:
+            raise ConfigError(f"{{config}} {path}: {key!r} sets {field} a second time; keep one", "config")
+        values[field] = _coerce(value, hints[field], str(key), path)
+    return values
+
+
+def dump_config(config: RunConfig, prog: str | None = None) -> str:
+    """The config as YAML that :func:`load_config_file` reads back to the same values, with what it resolves
+    to (world, batch plan, LR) as comments."""
+    import yaml
+
+    header = [f"# {prog or 'a recipe'} --config <this file>: the resolved run config"]
+    plan = getattr(config, "plan", None)
+    if plan is not None and plan.batch is not None:
+        batch = plan.batch
+        header.append(f"# resolves to: world {plan.world_size} ({plan.accelerator}), batch {batch.per_device} per device x "
+                      f"{plan.world_size} x {batch.accumulation} = {batch.global_batch}, lr {plan.lr:g}, "
+                      f"precision {plan.precision}")
+    body = yaml.safe_dump({f.name: getattr(config, f.name) for f in _cli_fields(type(config))},
+                          sort_keys=False, default_flow_style=False)
+    return "\n".join(header) + "\n" + body
+
+
+def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None,
+                 description: str | None = None) -> C:
+    """Parse ``argv`` into ``cls``; a bad value exits 2 with a one-line message naming the flag.
+
+    ``--config FILE.yaml`` supplies values under the command line's; ``--print-config`` prints the resolved
+    config and exits 0.
+    """
+    parser = build_parser(cls, prog=prog, description=description)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config", default=None)
+    known, _ = first.parse_known_args(argv)
+    try:
+        if known.config:
+            parser.set_defaults(**load_config_file(cls, known.config))
+        namespace = vars(parser.parse_args(argv))
+        namespace.pop("config")
+        show = namespace.pop("print_config")
+        config = cls(**namespace)
+    except ConfigError as err:
+        fail(err.cli(), parser.prog)
+    if show:
+        print(dump_config(config, parser.prog), end="", flush=True)
+        raise SystemExit(0)
+    return config

@@ -1,0 +1,222 @@
+"""The ResNet recipe with torchvision's classification-reference flags: augmentation, MixUp/CutMix, EMA,
+optimizers, schedules, gradient clipping, YAML configs and --test-only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+
+from ddp_recipes import runner
+from ddp_recipes.config import parse_config
+from ddp_recipes.ema import ModelEMA, adjusted_decay
+from ddp_recipes.modules.resnet import ResNetClassifier
+from recipes import mnist, resnet
+from recipes.resnet import ResNetConfig, build_datamodule, ema_callback
+from tests.helpers import SHARED_DATA, free_port
+
+TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
+        "--synthetic-val-samples", "40", "--batch-size", "16", "--num-classes", "10"]
+
+
+def steps_of(transform: v2.Transform) -> list[v2.Transform]:
+    return list(transform.transforms) if isinstance(transform, v2.Compose) else [transform]
+
+
+def image_tree(root, classes=("a", "b"), per_class=3, size=(20, 18)):
+    for split in ("train", "val"):
+        for index, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", size, (40 * i, 90 * index, 30)).save(folder / f"{i}.png")
+    return root
+
+
+def test_augmentation_flags_reach_the_built_pipelines(tmp_path):
+    tree = image_tree(tmp_path / "imgs")
+    cfg = parse_config(ResNetConfig, ["--data", "imagefolder", "--data-dir", str(tree), "--image-size", "28",
+                                      "--auto-augment", "ra", "--ra-magnitude", "5", "--random-erase", "0.25",
+                                      "--train-crop-size", "24", "--val-resize-size", "36", "--val-crop-size", "28",
+                                      "--interpolation", "bicubic"])
+    dm = build_datamodule(cfg)
+    train, val = steps_of(dm.train_transform()), steps_of(dm.val_transform())
+    kinds = [type(t) for t in train]
+    crop = next(t for t in train if isinstance(t, v2.RandomResizedCrop))
+    policy = next(t for t in train if isinstance(t, v2.RandAugment))
+    assert crop.size == (24, 24) and policy.magnitude == 5
+    assert str(policy.interpolation).lower().endswith("bicubic")
+    erase = train[-1]
+    assert isinstance(erase, v2.RandomErasing) and erase.p == 0.25
+    assert kinds.index(v2.Normalize) < kinds.index(v2.RandomErasing)  # erasing acts on normalized pixels
+    resize = next(t for t in val if isinstance(t, v2.Resize))
+    center = next(t for t in val if isinstance(t, v2.CenterCrop))
+    assert resize.size == [36] and center.size == (28, 28)
+    dm.setup("fit")
+    image, _ = dm.train_set[0]
+    assert image.shape == (3, 24, 24) and image.dtype == torch.float32
+    for policy_name, kind in (("ta_wide", v2.TrivialAugmentWide), ("augmix", v2.AugMix),
+                              ("imagenet", v2.AutoAugment)):
+        other = build_datamodule(parse_config(ResNetConfig, ["--data", "cifar10", "--data-dir", str(tmp_path),
+                                                             "--auto-augment", policy_name]))
+        assert any(isinstance(t, kind) for t in steps_of(other.train_transform())), policy_name
+
+
+def test_mixup_and_cutmix_make_soft_targets_and_keep_hard_accuracy():
+    torch.manual_seed(0)
+    model = ResNetClassifier(arch="resnet18", num_classes=10, cifar_stem=True, mixup_alpha=0.4, cutmix_alpha=1.0)
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8)
+    mixed_x, soft = model.mix_batch(x, y)
+    assert soft.shape == (8, 10) and torch.allclose(soft.sum(1), torch.ones(8))
+    assert not torch.equal(soft, torch.nn.functional.one_hot(y, 10).float()) and not torch.equal(mixed_x, x)
+    loss = model.training_step((x, y), 0)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    plain = ResNetClassifier(arch="resnet18", num_classes=10, cifar_stem=True)
+    assert plain.mix_batch(x, y)[1] is y  # off by default: integer labels, untouched
+    # Evaluation compares hard labels: the metrics take the integer targets.
+    model._evaluate((x, y), "val")
+    assert 0 <= float(model.val_metrics["acc"].compute()) <= 1
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--lr-gamma", "0.5"], "--lr-gamma has no effect without --lr-scheduler"),
+    (["--model-ema-steps", "8"], "--model-ema-steps has no effect without --model-ema"),
+    (["--ra-magnitude", "3"], "--ra-magnitude has no effect without --auto-augment ra"),
+    (["--lr-scheduler", "steplr", "--cosine"], "--cosine and --lr-scheduler are two schedules"),
+    (["--opt", "adamw", "--nesterov"], "--nesterov is SGD's"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
+    (["--model-ema", "--model-ema-decay", "1.5"], "--model-ema-decay"),
+    (["--lr-scheduler", "steplr", "--lr-gamma", "2"], "--lr-gamma must be in \\(0, 1\\]"),
+    (["--data", "cifar10", "--val-crop-size", "28"], "--val-crop-size has no effect without --data imagefolder"),
+    (["--auto-augment", "ra"], "--auto-augment has no effect without image data"),
+    (["--mixup-alpha", "-1"], "--mixup-alpha"),
+])
+def test_flags_without_effect_or_bad_values_fail_in_one_line(argv, flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        resnet.main([*TINY, "--output-dir", str(tmp_path), *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and __import__("re").search(flag, err), err
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_reference_spellings_are_aliases():
+    cfg = parse_config(ResNetConfig, ["--opt", "rmsprop", "--lr-warmup-epochs", "2", "--lr-scheduler", "steplr"])
+    assert (cfg.optimizer, cfg.warmup_epochs, cfg.cosine) == ("rmsprop", 2.0, False)
+    assert parse_config(ResNetConfig, ["--warmup-epochs", "1"]).cosine is True  # the recipe's default schedule
+
+
+def test_ema_decay_is_adjusted_like_the_reference():
+    cfg = parse_config(ResNetConfig, ["--devices", "1", "--batch-size", "32", "--accumulate-grad-batches", "2",
+                                      "--max-epochs", "10", "--model-ema", "--model-ema-steps", "4",
+                                      "--model-ema-decay", "0.999"])
+    callback = ema_callback(cfg)
+    assert isinstance(callback, ModelEMA) and callback.update_every == 4
+    # samples between updates: 1 x 32 x 2 (accumulation) x 4 steps, over 10 epochs
+    assert callback.decay == pytest.approx(adjusted_decay(0.999, 1, 64, 4, 10)) == pytest.approx(1 - 0.001 * 25.6)
+    steps_only = ema_callback(parse_config(ResNetConfig, ["--max-steps", "50", "--model-ema"]))
+    assert steps_only.decay == 0.99998
+
+
+def test_clip_grad_norm_reaches_the_trainer(tmp_path, monkeypatch):
+    seen = {}
+    real = runner.make_trainer
+
+    def spy(cfg, callbacks=None, **kwargs):
+        trainer = real(cfg, callbacks=callbacks, **kwargs)
+        seen.update(val=trainer.gradient_clip_val, algorithm=trainer.gradient_clip_algorithm,
+                    ema=[c for c in trainer.callbacks if isinstance(c, ModelEMA)])
+        return trainer
+
+    monkeypatch.setattr(runner, "make_trainer", spy)
+    resnet.main([*TINY, "--max-steps", "1", "--clip-grad-norm", "0.5", "--model-ema", "--output-dir", str(tmp_path)])
+    assert seen["val"] == 0.5 and str(seen["algorithm"]).lower().endswith("norm") and len(seen["ema"]) == 1
+
+
+@pytest.mark.parametrize("recipe, config_cls, argv", [
+    (resnet, ResNetConfig, ["--devices", "2", "--global-batch-size", "64", "--opt", "adamw", "--lr", "1e-3",
+                            "--lr-scheduler", "cosineannealinglr", "--lr-min", "1e-5", "--model-ema",
+                            "--mixup-alpha", "0.2", "--data", "cifar10", "--auto-augment", "ta_wide"]),
+    (mnist, mnist.MNISTConfig, ["--arch", "cnn", "--val-size", "100", "--lr-warmup-epochs", "0.5"]),
+])
+def test_print_config_round_trips(recipe, config_cls, argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        recipe.main([*argv, "--print-config"])
+    assert info.value.code == 0
+    printed = capsys.readouterr().out
+    path = tmp_path / "run.yaml"
+    path.write_text(printed)
+    original = parse_config(config_cls, argv)
+    again = parse_config(config_cls, ["--config", str(path)])
+    assert again.to_dict() == original.to_dict()
+    with pytest.raises(SystemExit):
+        recipe.main(["--config", str(path), "--print-config"])
+    assert capsys.readouterr().out == printed  # printing the read-back config gives the same file
+    # A flag on the command line wins over the file.
+    assert parse_config(config_cls, ["--config", str(path), "--seed", "7"]).seed == 7
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sead: 3\n", "--config {p}: unknown key 'sead'; did you mean seed?"),
+    ("seed: three\n", "--config {p}: seed must be a int (got 'three')"),
+    ("- 1\n- 2\n", "--config {p} must hold a mapping of flag names to values (got a list)"),
+    ("seed: [\n", "--config {p} is not valid YAML"),
+    ("precision: fp8\n", "--precision must be one of 32-true, 16-mixed, bf16-mixed (got 'fp8')"),
+])
+def test_bad_config_files_fail_in_one_line(text, message, tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        resnet.main(["--config", str(path), "--output-dir", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert message.format(p=path) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_yaml_numbers_and_kebab_keys_are_read(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1e-3\nlr-warmup-epochs: 2\nopt: adamw\nmax_steps: 5\n")
+    cfg = parse_config(ResNetConfig, ["--config", str(path)])
+    assert (cfg.lr, cfg.warmup_epochs, cfg.optimizer, cfg.max_steps) == (0.001, 2.0, "adamw", 5)
+
+
+def test_test_only_reproduces_the_runs_own_test_on_any_world_size(tmp_path):
+    """Train (EMA, MixUp, AdamW, a step schedule), then evaluate last.ckpt with --test-only on 1 and on 2
+    ranks: the metrics are the run's own test metrics, EMA included (exact sharding, no padding)."""
+    out = str(tmp_path / "run")
+    flags = [*TINY, "--output-dir", out]
+    summary = resnet.main([*flags, "--max-steps", "6", "--model-ema", "--model-ema-steps", "2", "--mixup-alpha",
+                           "0.3", "--opt", "adamw", "--lr", "1e-3", "--lr-scheduler", "steplr", "--lr-step-size", "1",
+                           "--lr-gamma", "0.5"])
+    assert summary["config"]["optimizer"] == "adamw" and summary["config"]["mixup_alpha"] == 0.3
+    keys = ("test_acc", "test_acc5", "test_loss", "test_acc_ema", "test_loss_ema")
+    alone = resnet.main([*flags, "--test-only", "--resume", "auto"])
+    assert alone["ema"] is True and alone["checkpoint"].endswith("last.ckpt")
+    for key in keys:
+        assert alone[key] == pytest.approx(summary[key], abs=1e-6), key
+    # 40 test images over 2 ranks at batch 16: shards of 20, last batches of 4 on each rank.
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "recipes.resnet", *flags, "--devices", "2", "--test-only",
+                           "--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "run" / "test.json").read_text())
+    assert two["world_size"] == 2
+    for key in keys:
+        assert two[key] == pytest.approx(summary[key], abs=1e-5), key
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="needs the shared MNIST")
+def test_mnist_reads_a_config_file(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(f"data_dir: {SHARED_DATA}\nmax_steps: 2\nbatch_size: 32\nno_such: 1\n")
+    with pytest.raises(SystemExit):
+        mnist.main(["--config", str(path)])
+    path.write_text(f"data_dir: {SHARED_DATA}\nmax_steps: 2\nbatch_size: 32\ndownload: false\n")
+    summary = mnist.main(["--config", str(path), "--output-dir", str(tmp_path / "out"), "--accelerator", "cpu"])
+    assert summary["steps"] == 2 and summary["config"]["batch_size"] == 32
