@@ -71,8 +71,8 @@ def test_more_devices_than_gpus_exits_2(monkeypatch: pytest.MonkeyPatch, capsys:
 
 
 def test_flags_that_contradict_torchrun_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT="29512").items():
+    for name, value in dict(TORCHELASTIC_RUN_ID="test", RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+                            LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512").items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exc:
         doctor.main(["--accelerator", "cpu", "--devices", "3"])

@@ -23,10 +23,16 @@ from typing import Any
 from ddp_recipes.bench.commodel import LINKS, predict_main, predict_table, validate_against_pytorch_benchmark
 from ddp_recipes.bench.hostinfo import host_facts, parallel_ceiling, parallel_warning, usable_cpus
 from ddp_recipes.bench.report import markdown_report, summary_line, write_report
-from ddp_recipes.config import ConfigError, fail, opt, writable_dir
+from ddp_recipes.choices import ACCELERATORS, MNIST_ARCHS, check_choice
+from ddp_recipes.choices import PRECISIONS as RUN_PRECISIONS
+from ddp_recipes.config import fail, opt, writable_dir
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.world import cuda_devices, resolve_accelerator
 
 PROG = "python -m ddp_recipes.bench"
-PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed")
+PRECISIONS = ("auto", *RUN_PRECISIONS)  # auto: fitted to the host in BenchConfig.resolve
+RECIPES = ("resnet", "mnist")
+RESNET_ARCHS = ("resnet18", "resnet34", "resnet50")
 RUN_TIMEOUT_S = 600
 
 
@@ -35,7 +41,7 @@ class BenchConfig:
     """The benchmark's flags; ``auto`` values are fitted to the host in :meth:`resolve`."""
 
     recipe: str = opt("resnet", "workload: resnet (torchvision ResNet) or mnist (the write-up's MLP)",
-                      choices=("resnet", "mnist"))
+                      choices=RECIPES)
     arch: str = opt("auto", "network: resnet18/34/50 for resnet, mlp/cnn for mnist (auto: resnet50 on CUDA, "
                             "resnet18 on CPU, mlp for mnist)")
     devices: str = opt("auto", "comma list of device counts, e.g. 1,2,4 (auto: 1,2,4 capped at the GPUs; 1,2 on CPU)")
@@ -45,7 +51,7 @@ class BenchConfig:
     precision: str = opt("auto", "32-true, bf16-mixed or 16-mixed (auto: bf16-mixed on CUDA, 32-true on CPU)",
                          choices=PRECISIONS)
     image_size: int = opt(0, "image side in pixels for resnet (0: 224 on CUDA, 32 on CPU)")
-    accelerator: str = opt("auto", "cpu, cuda or auto", choices=("auto", "cpu", "cuda", "gpu"))
+    accelerator: str = opt("auto", "cpu, cuda or auto", choices=ACCELERATORS)
     threads_per_rank: int = opt(0, "CPU threads per rank for every run, 1-device included (0: usable cores / "
                                    "largest device count)")
     raw: bool = opt(True, "also measure the plain PyTorch DDP loop (the overhead baseline)")
@@ -60,57 +66,54 @@ class BenchConfig:
     out: str = opt("bench-results", "output folder for results.json, report.md and speedup.png")
 
     def resolve(self) -> dict[str, Any]:
-        """Validated, host-fitted settings; raises ConfigError naming the flag."""
-        import torch
-
-        cuda = torch.cuda.is_available()
-        accelerator = {"auto": "cuda" if cuda else "cpu", "gpu": "cuda"}.get(self.accelerator, self.accelerator)
-        if accelerator == "cuda" and not cuda:
-            raise ConfigError(f"--accelerator {self.accelerator} but no CUDA device is visible; use --accelerator cpu")
-        gpus = torch.cuda.device_count() if accelerator == "cuda" else 0
+        """Validated, host-fitted settings; raises ConfigError naming the parameter."""
+        check_choice("recipe", self.recipe, RECIPES)
+        check_choice("precision", self.precision, PRECISIONS)
+        accelerator = resolve_accelerator(self.accelerator)
+        gpus = cuda_devices() if accelerator == "cuda" else 0
         if self.devices == "auto":
             devices = [n for n in (1, 2, 4) if n <= gpus] if accelerator == "cuda" else [1, 2]
         else:
             try:
                 devices = sorted({int(part) for part in self.devices.split(",") if part.strip()})
             except ValueError:
-                raise ConfigError(f"--devices must be a comma list of integers such as 1,2,4 (got {self.devices!r})") from None
+                raise ConfigError(f"{{devices}} must be a comma list of integers such as 1,2,4 (got {self.devices!r})") from None
         if not devices or devices[0] < 1:
-            raise ConfigError(f"--devices needs counts >= 1 (got {self.devices!r})")
+            raise ConfigError(f"{{devices}} needs counts >= 1 (got {self.devices!r})")
         if accelerator == "cuda" and devices[-1] > gpus:
-            raise ConfigError(f"--devices {self.devices} but only {gpus} CUDA device(s) are visible; lower --devices")
+            raise ConfigError(f"{{devices}} {self.devices} but only {gpus} CUDA device(s) are visible; lower {{devices}}")
         if 1 not in devices:
-            raise ConfigError("--devices must include 1: speedup is measured against the 1-device run")
+            raise ConfigError("{devices} must include 1: speedup is measured against the 1-device run")
         if self.repeats < 1:
-            raise ConfigError(f"--repeats must be >= 1 (got {self.repeats})")
+            raise ConfigError(f"{{repeats}} must be >= 1 (got {self.repeats})")
         if self.warmup_steps < 1:
-            raise ConfigError(f"--warmup-steps must be >= 1 (got {self.warmup_steps})")
+            raise ConfigError(f"{{warmup_steps}} must be >= 1 (got {self.warmup_steps})")
         steps = self.steps or (50 if accelerator == "cuda" else 20)
         if steps < 2:
-            raise ConfigError(f"--steps must be >= 2 to have a spread (got {self.steps})")
+            raise ConfigError(f"{{steps}} must be >= 2 to have a spread (got {self.steps})")
         arch = self.arch if self.arch != "auto" else (
             "mlp" if self.recipe == "mnist" else "resnet50" if accelerator == "cuda" else "resnet18")
-        valid = ("mlp", "cnn") if self.recipe == "mnist" else ("resnet18", "resnet34", "resnet50")
+        valid = MNIST_ARCHS if self.recipe == "mnist" else RESNET_ARCHS
         if arch not in valid:
-            raise ConfigError(f"--arch {arch!r} does not fit --recipe {self.recipe}; choose one of {', '.join(valid)}")
+            raise ConfigError(f"{{arch}} {arch!r} does not fit {{recipe}} {self.recipe}; choose one of {', '.join(valid)}")
         precision = self.precision if self.precision != "auto" else ("bf16-mixed" if accelerator == "cuda" else "32-true")
         if precision == "16-mixed" and accelerator == "cpu":
-            raise ConfigError("--precision 16-mixed needs CUDA; use --precision bf16-mixed or 32-true on CPU")
+            raise ConfigError("{precision} 16-mixed needs CUDA; use {precision} bf16-mixed or 32-true on CPU")
         image_size = self.image_size or (224 if accelerator == "cuda" else 32)
         if self.recipe == "resnet" and image_size < 8:
-            raise ConfigError(f"--image-size must be >= 8 for resnet (got {image_size})")
+            raise ConfigError(f"{{image_size}} must be >= 8 for resnet (got {image_size})")
         batch = self.batch_size or (64 if accelerator == "cuda" else 32)
         if batch < 1:
-            raise ConfigError(f"--batch-size must be >= 1 (got {batch})")
+            raise ConfigError(f"{{batch_size}} must be >= 1 (got {batch})")
         if (self.writeup or self.data_dir) and self.recipe != "mnist":
-            raise ConfigError("--writeup and --data-dir apply to --recipe mnist only")
+            raise ConfigError("{writeup} and {data_dir} apply to {recipe} mnist only")
         if self.writeup and not self.data_dir:
-            raise ConfigError("--writeup needs --data-dir (a folder holding MNIST/raw): the script reads real files")
+            raise ConfigError("{writeup} needs {data_dir} (a folder holding MNIST/raw): the script reads real files")
         if self.data_dir and not (Path(self.data_dir) / "MNIST" / "raw").is_dir():
-            raise ConfigError(f"--data-dir {self.data_dir} has no MNIST/raw folder; pass the folder that holds it")
+            raise ConfigError(f"{{data_dir}} {self.data_dir} has no MNIST/raw folder; pass the folder that holds it")
         threads = self.threads_per_rank or (max(1, usable_cpus() // devices[-1]) if accelerator == "cpu" else 0)
         if threads < 0:
-            raise ConfigError(f"--threads-per-rank must be >= 0 (got {threads})")
+            raise ConfigError(f"{{threads_per_rank}} must be >= 0 (got {threads})")
         return {"recipe": self.recipe, "arch": arch, "devices": devices, "accelerator": accelerator,
                 "precision": precision, "image_size": image_size, "batch_size": batch, "steps": steps,
                 "warmup_steps": self.warmup_steps, "threads": threads, "seed": self.seed, "gpus": gpus,
@@ -352,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     try:
         cfg.resolve()
-        writable_dir(cfg.out, "--out")
+        writable_dir(cfg.out, "{out}")
     except ConfigError as err:
-        fail(str(err), PROG)
+        fail(err.cli(), PROG)
     results = run_bench(cfg)
     paths = write_report(results, cfg.out)
     print(markdown_report(json.loads(paths["json"].read_text())))

@@ -7,8 +7,9 @@
 * ``dp``: torch.nn.DataParallel over N GPUs in one process (the write-up's DP-vs-DDP comparison).
 * ``writeup``: the write-up's MNIST script as published (per-sample PIL transforms, 4 loader workers).
 
-Both DDP paths time a step the same way: barrier (+ cuda.synchronize) at the end of every step, wall
-time between consecutive step ends, warm-up steps dropped. Rank 0 writes one JSON file (``--out``).
+Every path times a step the same way (``ddp_recipes.bench.measure``: barrier + cuda.synchronize at the end
+of every step, wall time between consecutive step ends, warm-up steps dropped). Rank 0 writes one JSON
+file (``--out``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ import argparse
 import contextlib
 import json
 import os
-import resource
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddp_recipes.bench.measure import (
+    gather,
+    measure_allreduce,
+    peak_memory_mb,
+    step_stats,
+    sync_point,
+    timed_diagnostics,
+    wait_fraction,
+)
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
 from ddp_recipes.perf import configure_tf32
 
@@ -85,59 +92,6 @@ def build_dataset(w: Workload) -> TensorDataset:
     return TensorBatchDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this rank: CUDA allocator peak on GPU, peak RSS of the process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def sync_point(device: torch.device) -> float:
-    """End-of-step synchronisation shared by both implementations; returns the timestamp."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    return time.perf_counter()
-
-
-def step_stats(ends: list[float], warmup_steps: int, global_batch: int) -> dict[str, float]:
-    """Step-time statistics from end-of-step timestamps, the first ``warmup_steps`` steps dropped."""
-    first = max(warmup_steps - 1, 0)
-    times_s = [b - a for a, b in zip(ends[first:], ends[first + 1:], strict=False)]
-    ms = sorted(t * 1000 for t in times_s)
-    # inclusive: deciles inside the measured range (the default extrapolates below the fastest step)
-    q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) >= 2 else [ms[0]] * 9
-    total = sum(times_s)
-    return {"step_ms_median": statistics.median(ms), "step_ms_p10": q[0], "step_ms_p90": q[-1],
-            "global_samples_per_s": global_batch * len(times_s) / total if total else 0.0,
-            "measured_steps": len(times_s)}
-
-
-def _gather(value: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def measure_allreduce(numel: int, device: torch.device, iters: int) -> dict[str, float]:
-    """Median ms of an all-reduce of the model's gradient size, fp32 and bf16 (the bf16 hook's payload)."""
-    result = {}
-    for name, dtype in (("fp32_ms", torch.float32), ("bf16_ms", torch.bfloat16)):
-        buf = torch.ones(numel, dtype=dtype, device=device)
-        times = []
-        for i in range(iters + 2):
-            start = sync_point(device)
-            dist.all_reduce(buf)
-            end = sync_point(device)
-            if i >= 2:
-                times.append((end - start) * 1000)
-        result[name] = statistics.median(times)
-    return result
-
-
 def _write(path: str, payload: dict) -> None:
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
@@ -190,43 +144,13 @@ def run_pack(w: Workload, out: str) -> None:
         name = ("pack" if w.diagnostics else "pack-nodiag") + ("-compiled" if w.compile else "")
         _write(out, {"impl": name, "devices": w.devices, "workload": asdict(w),
                      "first_step_s": timer.ends[0] - timer.start if timer.ends else None,
-                     "input_wait_fraction": _wait_fraction(timer.ends, timer.waits, w.warmup_steps),
+                     "input_wait_fraction": wait_fraction(timer.ends, timer.waits, w.warmup_steps),
                      "precision_used": str(trainer.precision), "strategy": type(trainer.strategy).__name__,
                      "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": [round(float(p), 1) for p in peaks.reshape(-1)],
                      "diagnostics_s": diagnostics.seconds if diagnostics else None,
                      "steps_run": len(timer.ends),
                      **step_stats(timer.ends, w.warmup_steps, w.batch_size * w.devices)})
-
-
-def _wait_fraction(ends: list[float], waits: list[float], warmup_steps: int) -> float | None:
-    """Share of the timed steps' wall time the loop waited for its batch (the steps step_stats times)."""
-    first = max(warmup_steps - 1, 0)
-    span = ends[-1] - ends[first] if len(ends) > first + 1 else 0.0
-    return sum(waits[first + 1:]) / span if span > 0 else None
-
-
-def timed_diagnostics():
-    """build_trainer's DDPDiagnostics with a stopwatch around each of its hooks (collective waits included).
-
-    Its cost is a few hooks against seconds-long steps: timing the hooks themselves is exact, where
-    comparing two whole runs would drown it in run-to-run noise.
-    """
-    from ddp_recipes.diagnostics import DDPDiagnostics
-
-    class TimedDDPDiagnostics(DDPDiagnostics):
-        seconds = 0.0
-
-    for name, hook in vars(DDPDiagnostics).items():
-        if name.startswith("on_") and callable(hook):
-            def timed(self, *args, _hook=hook, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _hook(self, *args, **kwargs)
-                finally:
-                    type(self).seconds += time.perf_counter() - start
-            setattr(TimedDDPDiagnostics, name, timed)
-    return TimedDDPDiagnostics()
 
 
 # ---- raw: the write-up's loop, and DataParallel ---------------------------------------------------------
@@ -294,7 +218,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
         ends.append(sync_point(device))
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     allreduce = measure_allreduce(numel, device, w.allreduce_iters) if distributed else None
-    peaks = _gather(round(peak_memory_mb(device), 1))
+    peaks = gather(round(peak_memory_mb(device), 1))
     if local_rank == 0:
         _write(out, {"impl": "raw" + ("-compiled" if w.compile else ""), "devices": w.devices,
                      "workload": asdict(w), "params": numel, "first_step_s": ends[0] - start if ends else None,
@@ -343,7 +267,7 @@ def _writeup_rank(rank: int, w: Workload, out: str) -> None:
             if len(ends) >= w.total_steps:
                 break
         epoch += 1
-    peaks = _gather(round(peak_memory_mb(torch.device("cpu")), 1))
+    peaks = gather(round(peak_memory_mb(torch.device("cpu")), 1))
     if rank == 0:
         _write(out, {"impl": "writeup", "devices": w.devices, "workload": asdict(w),
                      "torch_threads": torch.get_num_threads(), "peak_mem_mb_per_rank": peaks,
