@@ -42,9 +42,11 @@ def _cli_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
 
 
-def build_parser(cls: type[RunConfig], prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+def build_parser(cls: type[RunConfig], prog: str | None = None, description: str | None = None,
+                 config_flags: bool = False) -> argparse.ArgumentParser:
     """An argparse parser with one flat kebab-case flag per field of the config dataclass (plus the field's
-    ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``)."""
+    ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``); ``config_flags`` adds ``--config`` and
+    ``--print-config`` (what :func:`parse_config` reads)."""
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(cls)
@@ -64,6 +66,8 @@ def build_parser(cls: type[RunConfig], prog: str | None = None, description: str
             kwargs["choices"] = choices
             kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}"
         parser.add_argument(*names, **kwargs)
+    if not config_flags:
+        return parser
     parser.add_argument("--config", metavar="FILE.yaml", default=None,
                         help="read flags from this YAML file (keys are flag names; flags given here override it)")
     parser.add_argument("--print-config", action="store_true",
@@ -73,8 +77,8 @@ def build_parser(cls: type[RunConfig], prog: str | None = None, description: str
 
 def writable_dir(path: str, param: str) -> Path:
     """Create ``path`` if needed (rank-safe) and prove it is writable, or raise naming ``param`` (a config
-    field such as ``output_dir``; a leading ``--flag`` spelling is accepted too)."""
-    param = param.lstrip("-").replace("-", "_")
+    field such as ``output_dir``; ``{output_dir}`` and ``--output-dir`` spellings are accepted too)."""
+    param = param.strip("{}").lstrip("-").replace("-", "_")
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -196,7 +200,7 @@ def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None =
     ``--config FILE.yaml`` supplies values under the command line's; ``--print-config`` prints the resolved
     config and exits 0.
     """
-    parser = build_parser(cls, prog=prog, description=description)
+    parser = build_parser(cls, prog=prog, description=description, config_flags=True)
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--config", default=None)
     known, _ = first.parse_known_args(argv)
