@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ddp_recipes.atomic import atomic_write
-from ddp_recipes.errors import CheckpointError
+from ddp_recipes.errors import CheckpointError, ConfigError, lit  # noqa: F401 - 0.1 imported ConfigError from here
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -54,7 +54,7 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     if resume == "auto":
         return newest_checkpoint(output_dir)
     if not Path(resume).is_file():
-        raise CheckpointError(f"{{resume}} {resume}: no such checkpoint file; pass an existing .ckpt, auto or none")
+        raise CheckpointError(f"{{resume}} {lit(resume)}: no such checkpoint file; pass an existing .ckpt, auto or none")
     return resume
 
 
@@ -136,32 +136,33 @@ def read_checkpoint(path: str) -> dict[str, Any]:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         names = re.findall(r"GLOBAL ([\w.]+)", str(err))
-        raise CheckpointError(f"{{resume}} {path} holds Python objects, not only tensors and plain data"
+        raise CheckpointError(f"{{resume}} {lit(path)} holds Python objects, not only tensors and plain data"
                           f"{' (' + names[0] + ')' if names else ''}; loading it would run code from the file, so "
                           "it is refused: pass a checkpoint written by this pack, or {resume} none") from None
     except Exception as err:  # truncated zip, pickle garbage, wrong format: all mean "not a checkpoint"
-        raise CheckpointError(f"{{resume}} {path} is not a readable checkpoint ({type(err).__name__}: "
+        raise CheckpointError(f"{{resume}} {lit(path)} is not a readable checkpoint ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); "
                           "pass another file, or {resume} none to start fresh") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise CheckpointError(f"{{resume}} {path} is not a Lightning checkpoint (no state_dict); "
+        raise CheckpointError(f"{{resume}} {lit(path)} is not a Lightning checkpoint (no state_dict); "
                           "pass a .ckpt written by this recipe")
     return checkpoint
 
 
 def check_compatible(checkpoint: dict[str, Any], path: str, expected: dict[str, Any],
-                     accepted: dict[str, tuple] | None = None) -> None:
+                     accepted: dict[str, tuple] | None = None, defaults: dict[str, Any] | None = None) -> None:
     """Fail naming the flag when the checkpoint's hyper-parameters disagree with this run's model.
 
     ``accepted`` lists the values this recipe can build (e.g. its ``--arch`` choices): a checkpoint with
-    another one comes from another recipe, and suggesting its value would only fail again.
+    another one comes from another recipe, and suggesting its value would only fail again. ``defaults``:
+    the value a key had when the checkpoint does not record it (the recipe passes some only when set).
     """
-    saved = checkpoint.get("hyper_parameters") or {}
+    saved = {**(defaults or {}), **(checkpoint.get("hyper_parameters") or {})}
     for key, value in expected.items():
         if key in saved and saved[key] != value:
             flag = "{" + key + "}"  # a parameter: the CLI spells it as the flag
             if accepted and key in accepted and saved[key] not in accepted[key]:
-                raise CheckpointError(f"{{resume}} {path} was trained with {flag} {saved[key]}, which this recipe does not "
+                raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])}, which this recipe does not "
                                   "build (a checkpoint of another recipe?); pass a checkpoint written by this recipe")
-            raise CheckpointError(f"{{resume}} {path} was trained with {flag} {saved[key]} but this run has {flag} "
-                              f"{value}; pass {flag} {saved[key]} or another checkpoint")
+            raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])} but this run has {flag} "
+                              f"{value}; pass {flag} {lit(saved[key])} or another checkpoint")

@@ -11,7 +11,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any, Literal, get_args, get_origin
 
-from ddp_recipes.errors import ConfigError
+from ddp_recipes.errors import ConfigError, lit
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
@@ -40,7 +40,7 @@ def check_choice(param: str, value: Any, choices: Iterable[Any]) -> None:
     """A :class:`ConfigError` naming ``param`` unless ``value`` is one of ``choices``."""
     choices = tuple(choices)
     if value not in choices:
-        raise ConfigError(f"{{{param}}} must be one of {', '.join(map(str, choices))} (got {value!r})", param)
+        raise ConfigError(f"{{{param}}} must be one of {', '.join(map(str, choices))} (got {lit(repr(value))})", param)
 
 
 # Appended with the ImageNet training flags (torchvision's classification reference names).

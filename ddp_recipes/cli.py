@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
 from ddp_recipes.choices import literal_choices
-from ddp_recipes.errors import ConfigError, flag
+from ddp_recipes.errors import ConfigError, flag, lit
 
 if TYPE_CHECKING:
     from ddp_recipes.config import RunConfig
@@ -85,7 +85,7 @@ def writable_dir(path: str, param: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
             pass
     except OSError as err:
-        raise ConfigError(f"{{{param}}} {path} is not writable ({err.strerror}); pass a writable {{{param}}}",
+        raise ConfigError(f"{{{param}}} {lit(path)} is not writable ({err.strerror}); pass a writable {{{param}}}",
                           param) from None
     return out
 
@@ -115,7 +115,10 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     if value is None:
         if optional:
             return None
-        raise ConfigError(f"{{config}} {source}: {key} cannot be null; give a {kind.__name__}", "config")
+        raise ConfigError(f"{{config}} {lit(source)}: {lit(key)} cannot be null; give a value", "config")
+    if kind is str and isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans
+        raise ConfigError(f"{{config}} {lit(source)}: {lit(key)} must be a string (got {value}: quote it, "
+                          f"e.g. {lit(key)}: 'off')", "config")
     try:
         if kind is bool:
             if not isinstance(value, bool):
@@ -134,10 +137,30 @@ def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
             return number
         if isinstance(value, dict | list):
             raise TypeError
+
         return str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{{config}} {source}: {key} must be {'true or false' if kind is bool else 'a ' + kind.__name__}"
-                          f" (got {value!r})", "config") from None
+        wanted = {bool: "true or false", int: "an integer", float: "a number"}.get(kind, "a string")
+        raise ConfigError(f"{{config}} {lit(source)}: {lit(key)} must be {wanted} (got {lit(repr(value))})",
+                          "config") from None
+
+
+class _UniqueKeyLoader:
+    """Built on first use (yaml is imported lazily): a SafeLoader that refuses a key given twice."""
+
+    def __new__(cls, stream: str):  # type: ignore[misc]
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            def construct_mapping(self, node, deep=False):  # type: ignore[override]
+                keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+                repeated = sorted({str(k) for k in keys if keys.count(k) > 1})
+                if repeated:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {repeated[0]!r} given twice",
+                                                            node.start_mark)
+                return super().construct_mapping(node, deep=deep)
+
+        return Loader(stream)
 
 
 def load_config_file(cls: type[RunConfig], path: str) -> dict[str, Any]:
@@ -146,21 +169,25 @@ def load_config_file(cls: type[RunConfig], path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{{config}} {lit(path)} is not a text file; pass a YAML file", "config") from None
     except OSError as err:
-        raise ConfigError(f"{{config}} {path}: cannot read it ({err.strerror}); pass a readable YAML file",
+        raise ConfigError(f"{{config}} {lit(path)}: cannot read it ({err.strerror}); pass a readable YAML file",
                           "config") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(err, "problem", None) or type(err).__name__
-        raise ConfigError(f"{{config}} {path} is not valid YAML ({where}{problem})", "config") from None
+        mark = mark or getattr(err, "context_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        raise ConfigError(f"{{config}} {lit(path)} is not valid YAML ({where}{problem})", "config") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{{config}} {path} must hold a mapping of flag names to values (got a "
+        raise ConfigError(f"{{config}} {lit(path)} must hold a mapping of flag names to values (got a "
                           f"{type(data).__name__})", "config")
     names, hints = _key_names(cls), typing.get_type_hints(cls)
     values: dict[str, Any] = {}
@@ -169,9 +196,9 @@ def load_config_file(cls: type[RunConfig], path: str) -> dict[str, Any]:
         if field is None:
             close = difflib.get_close_matches(str(key), list(names), n=1)
             hint = f"did you mean {close[0]}?" if close else "see --help for the flags"
-            raise ConfigError(f"{{config}} {path}: unknown key {key!r}; {hint}", "config")
+            raise ConfigError(f"{{config}} {lit(path)}: unknown key {lit(repr(key))}; {hint}", "config")
         if field in values:
-            raise ConfigError(f"{{config}} {path}: {key!r} sets {field} a second time; keep one", "config")
+            raise ConfigError(f"{{config}} {lit(path)}: {lit(repr(key))} sets {field} a second time; keep one", "config")
         values[field] = _coerce(value, hints[field], str(key), path)
     return values
 
@@ -188,8 +215,12 @@ def dump_config(config: RunConfig, prog: str | None = None) -> str:
         header.append(f"# resolves to: world {plan.world_size} ({plan.accelerator}), batch {batch.per_device} per device x "
                       f"{plan.world_size} x {batch.accumulation} = {batch.global_batch}, lr {plan.lr:g}, "
                       f"precision {plan.precision}")
-    body = yaml.safe_dump({f.name: getattr(config, f.name) for f in _cli_fields(type(config))},
-                          sort_keys=False, default_flow_style=False)
+    asked = config.asked if hasattr(config, "asked") else dataclasses.asdict(config)
+    fields = [f.name for f in _cli_fields(type(config))]
+    resolved = {name: getattr(config, name) for name in fields if getattr(config, name) != asked[name]}
+    if resolved:  # the recipe's defaults as this run fills them in; left out of the file so flags still move them
+        header.append("# resolved by the recipe: " + ", ".join(f"{name}={value}" for name, value in resolved.items()))
+    body = yaml.safe_dump({name: asked[name] for name in fields}, sort_keys=False, default_flow_style=False)
     return "\n".join(header) + "\n" + body
 
 
@@ -202,9 +233,12 @@ def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None =
     """
     parser = build_parser(cls, prog=prog, description=description, config_flags=True)
     first = argparse.ArgumentParser(add_help=False)
-    first.add_argument("--config", default=None)
+    first.add_argument("--config", action="append", default=[])
     known, _ = first.parse_known_args(argv)
     try:
+        if len(known.config) > 1:
+            raise ConfigError("{config} was given more than once; merge the files into one", "config")
+        known.config = known.config[0] if known.config else None
         if known.config:
             parser.set_defaults(**load_config_file(cls, known.config))
         namespace = vars(parser.parse_args(argv))

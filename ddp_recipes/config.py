@@ -90,7 +90,12 @@ class RunConfig:
 
     DEFAULT_NUM_WORKERS: typing.ClassVar[int | None] = 0  # None: fitted to the cores per rank
 
+    # Fields of a recipe's own config that the plan also reads (ResNet: --data decides the default workers).
+    PLAN_FIELDS: typing.ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self) -> None:
+        # What was asked, before a recipe fills in its resolved defaults (--print-config writes this).
+        self.__dict__["_asked"] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         self._check_positive("devices", "num_nodes", "batch_size", "global_batch_size", "accumulate_grad_batches",
                              "lr_reference_batch", "max_epochs")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -194,9 +199,29 @@ class RunConfig:
     def resolved_max_epochs(self) -> int | None:
         return None if self.plan.max_epochs == -1 else self.plan.max_epochs
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        # A script that changes a field after construction gets a plan that says so (as 0.1's live views did).
+        if "_plan" in self.__dict__ and (name in _RUN_FIELDS or name in self.PLAN_FIELDS):
+            self.__dict__["_plan"] = self.resolve()
+
+    @property
+    def asked(self) -> dict[str, Any]:
+        """The field values as given, before the recipe resolved its defaults (``--print-config`` writes them)."""
+        return dict(self.__dict__.get("_asked") or self.to_dict())
+
     def trainer_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`ddp_recipes.build_trainer` that this config decides."""
-        return {"plan": self.plan}
+        """The keyword arguments of :func:`ddp_recipes.build_trainer` that this config decides, as 0.1 gave
+        them (the recipes pass ``build_trainer(plan=cfg.plan)`` instead)."""
+        plan = self.plan
+        return dict(devices=plan.devices, num_nodes=plan.num_nodes, accelerator=self.accelerator,
+                    precision=plan.precision, sync_batchnorm=plan.ddp.sync_batchnorm,
+                    find_unused_parameters=plan.ddp.find_unused_parameters, static_graph=plan.ddp.static_graph,
+                    comm_hook=plan.ddp.comm_hook, bucket_cap_mb=plan.ddp.bucket_cap_mb, seed=plan.seed,
+                    accumulate_grad_batches=plan.accumulation, max_epochs=plan.max_epochs, max_steps=plan.max_steps,
+                    timeout_s=plan.ddp.timeout_s, diagnostics=plan.diagnostics, lr_scaling=plan.lr_scaling,
+                    warmup_epochs=plan.warmup_epochs, reference_batch=plan.reference_batch,
+                    global_batch=plan.batch.global_batch, tf32=plan.tf32)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -204,3 +229,5 @@ class RunConfig:
 
 # The CLI lives in ddp_recipes.cli; re-exported here, where 0.1 defined it.
 from ddp_recipes.cli import build_parser, fail, parse_config, writable_dir  # noqa: E402, F401
+
+_RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(RunConfig))

@@ -12,9 +12,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-# A parameter marker: an identifier in single braces. Values interpolated into a message (paths, reprs,
-# "{train,val}") never match: they hold characters an identifier cannot.
-_PARAM = re.compile(r"\{([a-z][a-z0-9_]*)\}")
+# A parameter marker: an identifier in single braces. "{train,val}" never matches; a user's value that
+# could (a path such as "runs/{date}") goes in through lit(), which doubles its braces.
+_PARAM = re.compile(r"\{\{|\}\}|\{([a-z][a-z0-9_]*)\}")
+
+
+def lit(value: object) -> str:
+    """``value`` as literal text inside a message: its braces are never read as parameters."""
+    return str(value).replace("{", "{{").replace("}", "}}")
 
 
 def flag(name: str) -> str:
@@ -29,12 +34,12 @@ class ConfigError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.template = message
-        found = _PARAM.search(message)
-        self.param = param if param is not None else (found.group(1) if found else None)
+        found = next((m.group(1) for m in _PARAM.finditer(message) if m.group(1)), None)
+        self.param = param if param is not None else found
 
     def render(self, name: Callable[[str], str]) -> str:
         """The message with each parameter spelled by ``name``."""
-        return _PARAM.sub(lambda m: name(m.group(1)), self.template)
+        return _PARAM.sub(lambda m: name(m.group(1)) if m.group(1) else m.group(0)[0], self.template)
 
     def cli(self, aliases: dict[str, str] | None = None) -> str:
         """The one-line message for the command line: parameters as ``--flags`` (``aliases`` maps a
@@ -45,7 +50,8 @@ class ConfigError(ValueError):
     def renamed(self, **names: str) -> ConfigError:
         """The same error with parameters renamed (``decay="model_ema_decay"``): a library function's keyword
         is a differently named field of the config that called it."""
-        template = _PARAM.sub(lambda m: "{" + names.get(m.group(1), m.group(1)) + "}", self.template)
+        template = _PARAM.sub(lambda m: "{" + names.get(m.group(1), m.group(1)) + "}" if m.group(1) else m.group(0),
+                              self.template)
         return type(self)(template, names.get(self.param, self.param) if self.param else None)
 
     def __str__(self) -> str:

@@ -35,10 +35,10 @@ class DDPOptions:
 
     def __post_init__(self) -> None:
         check_choice("comm_hook", self.comm_hook, COMM_HOOKS)
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < float("inf"):
             raise ConfigError(f"{{bucket_cap_mb}} must be > 0 (got {self.bucket_cap_mb})")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ConfigError(f"{{timeout_s}} must be > 0 seconds (got {self.timeout_s})")
+        if self.timeout_s is not None and not 0 < self.timeout_s < 10**9:
+            raise ConfigError(f"{{timeout_s}} must be > 0 seconds and finite (got {self.timeout_s})")
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~ddp_recipes.strategy.TunedDDPStrategy` these options set."""

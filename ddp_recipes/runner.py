@@ -182,7 +182,7 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwar
     kwargs.setdefault("log_every_n_steps", 10)
     # A bar redrawn every step costs more than an MLP step on MNIST; 20 steps is still live.
     progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) else []
-    return build_trainer(**cfg.trainer_kwargs(), callbacks=[*progress, *(callbacks or [])], **kwargs)
+    return build_trainer(plan=cfg.plan, callbacks=[*progress, *(callbacks or [])], **kwargs)
 
 
 def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:

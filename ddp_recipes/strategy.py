@@ -126,6 +126,9 @@ class TunedDDPStrategy(DDPStrategy):
     def from_options(cls, options: DDPOptions, **kwargs: Any) -> TunedDDPStrategy:
         """The strategy for one :class:`~ddp_recipes.plan.DDPOptions` (what ``build_trainer`` uses);
         ``kwargs`` are the other constructor arguments (seed, NCCL settings, PowerSGD's, Lightning's)."""
+        both = sorted(set(options.strategy_kwargs()) & set(kwargs))
+        if both:
+            raise ConfigError(f"{{options}} already sets {', '.join(both)}; pass it in the DDPOptions only")
         return cls(**options.strategy_kwargs(), **kwargs)
 
     # ---- SyncBatchNorm: Lightning hands us its CUDA-only plugin; swap in the CPU-capable one --------

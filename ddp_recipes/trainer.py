@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import lightning as L
@@ -9,6 +10,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ddp_recipes.checkpoint import AtomicCheckpointIO
+from ddp_recipes.choices import PRECISIONS  # noqa: F401 - re-exported: 0.1 defined it here
 from ddp_recipes.diagnostics import DDPDiagnostics
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.perf import InputWaitProfiler, TF32Setting, configure_tf32
@@ -18,8 +20,10 @@ from ddp_recipes.strategy import TunedDDPStrategy
 from ddp_recipes.world import (  # noqa: F401 - re-exported: 0.1 imported these from here
     SCHEDULER_VARS,
     check_node_env,
+    launched_by_torchrun,
     resolve_accelerator,
     resolve_precision,
+    resolve_world,
 )
 
 
@@ -81,13 +85,18 @@ def build_trainer(
                                tf32=tf32, diagnostics=diagnostics, warmup_epochs=warmup_epochs,
                                reference_batch=reference_batch)
     else:
-        given = {name for name, value in (("devices", devices), ("num_nodes", num_nodes), ("seed", seed),
-                                          ("global_batch", global_batch), ("ddp", ddp), ("lr_scaling", lr_scaling))
-                 if value is not None}
-        if given:
-            raise ConfigError(f"{{plan}} already decides {', '.join(sorted(given))}; pass the plan alone")
+        given = {name: value for name, value in locals().items() if name in _RUN_DEFAULTS}
+        decided = sorted(name for name, value in given.items() if value != _RUN_DEFAULTS[name])
+        if decided:
+            raise ConfigError(f"{{plan}} already decides {', '.join(decided)}; pass the plan alone, or "
+                              "plan.replace(...) to change it")
         global_batch = plan.batch.global_batch if plan.batch else None
     return _trainer_for(plan, global_batch, strategy_kwargs, trainer_kwargs)
+
+
+# build_trainer's run keywords and their defaults: with a plan, each must stay at its default.
+_RUN_DEFAULTS = {name: p.default for name, p in inspect.signature(build_trainer).parameters.items()
+                 if p.kind is p.KEYWORD_ONLY and name not in ("plan", "strategy_kwargs")}
 
 
 def _trainer_for(plan: RunPlan, global_batch: int | None, strategy_kwargs: dict[str, Any] | None,

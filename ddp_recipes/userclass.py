@@ -20,6 +20,7 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,7 +28,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from ddp_recipes.errors import ConfigError
+from ddp_recipes.errors import ConfigError, lit
 
 CHECKPOINT_KEY = "ddp_recipes"
 SCRIPT_MODULES = ("__main__", "__mp_main__")
@@ -69,9 +70,9 @@ def import_class(spec: str, flag: str) -> type:
     """The class ``package.module:ClassName`` names; a ``ConfigError`` naming ``flag`` otherwise."""
     module_name, sep, qualname = spec.partition(":")
     if not sep or not module_name or not qualname or module_name.startswith("."):
-        raise ConfigError(f"{flag} {spec!r} is not an absolute import path; write it as package.module:ClassName")
+        raise ConfigError(f"{flag} {lit(repr(spec))} is not an absolute import path; write it as package.module:ClassName")
     if module_name in SCRIPT_MODULES:
-        raise ConfigError(f"{flag} {spec}: a class defined in a script cannot be imported; move it into a module "
+        raise ConfigError(f"{flag} {lit(spec)}: a class defined in a script cannot be imported; move it into a module "
                           "(a .py file beside the script) and pass module:ClassName")
     # `python -m recipes.x` has the working directory on sys.path; a console script or torchrun's worker
     # may not. Appended, so a local file never shadows an installed package.
@@ -81,15 +82,15 @@ def import_class(spec: str, flag: str) -> type:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - whatever the user's module raises at import is bad input here
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ConfigError(f"{flag} {spec}: cannot import {module_name} ({type(err).__name__}: {reason}); check the "
+        raise ConfigError(f"{flag} {lit(spec)}: cannot import {module_name} ({type(err).__name__}: {lit(reason)}); check the "
                           "module path, that it is importable from the working directory, and its top-level code") from None
     obj: Any = module
     for part in qualname.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{flag} {spec}: {module_name} has no {qualname!r}; check the class name") from None
+            raise ConfigError(f"{flag} {lit(spec)}: {module_name} has no {qualname!r}; check the class name") from None
         obj = getattr(obj, part)
     if not isinstance(obj, type):
-        raise ConfigError(f"{flag} {spec} is a {type(obj).__name__}, not a class")
+        raise ConfigError(f"{flag} {lit(spec)} is a {type(obj).__name__}, not a class")
     return obj
 
 
@@ -138,7 +139,7 @@ def resolve_classes(base: type[L.LightningModule], model_cls: type | None = None
 def _pick(given: type | None, spec: str | None, kwarg: str, flag: str) -> type | None:
     from_flag = import_class(spec, flag) if spec else None
     if given is not None and from_flag is not None and from_flag is not given:
-        raise ConfigError(f"{flag} {spec} and main({kwarg}={class_path(given)}) name different classes; give one")
+        raise ConfigError(f"{flag} {lit(spec)} and main({kwarg}={class_path(given)}) name different classes; give one")
     return given if given is not None else from_flag
 
 
@@ -160,7 +161,7 @@ def follow_checkpoint(classes: RecipeClasses, checkpoint: dict[str, Any], path: 
                          path, "{datamodule_class}", "datamodule_cls")
     for cls, base in ((model, classes.base), (datamodule, L.LightningDataModule)):
         if cls is not None and not issubclass(cls, base):
-            raise ConfigError(f"{{resume}} {path} was trained with {class_path(cls)}, which this recipe does not build "
+            raise ConfigError(f"{{resume}} {lit(path)} was trained with {class_path(cls)}, which this recipe does not build "
                               "(a checkpoint of another recipe?); pass a checkpoint written by this recipe")
     return replace(classes, model=model, datamodule=datamodule)
 
@@ -179,7 +180,7 @@ def _refuse_other_recipe(recorded: str | None, base: type, path: str) -> None:
     except ConfigError:
         return
     if not issubclass(recorded_cls, base):
-        raise ConfigError(f"{{resume}} {path} was trained with {recorded}, which this recipe does not build "
+        raise ConfigError(f"{{resume}} {lit(path)} was trained with {lit(recorded)}, which this recipe does not build "
                           "(a checkpoint of another recipe?); pass a checkpoint written by this recipe")
 
 
@@ -190,25 +191,33 @@ def _follow(recorded: str | None, recorded_file: str | None, given: type | None,
         if recorded is None or not same_class(recorded, given, recorded_file):
             default_recorded = recorded is None or (default is not None and recorded == class_path(default))
             fix = f"drop {flag} ({kwarg}=)" if default_recorded else f"pass {flag} {recorded}"
-            raise ConfigError(f"{{resume}} {path} was trained with {recorded or _describe(None)} but this run builds "
+            raise ConfigError(f"{{resume}} {lit(path)} was trained with {recorded or _describe(None)} but this run builds "
                               f"{_describe(given)}; {fix} or pass another checkpoint")
         return given
     if recorded is None or (default is not None and class_path(default) == recorded):
         return None
     if defined_in_script(recorded):
-        raise ConfigError(f"{{resume}} {path} was trained with {recorded}, a class defined in a script: run that "
+        raise ConfigError(f"{{resume}} {lit(path)} was trained with {lit(recorded)}, a class defined in a script: run that "
                           f"script again (it passes {kwarg}=), or move the class into a module and pass {flag}")
     return import_class(recorded, f"{flag} (recorded in {{resume}} {path})")
 
 
-def construct_datamodule(cls: type[L.LightningDataModule], offered: dict[str, Any]) -> L.LightningDataModule:
+def construct_datamodule(cls: type[L.LightningDataModule], offered: dict[str, Any],
+                         given: Collection[str] = ()) -> L.LightningDataModule:
     """A user's DataModule, given the run's values for the ``__init__`` parameters it declares.
+
+    ``given``: the offered flags the user set; one the class does not take would have no effect, so it is
+    refused in one line rather than dropped.
 
     ``batch_size`` is the per-device batch of the run's plan (``--batch-size``/``--global-batch-size``), so
     the class must take it: with its own batch size the global batch, the LR scaling and the resume
     arithmetic would silently be wrong. A required parameter the recipe cannot give fails in one line.
     """
     kwargs = _accepted(cls, offered, "{datamodule_class}")
+    ignored = [name for name in given if name not in kwargs]
+    if ignored:
+        raise ConfigError(f"{{{ignored[0]}}} has no effect: {{datamodule_class}} {lit(class_path(cls))} does not take "
+                          f"{ignored[0]} in __init__; add it there or drop {{{ignored[0]}}}", ignored[0])
     if "batch_size" not in kwargs:
         raise ConfigError(f"{{datamodule_class}} {class_path(cls)} must take batch_size in __init__ (the per-device "
                           "batch the recipe plans from {batch_size} / {global_batch_size})")

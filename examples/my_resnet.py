@@ -28,11 +28,15 @@ class AdamWResNet(ResNetClassifier):
         # param_groups() still puts no weight decay on norms and biases; each group carries its own value.
         return torch.optim.AdamW(param_groups, lr=self.hparams.lr, betas=(0.9, 0.999))
 
+    soft_targets = True  # loss() below takes --mixup-alpha/--cutmix-alpha's class probabilities too
+
     def loss(self, logits: torch.Tensor, target: torch.Tensor, stage: str) -> torch.Tensor:
         if stage != "train":
             return super().loss(logits, target, stage)  # plain cross-entropy: val_loss stays comparable
-        log_p = F.log_softmax(logits.float(), dim=1).gather(1, target[:, None]).squeeze(1)
-        return (-(1 - log_p.exp()) ** self.hparams.focal_gamma * log_p).mean()
+        log_p = F.log_softmax(logits.float(), dim=1)
+        if target.ndim == 1:  # class indices; MixUp/CutMix give class probabilities instead
+            target = F.one_hot(target, logits.shape[1]).float()
+        return (-(target * (1 - log_p.exp()) ** self.hparams.focal_gamma * log_p).sum(1)).mean()
 
     def build_metrics(self) -> dict[str, Metric]:
         metrics = super().build_metrics()  # acc (and acc5): logged as val_acc, test_acc, ...

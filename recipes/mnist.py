@@ -12,6 +12,7 @@ continues from the newest checkpoint exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -58,7 +59,11 @@ def build_datamodule(cfg: MNISTConfig, cls: type[L.LightningDataModule] | None =
     """The recipe's MNIST, or a user's DataModule class given the values of the flags it declares."""
     offered = dict(data_dir=cfg.data_dir, batch_size=cfg.plan.batch.per_device, val_size=cfg.val_size,
                    seed=cfg.seed, num_workers=cfg.plan.num_workers, download=cfg.download)
-    return construct_datamodule(cls, offered) if cls is not None else MNISTDataModule(**offered)
+    if cls is None:
+        return MNISTDataModule(**offered)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    given = [name for name in ("data_dir", "val_size", "download") if getattr(cfg, name) != defaults[name]]
+    return construct_datamodule(cls, offered, given)
 
 
 def model_args(cfg: MNISTConfig, lr: float) -> dict:

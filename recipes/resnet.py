@@ -14,20 +14,31 @@ saved atomically on rank 0; ``--resume auto`` continues exactly from the newest 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 
 import lightning as L
 
 from ddp_recipes.checkpoint import check_compatible
-from ddp_recipes.choices import AutoAugment, Interpolation, LRScheduler, Optimizer, ResNetData, WarmupMethod
+from ddp_recipes.choices import (
+    RESNET_DATA,
+    AutoAugment,
+    Interpolation,
+    LRScheduler,
+    Optimizer,
+    ResNetData,
+    WarmupMethod,
+)
 from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
-from ddp_recipes.data.images import (
+from ddp_recipes.data.images import (  # noqa: F401 - default_num_workers: 0.1 imported it from here
     CIFAR10DataModule,
     ImageFolderDataModule,
     SyntheticImageDataModule,
+    default_num_workers,
 )
-from ddp_recipes.ema import ModelEMA, adjusted_decay, check_ema
+from ddp_recipes.ema import ModelEMA, adjusted_decay, check_ema, ema_state_dict
+from ddp_recipes.errors import lit
 from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
 from ddp_recipes.runner import (
     checkpoint_callbacks,
@@ -37,9 +48,17 @@ from ddp_recipes.runner import (
     run_test_only,
     scaled_lr,
 )
-from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
+from ddp_recipes.schedules import check_reference_schedule
+from ddp_recipes.userclass import (
+    class_path,
+    construct_datamodule,
+    follow_checkpoint,
+    model_kwargs,
+    resolve_classes,
+)
 
 PROG = "python -m recipes.resnet"
+DATA = RESNET_DATA  # 0.1's name
 
 
 @dataclass
@@ -109,6 +128,7 @@ class ResNetConfig(RunConfig):
     DEFAULT_REFERENCE_BATCH = 256
     DEFAULT_MAX_EPOCHS = 30
     DEFAULT_NUM_WORKERS = None  # fitted to the cores per rank (decoding and augmentation)
+    PLAN_FIELDS = ("data",)
 
     def default_num_workers(self, devices_per_node: int) -> int:
         # Synthetic data are in-memory tensors: no decode to overlap, so no workers unless asked.
@@ -141,6 +161,8 @@ class ResNetConfig(RunConfig):
         """The recipe's own --data honours the augmentation flags only where they mean something."""
         self._refuse_unused([(self.data == "synthetic", ("auto_augment", "random_erase", "interpolation"),
                               "image data ({data} cifar10 or imagefolder, or {datamodule_class})"),
+                             (self.data == "cifar10" and self.auto_augment is None, ("interpolation",),
+                              "{auto_augment} on CIFAR-10 (its crops do not resample)"),
                              (self.data == "cifar10", ("train_crop_size", "val_resize_size", "val_crop_size"),
                               "{data} imagefolder (CIFAR-10 is 32 px)")])
 
@@ -161,10 +183,37 @@ class ResNetConfig(RunConfig):
                                               "lr_warmup_decay"), "{lr_scheduler}"),
                  (not self.model_ema, ("model_ema_steps", "model_ema_decay"), "{model_ema}"),
                  (self.auto_augment != "ra", ("ra_magnitude",), "{auto_augment} ra"),
-                 (self.auto_augment != "augmix", ("augmix_severity",), "{auto_augment} augmix")]
+                 (self.auto_augment != "augmix", ("augmix_severity",), "{auto_augment} augmix"),
+                 (self.lr_scheduler != "steplr", ("lr_step_size",), "{lr_scheduler} steplr"),
+                 (self.lr_scheduler not in ("steplr", "exponentiallr"), ("lr_gamma",),
+                  "{lr_scheduler} steplr or exponentiallr"),
+                 (self.lr_scheduler != "cosineannealinglr", ("lr_min",), "{lr_scheduler} cosineannealinglr"),
+                 (self.lr_scheduler is None or not self.warmup_epochs, ("lr_warmup_method", "lr_warmup_decay"),
+                  "{lr_scheduler} and {lr_warmup_epochs} > 0"),
+                 (self.optimizer not in ("sgd", "sgd_nesterov", "rmsprop"), ("momentum",),
+                  "{optimizer} sgd, sgd_nesterov or rmsprop (AdamW has none)")]
         self._refuse_unused(needs)
         if self.cosine and self.lr_scheduler is not None:
             raise ConfigError("{cosine} and {lr_scheduler} are two schedules; give one")
+        if self.nesterov and self.optimizer not in ("sgd", "sgd_nesterov"):
+            raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {self.optimizer} has none (drop {{nesterov}})")
+        if self.nesterov and not self.momentum > 0:
+            raise ConfigError("{nesterov} needs {momentum} > 0")
+        ranges = [("momentum", self.momentum, 0, 1, False), ("label_smoothing", self.label_smoothing, 0, 1, False),
+                  ("weight_decay", self.weight_decay, 0, math.inf, True),
+                  ("norm_weight_decay", self.norm_weight_decay, 0, math.inf, True),
+                  ("bias_weight_decay", self.bias_weight_decay, 0, math.inf, True),
+                  ("mixup_alpha", self.mixup_alpha, 0, math.inf, True),
+                  ("cutmix_alpha", self.cutmix_alpha, 0, math.inf, True),
+                  ("random_erase", self.random_erase, 0, 1, True)]
+        for name, value, low, high, closed in ranges:
+            inside = low <= value <= high if closed else low <= value < high
+            if not (inside and math.isfinite(value)):
+                bound = f">= {low}" if high == math.inf else f"in [{low}, {high}{']' if closed else ')'}"
+                raise ConfigError(f"{{{name}}} must be {bound} (got {value})", name)
+        if self.lr_scheduler is not None:
+            check_reference_schedule(self.lr_scheduler, self.lr_step_size, self.lr_gamma, self.lr_min,
+                                     self.warmup_epochs, self.lr_warmup_method, self.lr_warmup_decay)
         for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -190,7 +239,8 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
                        image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale, **augment, **crops)
         if cfg.num_classes is not None:
             offered["num_classes"] = cfg.num_classes
-        return construct_datamodule(cls, offered)
+        given = cfg._changed("data_dir", "min_crop_scale", *augment, *crops)
+        return construct_datamodule(cls, offered, given)
     cfg.check_own_data_flags()
     if cfg.data == "synthetic":
         return SyntheticImageDataModule(num_samples=cfg.synthetic_samples, image_size=cfg.image_size,
@@ -238,6 +288,12 @@ def ema_callback(cfg: ResNetConfig) -> ModelEMA:
     return ModelEMA(decay=decay, update_every=cfg.model_ema_steps, warmup_epochs=cfg.warmup_epochs)
 
 
+def optimizer_of(settings: dict) -> str:
+    """The optimizer whose state a run keeps: ``--opt``; SGD with or without Nesterov keep the same state."""
+    name = settings.get("optimizer") or "sgd"
+    return "sgd" if name == "sgd_nesterov" else name
+
+
 def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
     """The class count: --num-classes, else the DataModule's ``num_classes``."""
     if cfg.num_classes is not None:
@@ -280,6 +336,17 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
                              accepted={"arch": ARCHS})
         lr = scaled_lr(cfg)
         model_kwargs(classes.model_class, model_args(cfg, num_classes, lr))  # before any process starts
+        mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
+        if mixing and not classes.model_class.takes_soft_targets():
+            raise ConfigError(f"{{{mixing[0]}}} gives loss() class-probability targets, but {class_path(classes.model_class)} "
+                              "overrides loss() without soft_targets = True; make it take them (F.cross_entropy does) "
+                              f"and set soft_targets = True on the class, or drop {{{mixing[0]}}}", mixing[0])
+        if cfg.optimizer != "sgd" and classes.model_class.build_optimizer is not ResNetClassifier.build_optimizer:
+            raise ConfigError(f"{{optimizer}} has no effect: {class_path(classes.model_class)} overrides "
+                              "build_optimizer(); read self.hparams.optimizer there or drop {optimizer}")
+        if num_classes < 2 and mixing:
+            raise ConfigError(f"{{{mixing[0]}}} mixes labels of 2 or more classes (the data has {num_classes})",
+                              mixing[0])
         own_data = classes.datamodule is None
         has_val = (cfg.data != "synthetic" or cfg.synthetic_val_samples > 0) if own_data else has_loader(datamodule, "val")
         has_test = has_val if own_data else has_loader(datamodule, "test")
@@ -291,7 +358,18 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             if not has_test:
                 raise ConfigError("{test_only}: the data has no test set (--data synthetic with "
                                   "{synthetic_val_samples} 0, or a DataModule without test_dataloader)")
+            if cfg.model_ema and ema_state_dict(checkpoint) is None:
+                raise ConfigError(f"{{model_ema}}: {{resume}} {lit(resume)} holds no EMA weights (trained without "
+                                  "--model-ema); drop {model_ema} to evaluate its weights")
             return run_test_only(cfg, model, datamodule, resume, checkpoint, classes=classes)
+        if resume:
+            # The optimizer's state must fit this run's optimizer and parameter groups.
+            saved = dict(checkpoint.get("hyper_parameters") or {})
+            saved["optimizer"] = optimizer_of(saved)
+            check_compatible({"hyper_parameters": saved}, resume,
+                             {"optimizer": optimizer_of(vars(cfg)), "norm_weight_decay": cfg.norm_weight_decay,
+                              "bias_weight_decay": cfg.bias_weight_decay},
+                             defaults={"norm_weight_decay": 0.0, "bias_weight_decay": 0.0})
         callbacks = checkpoint_callbacks(cfg, has_val, classes.model_class)
         if cfg.model_ema:
             callbacks.append(ema_callback(cfg))

@@ -120,3 +120,17 @@ def test_library_error_names_the_keyword(capsys):
         parse_config(RunConfig, ["--devices", "0"], prog="prog")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == "prog: error: --devices must be >= 1 (got 0)"
+
+
+def test_plan_follows_a_changed_config_and_refuses_stray_keywords():
+    cfg = RunConfig(batch_size=4)
+    cfg.batch_size = 8  # a script that edits its config gets a plan that says so
+    assert cfg.per_device_batch_size == 8 and cfg.plan.batch.per_device == 8
+    flat = cfg.trainer_kwargs()  # 0.1's flat keywords still build the same trainer
+    assert flat["devices"] == 1 and flat["global_batch"] == 8
+    trainer = build_trainer(**{**flat, "max_epochs": 1}, logger=False, enable_checkpointing=False)
+    assert trainer.max_epochs == 1
+    with pytest.raises(ConfigError, match="plan already decides max_steps, precision"):
+        build_trainer(plan=cfg.plan, max_steps=3, precision="bf16-mixed")
+    with pytest.raises(ConfigError, match="already sets comm_hook"):
+        TunedDDPStrategy.from_options(DDPOptions(), comm_hook="fp16")

@@ -164,7 +164,7 @@ def test_print_config_round_trips(recipe, config_cls, argv, tmp_path, capsys):
 
 @pytest.mark.parametrize("text, message", [
     ("sead: 3\n", "--config {p}: unknown key 'sead'; did you mean seed?"),
-    ("seed: three\n", "--config {p}: seed must be a int (got 'three')"),
+    ("seed: three\n", "--config {p}: seed must be an integer (got 'three')"),
     ("- 1\n- 2\n", "--config {p} must hold a mapping of flag names to values (got a list)"),
     ("seed: [\n", "--config {p} is not valid YAML"),
     ("precision: fp8\n", "--precision must be one of 32-true, 16-mixed, bf16-mixed (got 'fp8')"),
@@ -220,3 +220,93 @@ def test_mnist_reads_a_config_file(tmp_path):
     path.write_text(f"data_dir: {SHARED_DATA}\nmax_steps: 2\nbatch_size: 32\ndownload: false\n")
     summary = mnist.main(["--config", str(path), "--output-dir", str(tmp_path / "out"), "--accelerator", "cpu"])
     assert summary["steps"] == 2 and summary["config"]["batch_size"] == 32
+
+
+def test_printed_config_keeps_what_was_asked_so_flags_still_move_it(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        resnet.main(["--data", "cifar10", "--print-config"])
+    printed = capsys.readouterr().out
+    assert "cifar_stem: null" in printed and "cosine: null" in printed
+    assert "# resolved by the recipe: cifar_stem=True, cosine=True" in printed
+    path = tmp_path / "c.yaml"
+    path.write_text(printed)
+    # The file leaves the schedule and the stem to the recipe, so a flag on top still decides them.
+    moved = parse_config(ResNetConfig, ["--config", str(path), "--lr-scheduler", "steplr", "--data", "synthetic",
+                                        "--image-size", "224"])
+    assert (moved.cosine, moved.cifar_stem) == (False, False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("seed: 1\nseed: 2\n", "is not valid YAML (line 1: key 'seed' given twice)"),
+    ("comm_hook: off\n", "comm_hook must be a string (got False: quote it"),
+    ("max_steps: null\n", "max_steps cannot be null"),
+])
+def test_yaml_traps_are_named(text, message, tmp_path, capsys):
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit):
+        parse_config(ResNetConfig, ["--config", str(path)], prog="p")
+    assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(ResNetConfig, ["--config", str(path), "--config", str(path)], prog="p")
+    assert "--config was given more than once" in capsys.readouterr().err
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(b"\x80\x81\xff")
+    with pytest.raises(SystemExit):
+        parse_config(ResNetConfig, ["--config", str(binary)], prog="p")
+    assert "is not a text file" in capsys.readouterr().err
+
+
+class HardLabelLoss(ResNetClassifier):
+    """A user's loss written for class indices."""
+
+    def loss(self, logits, target, stage):
+        return torch.nn.functional.nll_loss(logits.log_softmax(1), target)
+
+
+def test_mixing_needs_a_loss_that_takes_soft_targets(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        resnet.main([*TINY, "--output-dir", str(tmp_path), "--mixup-alpha", "0.2"], model_cls=HardLabelLoss)
+    err = capsys.readouterr().err
+    assert "--mixup-alpha gives loss() class-probability targets" in err and "soft_targets = True" in err
+    from examples.my_resnet import AdamWResNet  # the example's focal loss takes both kinds
+
+    assert AdamWResNet.takes_soft_targets() and ResNetClassifier.takes_soft_targets()
+    model = AdamWResNet(arch="resnet18", num_classes=10, cifar_stem=True, mixup_alpha=0.2, lr=1e-3)
+    loss = model.training_step((torch.randn(4, 3, 16, 16), torch.arange(4)), 0)
+    assert torch.isfinite(loss)
+
+
+def test_resume_refuses_another_optimizer_in_one_line(tmp_path, capsys):
+    flags = [*TINY, "--synthetic-val-samples", "0", "--output-dir", str(tmp_path)]
+    resnet.main([*flags, "--max-steps", "1"])
+    for extra, line in ((["--opt", "adamw"], "was trained with --optimizer sgd but this run has --optimizer adamw"),
+                        (["--norm-weight-decay", "0.01"], "was trained with --norm-weight-decay 0.0 but this run")):
+        with pytest.raises(SystemExit):
+            resnet.main([*flags, "--max-steps", "2", "--resume", "auto", *extra])
+        assert line in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --test-only --model-ema needs EMA weights in the checkpoint
+        resnet.main([*TINY, "--output-dir", str(tmp_path), "--test-only", "--resume", "auto", "--model-ema"])
+    assert "holds no EMA weights" in capsys.readouterr().err
+    summary = resnet.main([*flags, "--max-steps", "2", "--resume", "auto", "--nesterov"])  # same SGD state
+    assert summary["steps"] == 2
+
+
+def test_braces_in_a_path_are_not_parameters(tmp_path, capsys):
+    odd = tmp_path / "{run}" / "last.ckpt"
+    with pytest.raises(SystemExit):
+        resnet.main([*TINY, "--resume", str(odd)])
+    assert f"--resume {odd}: no such checkpoint file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--lr-scheduler", "cosineannealinglr", "--lr-step-size", "5"], "--lr-step-size has no effect without --lr-sch"),
+    (["--lr-scheduler", "steplr", "--lr-min", "0.001"], "--lr-min has no effect without --lr-scheduler cosine"),
+    (["--opt", "adamw", "--momentum", "0.5"], "--momentum has no effect without --optimizer sgd"),
+    (["--weight-decay", "nan"], "--weight-decay must be >= 0 (got nan)"),
+    (["--timeout-s", "inf"], "--timeout-s must be > 0 seconds and finite"),
+])
+def test_more_flags_without_effect(argv, line, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(ResNetConfig, argv, prog="p")
+    assert line in capsys.readouterr().err

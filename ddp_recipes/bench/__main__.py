@@ -26,7 +26,7 @@ from ddp_recipes.bench.report import markdown_report, summary_line, write_report
 from ddp_recipes.choices import ACCELERATORS, MNIST_ARCHS, check_choice
 from ddp_recipes.choices import PRECISIONS as RUN_PRECISIONS
 from ddp_recipes.config import fail, opt, writable_dir
-from ddp_recipes.errors import ConfigError
+from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.world import cuda_devices, resolve_accelerator
 
 PROG = "python -m ddp_recipes.bench"
@@ -77,9 +77,9 @@ class BenchConfig:
             try:
                 devices = sorted({int(part) for part in self.devices.split(",") if part.strip()})
             except ValueError:
-                raise ConfigError(f"{{devices}} must be a comma list of integers such as 1,2,4 (got {self.devices!r})") from None
+                raise ConfigError(f"{{devices}} must be a comma list of integers such as 1,2,4 (got {lit(repr(self.devices))})") from None
         if not devices or devices[0] < 1:
-            raise ConfigError(f"{{devices}} needs counts >= 1 (got {self.devices!r})")
+            raise ConfigError(f"{{devices}} needs counts >= 1 (got {lit(repr(self.devices))})")
         if accelerator == "cuda" and devices[-1] > gpus:
             raise ConfigError(f"{{devices}} {self.devices} but only {gpus} CUDA device(s) are visible; lower {{devices}}")
         if 1 not in devices:
@@ -110,7 +110,7 @@ class BenchConfig:
         if self.writeup and not self.data_dir:
             raise ConfigError("{writeup} needs {data_dir} (a folder holding MNIST/raw): the script reads real files")
         if self.data_dir and not (Path(self.data_dir) / "MNIST" / "raw").is_dir():
-            raise ConfigError(f"{{data_dir}} {self.data_dir} has no MNIST/raw folder; pass the folder that holds it")
+            raise ConfigError(f"{{data_dir}} {lit(self.data_dir)} has no MNIST/raw folder; pass the folder that holds it")
         threads = self.threads_per_rank or (max(1, usable_cpus() // devices[-1]) if accelerator == "cpu" else 0)
         if threads < 0:
             raise ConfigError(f"{{threads_per_rank}} must be >= 0 (got {threads})")

@@ -26,7 +26,7 @@ from ddp_recipes.data.augment import IMAGENET_MEAN as IMAGENET_MEAN  # public he
 from ddp_recipes.data.augment import IMAGENET_STD as IMAGENET_STD
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
-from ddp_recipes.errors import ConfigError, DataError, MissingDataError
+from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
 
 # Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied
 # 0.2023/0.1994/0.2010, which are a std of per-image means).
@@ -162,7 +162,7 @@ class CIFAR10DataModule(_ImageDataModule):
 
     def _not_found(self, reason: str) -> FileNotFoundError:
         return MissingDataError(
-            f"CIFAR-10 not found under {self.data_dir / datasets.CIFAR10.base_folder} ({reason}): pass "
+            f"CIFAR-10 not found under {self.data_dir / datasets.CIFAR10.base_folder} ({lit(reason)}): pass "
             "{data_dir} pointing at a folder holding cifar-10-batches-py, or run once with internet", "data_dir")
 
     @override
@@ -253,7 +253,7 @@ class ImageFolderDataModule(_ImageDataModule):
             try:
                 self._classes, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "train"))
             except FileNotFoundError as err:  # torchvision: train/ holds no class folder
-                raise MissingDataError(f"{{data_dir}} {self.data_dir}: {err}", "data_dir") from None
+                raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
         return self._classes
 
     def check_layout(self) -> None:
@@ -266,18 +266,18 @@ class ImageFolderDataModule(_ImageDataModule):
         else:
             state = f"only {have[0]}/" if have else "neither"
         raise MissingDataError(f"{{data}} imagefolder needs <dir>/train and <dir>/val class subfolders; "
-                               f"{{data_dir}} {self.data_dir} has {state}", "data_dir")
+                               f"{{data_dir}} {lit(self.data_dir)} has {state}", "data_dir")
 
     def _check_val_classes(self) -> None:
         train = self._train_classes()
         try:
             val, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "val"))
         except FileNotFoundError as err:
-            raise MissingDataError(f"{{data_dir}} {self.data_dir}: {err}", "data_dir") from None
+            raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
         if val != train:
             # ImageFolder numbers classes by sorted folder name per split: any difference mislabels val.
             missing, extra = sorted(set(train) - set(val)), sorted(set(val) - set(train))
-            raise DataError(f"{{data_dir}} {self.data_dir}: val/ class folders differ from train/ "
+            raise DataError(f"{{data_dir}} {lit(self.data_dir)}: val/ class folders differ from train/ "
                              f"(missing in val: {missing[:5]}, extra in val: {extra[:5]})")
 
     def train_transform(self) -> v2.Transform:
@@ -304,7 +304,7 @@ class ImageFolderDataModule(_ImageDataModule):
             self.train_set = datasets.ImageFolder(os.fspath(self.data_dir / "train"), transform=self.train_transform())
             self.val_set = datasets.ImageFolder(os.fspath(self.data_dir / "val"), transform=self.val_transform())
         except FileNotFoundError as err:  # torchvision: a class folder without a single image file
-            raise MissingDataError(f"{{data_dir}} {self.data_dir}: {err}", "data_dir") from None
+            raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
         self.test_set = self.val_set
 
 

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
-from ddp_recipes.errors import ConfigError, DataError, MissingDataError
+from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
 
 MEAN, STD = 0.1307, 0.3081  # over the 60k MNIST training images; the write-up's Normalize values
 _SPLITS = ("train", "t10k")
@@ -61,7 +61,7 @@ def check_mnist(data_dir: str | Path) -> dict[str, int]:
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         raise MissingDataError(
-            f"MNIST not found under {raw} (missing {', '.join(missing)}): pass {{data_dir}} pointing at a "
+            f"MNIST not found under {lit(raw)} (missing {', '.join(missing)}): pass {{data_dir}} pointing at a "
             "folder holding MNIST/raw/{train,t10k}-*-ubyte")
     counts = {}
     try:
@@ -73,10 +73,10 @@ def check_mnist(data_dir: str | Path) -> dict[str, int]:
                 raise DataError(f"{split}: {n} images of {rows}x{cols} vs {n_labels} labels")
             counts[split] = n
     except OSError as e:  # unreadable: permissions, a directory in a file's place, ...
-        raise DataError(f"MNIST under {raw} is unreadable ({e}): pass {{data_dir}} pointing at a readable "
+        raise DataError(f"MNIST under {lit(raw)} is unreadable ({lit(e)}): pass {{data_dir}} pointing at a readable "
                          "copy of MNIST/raw/{train,t10k}-*-ubyte") from e
     except ValueError as e:
-        raise DataError(f"MNIST under {raw} is corrupt ({e}): delete it or pass {{data_dir}} pointing at a "
+        raise DataError(f"MNIST under {lit(raw)} is corrupt ({lit(e)}): delete it or pass {{data_dir}} pointing at a "
                          "good copy of MNIST/raw/{train,t10k}-*-ubyte") from e
     return counts
 
@@ -88,7 +88,7 @@ def load_split(data_dir: str | Path, train: bool) -> tuple[torch.Tensor, torch.T
     images = ds.data.unsqueeze(1).float().div_(255).sub_(MEAN).div_(STD)
     labels = ds.targets.long()
     if labels.numel() and (labels.min() < 0 or labels.max() > 9):
-        raise DataError(f"MNIST under {_raw_dir(data_dir)} is corrupt (labels outside 0-9): pass {{data_dir}} "
+        raise DataError(f"MNIST under {lit(_raw_dir(data_dir))} is corrupt (labels outside 0-9): pass {{data_dir}} "
                          "pointing at a good copy of MNIST/raw/{train,t10k}-*-ubyte")
     return images, labels
 

@@ -5,7 +5,8 @@ and schedule, DDP-exact metrics, checkpoints, resume):
 
 ==========================  ==========================================================================
 ``build_model()``           the network (called once in ``__init__``; read ``self.hparams``)
-``loss(logits, y, stage)``  the loss of a batch; ``stage`` is ``"train"``, ``"val"`` or ``"test"``
+``loss(logits, y, stage)``  the loss of a batch; ``stage`` is ``"train"``, ``"val"`` or ``"test"``; with
+                            MixUp/CutMix ``y`` is class probabilities in training (set ``soft_targets = True``)
 ``param_groups()``          the optimizer's parameter groups (e.g. no weight decay on norms and biases)
 ``build_optimizer(groups)`` the optimizer; use ``self.hparams.lr``, which is already scaled for the
                             global batch (default: ``hparams.optimizer``, SGD unless set)
@@ -53,6 +54,15 @@ class ImageClassifier(TrainLossLogging):
 
     #: The logged metric ``best.ckpt`` keeps the maximum of (it must be one of ``build_metrics``' names).
     monitor: ClassVar[str] = "val_acc"
+    #: Whether :meth:`loss` takes class-probability targets ``[B, classes]`` (what MixUp/CutMix give). None:
+    #: yes for the default loss, no for an overridden one until the class says ``soft_targets = True``.
+    soft_targets: ClassVar[bool | None] = None
+
+    @classmethod
+    def takes_soft_targets(cls) -> bool:
+        if cls.soft_targets is not None:
+            return bool(cls.soft_targets)
+        return cls.loss is ImageClassifier.loss
 
     def build_model(self) -> nn.Module:
         """The network, from ``self.hparams``: the one method to override for another architecture."""

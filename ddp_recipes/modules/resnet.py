@@ -126,7 +126,8 @@ class ResNetClassifier(ImageClassifier):
         if hp.get("lr_scheduler"):
             check_reference_schedule(hp.lr_scheduler, hp.lr_step_size, hp.lr_gamma, hp.lr_min, hp.warmup_epochs,
                                      hp.lr_warmup_method, hp.lr_warmup_decay)
-        batch_mixer(hp.num_classes, hp.get("mixup_alpha", 0.0), hp.get("cutmix_alpha", 0.0))  # checks the alphas
+        if hp.get("mixup_alpha", 0.0) or hp.get("cutmix_alpha", 0.0):
+            batch_mixer(hp.num_classes, hp.get("mixup_alpha", 0.0), hp.get("cutmix_alpha", 0.0))  # checks them
 
     @override
     def build_metrics(self) -> dict[str, Metric]:
