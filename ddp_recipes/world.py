@@ -7,7 +7,6 @@ import os
 from collections.abc import Mapping
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ddp_recipes.choices import ACCELERATORS, PRECISIONS, check_choice
 from ddp_recipes.errors import ConfigError
@@ -81,6 +80,8 @@ def resolve_precision(precision: str, accelerator: str) -> str:
     """
     check_choice("precision", precision, PRECISIONS)
     if precision == "16-mixed" and accelerator == "cpu":
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # here: the doctor need not load Lightning
+
         rank_zero_info("--precision 16-mixed needs CUDA (fp16 AMP + GradScaler); using bf16-mixed on CPU instead.")
         return "bf16-mixed"
     if precision == "bf16-mixed" and accelerator == "cuda" and not torch.cuda.is_bf16_supported():
