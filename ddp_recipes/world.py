@@ -80,7 +80,8 @@ def resolve_precision(precision: str, accelerator: str) -> str:
     """
     check_choice("precision", precision, PRECISIONS)
     if precision == "16-mixed" and accelerator == "cpu":
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info  # here: the doctor need not load Lightning
+        # Imported here: the doctor and the bench resolve accelerators without loading Lightning.
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
         rank_zero_info("--precision 16-mixed needs CUDA (fp16 AMP + GradScaler); using bf16-mixed on CPU instead.")
         return "bf16-mixed"
