@@ -356,11 +356,11 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
                 raise ConfigError("{test_only} needs {resume} PATH (or auto with a checkpoint in {output_dir}): the "
                                   "checkpoint to evaluate")
             if not has_test:
-                raise ConfigError("{test_only}: the data has no test set (--data synthetic with "
+                raise ConfigError("{test_only}: the data has no test set ({data} synthetic with "
                                   "{synthetic_val_samples} 0, or a DataModule without test_dataloader)")
             if cfg.model_ema and ema_state_dict(checkpoint) is None:
                 raise ConfigError(f"{{model_ema}}: {{resume}} {lit(resume)} holds no EMA weights (trained without "
-                                  "--model-ema); drop {model_ema} to evaluate its weights")
+                                  "{model_ema}); drop {model_ema} to evaluate its weights")
             return run_test_only(cfg, model, datamodule, resume, checkpoint, classes=classes)
         if resume:
             # The optimizer's state must fit this run's optimizer and parameter groups.
