@@ -4,6 +4,7 @@
     python -m ddp_recipes.bench --devices 1,2,4 --recipe resnet --arch resnet50 --image-size 224
     python -m ddp_recipes.bench predict --step-ms 97 --params 25.6e6 --devices 8 --link nvlink2
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8
+    python -m ddp_recipes.bench peak --device-name "NVIDIA H200" --precision bf16-mixed   # MFU's denominator
 
 Every measured run is a fresh set of processes (``ddp_recipes.bench.workers``). Output in ``--out``:
 results.json, report.md (also printed), speedup.png, and a final one-line summary.
@@ -347,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "predict":
         return predict_main(argv[1:])
+    if argv and argv[0] == "peak":
+        from ddp_recipes.bench.peak import main as peak_main
+
+        return peak_main(argv[1:])
     if argv and argv[0] == "loader":
         from ddp_recipes.bench.loader import main as loader_main
 
