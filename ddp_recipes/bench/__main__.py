@@ -170,6 +170,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     results["config"]["thread_budget"] = (
         f"{settings['threads']} torch thread(s) per rank in every run (OMP_NUM_THREADS)" if settings["threads"]
         else "torch default threads")
+    results["config"]["cudnn_benchmark"] = (
+        "on in pack, raw and dp alike (pack: Trainer(benchmark=True); raw, dp: torch.backends.cudnn.benchmark)"
+        + (" - no effect on CPU" if settings["accelerator"] == "cpu" else ""))
+    results["config"]["synthetic_data"] = ("each rank holds its own share of the global set, "
+                                           + ("on its GPU (no host copy per step)" if settings["accelerator"] == "cuda"
+                                              else "in its memory"))
     if settings["accelerator"] == "cpu" and devices[-1] > 1:
         _progress(f"measuring the host's parallel ceiling with {devices[-1]} workers ...")
         results["ceiling"] = parallel_ceiling(devices[-1])
