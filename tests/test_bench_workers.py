@@ -77,3 +77,48 @@ def test_one_process_without_a_group_materializes_everything_lazily():
     assert data.tensors is None and data.nbytes() == 0
     x, _ = data[3]  # first fetch builds it: no process group -> rank 0 of 1
     assert data.world_size == 1 and len(data.tensors[0]) == 10 and x.shape == (2,)
+
+
+# ---- the loader bench's nvJPEG fallback (reached on CPU: torchvision's CPU decode_jpeg rejects the same
+# files nvJPEG does, a PNG named .JPEG among them) ----------------------------------------------------------
+
+
+def _image_files(tmp_path):
+    from PIL import Image
+    from torchvision.io import read_file
+
+    Image.new("RGB", (12, 10), (200, 30, 30)).save(tmp_path / "real.JPEG", format="JPEG")
+    Image.new("RGB", (12, 10), (30, 200, 30)).save(tmp_path / "png_in_disguise.JPEG", format="PNG")
+    Image.new("CMYK", (12, 10), (0, 200, 200, 0)).save(tmp_path / "cmyk.JPEG", format="JPEG")
+    return [read_file(str(tmp_path / name)) for name in ("real.JPEG", "png_in_disguise.JPEG", "cmyk.JPEG")]
+
+
+def test_a_png_named_jpeg_falls_back_to_the_cpu_decoder(tmp_path):
+    from torchvision.io import decode_jpeg
+
+    from ddp_recipes.bench.loader import decode_one
+
+    jpeg, png, _ = _image_files(tmp_path)
+    image, fell_back = decode_one(jpeg, "cpu", decode_jpeg)
+    assert not fell_back and image.shape == (3, 10, 12)
+    image, fell_back = decode_one(png, "cpu", decode_jpeg)  # decode_jpeg raises "Not a JPEG file"
+    assert fell_back and image.shape == (3, 10, 12) and image[1].float().mean() > 150  # the green PNG
+
+
+def test_gpu_decoder_keeps_the_batch_when_one_file_is_rejected(tmp_path):
+    from torchvision.io import decode_jpeg
+
+    from ddp_recipes.bench.loader import GpuDecoder
+
+    files = _image_files(tmp_path)
+    calls: list[int] = []
+
+    def nvjpeg(data, device, mode):  # the real decoder, counting calls; it rejects the PNG
+        calls.append(len(data) if isinstance(data, list) else 1)
+        return decode_jpeg(data, device=device, mode=mode)
+
+    decoder = GpuDecoder(lambda img: img.float().mean(dim=(1, 2)), device="cpu", jpeg_decoder=nvjpeg)
+    batch = decoder(files)
+    assert batch.shape == (3, 3) and decoder.fallbacks == 1  # CMYK decodes to RGB; only the PNG fell back
+    assert calls[0] == 3  # the batched call first, then one file at a time
+    assert decoder(files[:1]).shape == (1, 3) and decoder.fallbacks == 1
