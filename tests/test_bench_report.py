@@ -134,9 +134,9 @@ def test_prediction_groups_merge_links_that_predict_the_same_curve():
 
 
 def test_plot_draws_efficiency_with_one_line_per_distinct_prediction(tmp_path):
-    from ddp_recipes.bench.report import plot_speedup, prediction_groups, speedup_figure
-
     import matplotlib.pyplot as plt
+
+    from ddp_recipes.bench.report import plot_speedup, prediction_groups, speedup_figure
 
     results = _full_results()
     fig = speedup_figure(results)
