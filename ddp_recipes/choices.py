@@ -69,3 +69,7 @@ def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
         if get_origin(arg) is Literal:
             return get_args(arg)
     return None
+
+# Compute dtypes a peak FLOP/s figure is for (ddp_recipes.peaks; `bench peak --precision` also takes these).
+PeakDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+PEAK_DTYPES: tuple[str, ...] = get_args(PeakDtype)

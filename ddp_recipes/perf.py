@@ -96,13 +96,12 @@ def training_flops_per_sample(build_model: Callable[[], L.LightningModule], exam
 
 
 def peak_flops(device: torch.device, precision: str) -> int | None:
-    """The device's peak FLOP/s at the run's compute dtype (TF32 counted for 32-true when it is on); None
-    when Lightning's table does not know the device (every CPU)."""
-    if device.type != "cuda":
-        return None
-    from lightning.fabric.utilities.throughput import get_available_flops
+    """The device's dense peak FLOP/s at the run's compute dtype (TF32 counted for 32-true when it is on),
+    from the pack's table (:mod:`ddp_recipes.peaks`), else Lightning's; None when neither knows the device
+    (and on every CPU)."""
+    from ddp_recipes.peaks import device_peak
 
-    return get_available_flops(device, COMPUTE_DTYPES.get(str(precision), torch.float32))
+    return device_peak(device, precision)
 
 
 def flops_summary(flops_per_sample: int | None, samples_per_sec: float | None, world_size: int,

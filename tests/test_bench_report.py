@@ -104,3 +104,59 @@ def test_host_facts_keys():
     facts = host_facts()
     assert {"cpu_count", "usable_cpus", "torch", "lightning", "cuda_devices", "torch_threads"} <= set(facts)
     assert facts["usable_cpus"] >= 1
+
+
+def _full_results() -> dict:
+    from ddp_recipes.bench.commodel import LINKS
+
+    results = _results()
+    results["prediction"]["rows"] = predict_table(97.0, 25.6e6, list(LINKS))  # ResNet-50-sized, all 11 links
+    return results
+
+
+def test_prediction_groups_merge_links_that_predict_the_same_curve():
+    from ddp_recipes.bench.commodel import LINKS
+    from ddp_recipes.bench.report import prediction_groups
+
+    rows = _full_results()["prediction"]["rows"]
+    groups = prediction_groups(rows)
+    assert sorted(link for g in groups for link in g["links"]) == sorted(LINKS)  # every link, once
+    assert 1 < len(groups) < len(LINKS)
+    nvlinks = next(g for g in groups if "nvlink4" in g["links"])
+    assert {"nvlink3", "nvlink2"} <= set(nvlinks["links"])  # ~97% at every N: one line
+    eth10 = next(g for g in groups if "eth10" in g["links"])
+    assert eth10["links"] == ["eth10"]  # 42% at N=16: a curve of its own
+    for g in groups:  # members really are within the tolerance of the drawn curve
+        for link in g["links"]:
+            own = {r["devices"]: r["efficiency"] for r in rows if r["link"] == link}
+            assert all(abs(own[n] - e) <= 0.005 for n, e in g["points"] if n > 1)
+    assert prediction_groups(rows, tolerance=0.0) and len(prediction_groups(rows, tolerance=0.0)) == len(LINKS)
+
+
+def test_plot_draws_efficiency_with_one_line_per_distinct_prediction(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from ddp_recipes.bench.report import plot_speedup, prediction_groups, speedup_figure
+
+    results = _full_results()
+    fig = speedup_figure(results)
+    try:
+        ax = fig.axes[0]
+        labels = [line.get_label() for line in ax.get_lines()]
+        predicted = [lb for lb in labels if lb.startswith("predicted")]
+        assert "efficiency" in ax.get_ylabel()
+        assert len(predicted) == len(set(predicted)) < 11  # one line per distinct curve, not per link
+        curves = [tuple(line.get_ydata()) for line in ax.get_lines() if line.get_label().startswith("predicted")]
+        assert len(set(curves)) == len(curves)
+        assert {"measured pack", "measured raw", "ideal (100%)"} <= set(labels)
+        ceiling = [lb for lb in labels if lb.startswith("host parallel ceiling")]
+        assert ceiling == ["host parallel ceiling: 2 workers reach 0.90x"]
+        pack = next(line for line in ax.get_lines() if line.get_label() == "measured pack")
+        assert list(pack.get_ydata()) == pytest.approx([100.0, 90.0])  # 180/100 = 1.8x on 2 = 90%
+        assert any(t.get_text() == "1.80x" for t in ax.texts)  # the speedup beside its point
+        axis_tol = max(0.005, 0.015 * (1.02 - ax.get_ylim()[0] / 100))
+        assert len(predicted) == len(prediction_groups(results["prediction"]["rows"], tolerance=axis_tol))
+    finally:
+        plt.close(fig)
+    png = plot_speedup(results, tmp_path / "speedup.png").read_bytes()
+    assert png.startswith(b"\x89PNG")

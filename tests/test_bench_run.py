@@ -42,6 +42,12 @@ def test_tiny_end_to_end_writes_all_outputs(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("bench: pack_speedup@2=")
     assert "[4/4] round 1: raw" in proc.stderr  # progress display
     assert [d["devices"] for d in results["diagnostics_overhead"]] == [1, 2]
+    for impl in ("pack", "raw"):  # each rank built only its share of the synthetic set, and said so
+        for n in (1, 2):
+            run = json.loads((out / "runs" / f"{impl}-{n}-round1.json").read_text())
+            assert run["synthetic_samples_per_rank"] * n == run["synthetic_samples_global"] == (1 + 2 + 1) * 32 * n
+            assert run["cudnn_benchmark"] is True and run["synthetic_data_on"] == "cpu"
+    assert results["config"]["cudnn_benchmark"].startswith("on in pack, raw and dp alike")
     assert all(d["ms_per_step"] >= 0 for d in results["diagnostics_overhead"])
 
 

@@ -4,6 +4,7 @@
     python -m ddp_recipes.bench --devices 1,2,4 --recipe resnet --arch resnet50 --image-size 224
     python -m ddp_recipes.bench predict --step-ms 97 --params 25.6e6 --devices 8 --link nvlink2
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8
+    python -m ddp_recipes.bench peak --device-name "NVIDIA H200" --precision bf16-mixed   # MFU's denominator
 
 Every measured run is a fresh set of processes (``ddp_recipes.bench.workers``). Output in ``--out``:
 results.json, report.md (also printed), speedup.png, and a final one-line summary.
@@ -169,6 +170,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     results["config"]["thread_budget"] = (
         f"{settings['threads']} torch thread(s) per rank in every run (OMP_NUM_THREADS)" if settings["threads"]
         else "torch default threads")
+    results["config"]["cudnn_benchmark"] = (
+        "on in pack, raw and dp alike (pack: Trainer(benchmark=True); raw, dp: torch.backends.cudnn.benchmark)"
+        + (" - no effect on CPU" if settings["accelerator"] == "cpu" else ""))
+    results["config"]["synthetic_data"] = ("each rank holds its own share of the global set, "
+                                           + ("on its GPU (no host copy per step)" if settings["accelerator"] == "cuda"
+                                              else "in its memory"))
     if settings["accelerator"] == "cpu" and devices[-1] > 1:
         _progress(f"measuring the host's parallel ceiling with {devices[-1]} workers ...")
         results["ceiling"] = parallel_ceiling(devices[-1])
@@ -347,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "predict":
         return predict_main(argv[1:])
+    if argv and argv[0] == "peak":
+        from ddp_recipes.bench.peak import main as peak_main
+
+        return peak_main(argv[1:])
     if argv and argv[0] == "loader":
         from ddp_recipes.bench.loader import main as loader_main
 

@@ -9,7 +9,9 @@ normalize; batches collated) on real image files, per DataLoader worker count an
 * ``pil``: PIL decodes (the recipe's ``ImageFolderDataModule``, torchvision's default loader);
 * ``tensor``: ``torchvision.io.decode_image`` on the file's bytes, the same transforms on uint8 tensors;
 * ``--gpu-decode`` (CUDA only): workers read bytes, the main process decodes the batch on the GPU with
-  ``torchvision.io.decode_jpeg(..., device="cuda", mode=RGB)`` and transforms it there (JPEG files only).
+  ``torchvision.io.decode_jpeg(..., device="cuda", mode=RGB)`` and transforms it there (files named
+  .jpg/.jpeg). A file nvJPEG rejects (ImageNet holds PNG and CMYK files named ``.JPEG``) is decoded on the
+  CPU instead and moved to the GPU; the row counts these ``cpu_fallbacks``.
 
 Each (path, workers) cell is measured ``--repeats`` times, interleaved; the report gives the median and
 range, images/s per worker, and with ``--target-images-per-s`` (e.g. one GPU's training rate x GPUs per
@@ -27,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +90,61 @@ def build_loader(root: Path, decode: str, workers: int, batch_size: int, image_s
                       persistent_workers=False, drop_last=True, generator=torch.Generator().manual_seed(0))
 
 
-def measure(loader: DataLoader, batches: int, gpu_transform: Any = None) -> tuple[float, float]:
+def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: Callable[..., Any]) -> tuple[torch.Tensor, bool]:
+    """One file's bytes as an RGB uint8 image on ``device``, and whether it needed the CPU fallback:
+    ``jpeg_decoder`` (nvJPEG) first; a file it rejects is decoded by ``decode_image`` on the CPU."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        return jpeg_decoder(data, device=device, mode=ImageReadMode.RGB), False
+    except (RuntimeError, ValueError):  # torchvision's "Not a JPEG file", nvJPEG's unsupported layouts
+        return decode_image(data, mode=ImageReadMode.RGB).to(device), True
+
+
+class GpuDecoder:
+    """Decodes a batch of file bytes on the GPU and applies the training transform there.
+
+    The whole batch goes to nvJPEG in one call; when that call rejects a file, the batch is decoded file
+    by file (:func:`decode_one`) so one PNG named ``.JPEG`` costs one CPU decode, not the sweep.
+    ``fallbacks`` counts the files decoded on the CPU.
+    """
+
+    def __init__(self, transform: Any, device: str | torch.device = "cuda",
+                 jpeg_decoder: Callable[..., Any] | None = None) -> None:
+        from torchvision.io import decode_jpeg
+
+        self.transform, self.device = transform, device
+        self.jpeg_decoder = jpeg_decoder or decode_jpeg
+        self.fallbacks = 0
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor]:
+        from torchvision.io import ImageReadMode
+
+        try:
+            # RGB: ImageNet holds grayscale and CMYK JPEGs, which would otherwise decode to 1 or 4 channels.
+            return list(self.jpeg_decoder(datas, device=self.device, mode=ImageReadMode.RGB))
+        except (RuntimeError, ValueError):
+            images = []
+            for data in datas:
+                image, fell_back = decode_one(data, self.device, self.jpeg_decoder)
+                images.append(image)
+                self.fallbacks += fell_back
+            return images
+
+    def __call__(self, datas: list[torch.Tensor]) -> torch.Tensor:
+        batch = torch.stack([self.transform(img) for img in self.decode(datas)])
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()
+        return batch
+
+
+def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = None) -> tuple[float, float]:
     """(images/s over ``batches`` batches in steady state, seconds to the first batch). The second is what
     starting the workers costs, at every epoch unless ``persistent_workers`` keeps them.
 
     When the first batch arrives, the workers already have up to ``prefetch_factor`` batches each in
     flight; the clock starts only after those, so the rate is what the pipeline sustains, not a head start.
     """
-    from torchvision.io import ImageReadMode, decode_jpeg
-
     in_flight = (loader.prefetch_factor or 0) * loader.num_workers if loader.num_workers else 0
     began = time.perf_counter()
     it = iter(loader)
@@ -105,11 +154,8 @@ def measure(loader: DataLoader, batches: int, gpu_transform: Any = None) -> tupl
             x, _ = next(it)
         except StopIteration:
             break
-        if gpu_transform is not None:
-            # RGB: ImageNet holds grayscale and CMYK JPEGs, which would otherwise decode to 1 or 4 channels.
-            decoded = decode_jpeg(x, device="cuda", mode=ImageReadMode.RGB)
-            x = torch.stack([gpu_transform(img) for img in decoded])
-            torch.cuda.synchronize()
+        if gpu_decoder is not None:
+            x = gpu_decoder(x)
         if i == 0:
             first = time.perf_counter()
         if i == in_flight:
@@ -126,13 +172,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decoders = [d for d in args.decode.split(",") if d] + (["gpu"] if args.gpu_decode else [])
     cells = [(d, w) for d in decoders for w in args.workers]
     measured: dict[tuple[str, int], list[tuple[float, float]]] = {cell: [] for cell in cells}
-    gpu_transform = train_transform(args.image_size) if args.gpu_decode else None
+    # One decoder per cell: each counts the files of its own cell that fell back to the CPU.
+    gpu_decoders = {cell: GpuDecoder(train_transform(args.image_size)) for cell in cells if cell[0] == "gpu"}
     for round_no in range(args.repeats):
         for decode, workers in (cells if round_no % 2 == 0 else cells[::-1]):
             print(f"round {round_no + 1}: {decode:<6} {workers} worker(s) ...", file=sys.stderr, flush=True)
             loader = build_loader(root, decode, workers, args.batch_size, args.image_size)
             measured[(decode, workers)].append(
-                measure(loader, args.batches, gpu_transform if decode == "gpu" else None))
+                measure(loader, args.batches, gpu_decoders.get((decode, workers))))
     rows = []
     for (decode, workers), results in measured.items():
         rates = [rate for rate, _ in results]
@@ -141,6 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "range": [round(min(rates), 1), round(max(rates), 1)], "repeats": len(rates),
                "images_per_s_per_worker": round(median / max(1, workers), 1),
                "first_batch_s": round(statistics.median(first for _, first in results), 3)}
+        if (decode, workers) in gpu_decoders:
+            row["cpu_fallbacks"] = gpu_decoders[(decode, workers)].fallbacks  # over the cell's rounds
         if args.target_images_per_s:
             per_worker = median / max(1, workers) if workers else median
             row["workers_for_target"] = math.ceil(args.target_images_per_s / per_worker) if per_worker else None
@@ -162,6 +211,10 @@ def format_rows(result: dict[str, Any]) -> str:
         lines.append(f"| {r['decode']} | {r['workers']} | {r['images_per_s']} | {r['range'][0]}-{r['range'][1]} | "
                      f"{r['images_per_s_per_worker']} | {r['first_batch_s']} |"
                      + (f" {r.get('workers_for_target')} |" if target else ""))
+    fallbacks = {r["workers"]: r["cpu_fallbacks"] for r in result["rows"] if r.get("cpu_fallbacks")}
+    if fallbacks:
+        lines += ["", "GPU decode: files nvJPEG rejected were decoded on the CPU instead (counted over the "
+                      "cell's rounds): " + ", ".join(f"{w} worker(s): {n}" for w, n in fallbacks.items())]
     return "\n".join(lines)
 
 

@@ -229,46 +229,96 @@ def summary_line(results: dict[str, Any]) -> str:
     return "bench: " + " ".join(fields)
 
 
-def plot_speedup(results: dict[str, Any], path: str | Path) -> Path:
-    """Speedup vs devices: measured per impl, ideal, and the predicted ring curve per link."""
+def prediction_groups(rows: list[dict[str, Any]], tolerance: float = 0.005) -> list[dict[str, Any]]:
+    """The predicted efficiency curves, one per group of links whose curves would overlap on the plot.
+
+    ``rows`` are :func:`~ddp_recipes.bench.commodel.predict_table` rows. Links are taken fastest first; a
+    link joins the first group whose curve is within ``tolerance`` (efficiency, 0.005 = half a point) of its
+    own at every N, else starts a group. Each group: ``links`` (names), ``points`` [(N, efficiency)] of its
+    first (fastest) link, N = 1 at 1.0 included. Sorted by efficiency at the largest N, best first.
+    """
+    bandwidth = {r["link"]: r.get("bandwidth_GBps", 0) for r in rows}
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        curves.setdefault(r["link"], []).append((r["devices"], r["efficiency"]))
+    groups: list[dict[str, Any]] = []
+    for link in sorted(curves, key=lambda name: -bandwidth[name]):
+        points = sorted(curves[link])
+        if points[0][0] != 1:
+            points.insert(0, (1, 1.0))
+        for group in groups:
+            if dict(group["points"]).keys() == dict(points).keys() and all(
+                    abs(a - b) <= tolerance for (_, a), (_, b) in zip(group["points"], points, strict=True)):
+                group["links"].append(link)
+                break
+        else:
+            groups.append({"links": [link], "points": points})
+    return sorted(groups, key=lambda g: -g["points"][-1][1])
+
+
+def speedup_figure(results: dict[str, Any]):
+    """The scaling plot as a matplotlib Figure (the caller closes it): efficiency (speedup / N) per N on
+    a percent axis, measured per impl with each point's speedup written beside it, ideal (100%), the host's
+    parallel ceiling on CPU, and the model's prediction once per group of links predicting the same curve."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless; also inside a rank or a test
     import matplotlib.pyplot as plt
 
     runs = compute_speedups(results.get("runs") or [])
+    rows = (results.get("prediction") or {}).get("rows") or []
+    measured = {impl: sorted((r["devices"], r["efficiency"], r["speedup"]) for r in runs
+                             if r["impl"] == impl and r.get("efficiency") is not None)
+                for impl in dict.fromkeys(r["impl"] for r in runs)}
+    xs = sorted(set(PLOT_DEVICES) | {r["devices"] for r in runs})
+    ceiling = results.get("ceiling")
+    values = [e for pts in measured.values() for _, e, _ in pts] + [r["efficiency"] for r in rows] + [1.0]
+    if ceiling:
+        values.append(ceiling["ceiling"] / ceiling["workers"])
+    low = max(0.0, min(values) - 0.05)
+    # Curves closer than ~1.5% of the axis would be drawn on top of each other: draw them as one line.
+    groups = prediction_groups(rows, tolerance=max(0.005, 0.015 * (1.02 - low)))
     fig, ax = plt.subplots(figsize=(9, 5.5))
+    ax.plot(xs, [100.0] * len(xs), color="black", linestyle=":", label="ideal (100%)")
+    cmap = plt.get_cmap("viridis")
+    for i, group in enumerate(groups):
+        n, e = zip(*group["points"], strict=True)
+        ax.plot(n, [100 * v for v in e], color=cmap(i / max(1, len(groups) - 1) * 0.9), linestyle="--",
+                linewidth=1.2, label="predicted: " + ", ".join(group["links"]))
+    if ceiling:
+        eff = ceiling["ceiling"] / ceiling["workers"]
+        ax.plot([ceiling["workers"]], [100 * eff], linestyle="none", marker="_", markersize=28,
+                markeredgewidth=3, color="dimgray",
+                label=f"host parallel ceiling: {ceiling['workers']} workers reach {ceiling['ceiling']:.2f}x")
+    styles = zip(("crimson", "darkorange", "magenta", "saddlebrown", "gray"), "osD^v", strict=True)
+    for (impl, pts), (color, marker) in zip(measured.items(), styles, strict=False):
+        if not pts:
+            continue
+        n, e, speedup = zip(*pts, strict=True)
+        ax.plot(n, [100 * v for v in e], color=color, marker=marker, linewidth=2.5, markersize=8,
+                label=f"measured {impl}")
+        for x, y, sp in zip(n, e, speedup, strict=True):
+            if x > 1:
+                ax.annotate(f"{sp:.2f}x", (x, 100 * y), textcoords="offset points", xytext=(6, -12),
+                            fontsize=8, color=color)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_ylim(100 * low, 102)
+    ax.set_xlabel("devices N (per-device batch fixed)")
+    ax.set_ylabel("scaling efficiency = speedup / N (%)")
+    ax.set_title("DDP scaling efficiency (measured speedup beside each point)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup(results: dict[str, Any], path: str | Path) -> Path:
+    """Write :func:`speedup_figure` to ``path`` (PNG)."""
+    fig = speedup_figure(results)  # sets the headless backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     try:
-        xs = list(PLOT_DEVICES) + sorted({r["devices"] for r in runs} - set(PLOT_DEVICES))
-        ax.plot(sorted(xs), sorted(xs), color="black", linestyle=":", label="ideal")
-        rows = (results.get("prediction") or {}).get("rows") or []
-        links = list(dict.fromkeys(r["link"] for r in rows))
-        # Predictions: thin, coloured by link bandwidth rank; measured: thick, in colours outside that map.
-        cmap = plt.get_cmap("viridis")
-        bandwidth = {r["link"]: r.get("bandwidth_GBps", 0) for r in rows}
-        links.sort(key=lambda name: bandwidth[name])
-        for i, link in enumerate(links):
-            pts = sorted((r["devices"], r["speedup"]) for r in rows if r["link"] == link)
-            if pts and pts[0][0] != 1:
-                pts.insert(0, (1, 1.0))
-            ax.plot(*zip(*pts, strict=True), color=cmap(i / max(1, len(links) - 1)), linestyle="--",
-                    linewidth=1, alpha=0.8, label=f"predicted {link}")
-        styles = zip(("crimson", "darkorange", "magenta", "saddlebrown", "gray"), "osD^v", strict=True)
-        for impl, (color, marker) in zip(dict.fromkeys(r["impl"] for r in runs), styles, strict=False):
-            pts = sorted((r["devices"], r["speedup"]) for r in runs if r["impl"] == impl and r["speedup"] is not None)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), color=color, marker=marker, linewidth=2.5, markersize=8,
-                        label=f"measured {impl}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xticks(sorted(xs), [str(x) for x in sorted(xs)])
-        ax.set_yticks(sorted(xs), [str(x) for x in sorted(xs)])
-        ax.set_xlabel("devices (per-device batch fixed)")
-        ax.set_ylabel("speedup vs 1 device")
-        ax.set_title("DDP speedup: measured, ideal, predicted per link")
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
-        fig.tight_layout()
         path = Path(path)
         fig.savefig(path, dpi=110)
     finally:

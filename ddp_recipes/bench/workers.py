@@ -37,6 +37,7 @@ from ddp_recipes.bench.measure import (
     timed_diagnostics,
     wait_fraction,
 )
+from ddp_recipes.bench.synthetic import RankShard
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
 from ddp_recipes.perf import configure_tf32
 
@@ -79,17 +80,25 @@ def build_module(w: Workload):
                             channels_last=bool(w.channels_last))
 
 
-def build_dataset(w: Workload) -> TensorDataset:
-    """Fixed-seed synthetic tensors, enough for every rank to run all steps inside one epoch; with
+def build_dataset(w: Workload) -> TensorDataset | RankShard:
+    """Fixed-seed synthetic samples, enough for every rank to run all steps inside one epoch, of which each
+    rank holds only its own share, on its device (:class:`~ddp_recipes.bench.synthetic.RankShard`); with
     ``data_dir`` (mnist) the real images, normalised in memory exactly as the recipe's DataModule does."""
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import load_split
 
         return TensorBatchDataset(*load_split(w.data_dir, train=True))
     shape = (1, 28, 28) if w.recipe == "mnist" else (3, w.image_size, w.image_size)
-    n = (w.total_steps + 1) * w.batch_size * w.devices
-    g = torch.Generator().manual_seed(w.seed)
-    return TensorBatchDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+    return RankShard((w.total_steps + 1) * w.batch_size * w.devices, shape, w.seed, device=w.accelerator)
+
+
+def data_facts(data: object) -> dict[str, Any]:
+    """What a run's JSON says about its synthetic data: samples and MB on this rank, and where they live."""
+    if not isinstance(data, RankShard) or data.tensors is None:
+        return {}
+    return {"synthetic_samples_global": len(data), "synthetic_samples_per_rank": len(data.tensors[0]),
+            "synthetic_mb_per_rank": round(data.nbytes() / 2**20, 1),
+            "synthetic_data_on": str(data.tensors[0].device)}
 
 
 def _write(path: str, payload: dict) -> None:
@@ -123,12 +132,14 @@ def run_pack(w: Workload, out: str) -> None:
     diagnostics = timed_diagnostics() if w.diagnostics else None
     trainer = build_trainer(devices=w.devices, accelerator=w.accelerator, precision=w.precision, seed=w.seed,
                             diagnostics=bool(w.diagnostics),
+                            benchmark=True,  # cudnn.benchmark on, as the raw and dp loops set it
                             max_steps=w.total_steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             callbacks=[timer, *([diagnostics] if diagnostics else [])])
     module = build_module(w)
     if w.compile:
         module = torch.compile(module)  # what --compile does: Lightning compiles forward inside DDP's forward
+    data = None
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import MNISTDataModule
 
@@ -136,8 +147,8 @@ def run_pack(w: Workload, out: str) -> None:
         trainer.fit(module, datamodule=MNISTDataModule(w.data_dir, batch_size=w.batch_size, seed=w.seed,
                                                        download=False))
     else:
-        trainer.fit(module, DataLoader(build_dataset(w), batch_size=w.batch_size, shuffle=True,
-                                       collate_fn=keep_batch))
+        data = build_dataset(w)
+        trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch))
     device = trainer.strategy.root_device
     peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mb(device), device=device))
     if trainer.is_global_zero:
@@ -149,22 +160,50 @@ def run_pack(w: Workload, out: str) -> None:
                      "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": [round(float(p), 1) for p in peaks.reshape(-1)],
                      "diagnostics_s": diagnostics.seconds if diagnostics else None,
-                     "steps_run": len(timer.ends),
+                     "steps_run": len(timer.ends), "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                     **data_facts(data),
                      **step_stats(timer.ends, w.warmup_steps, w.batch_size * w.devices)})
 
 
 # ---- raw: the write-up's loop, and DataParallel ---------------------------------------------------------
 
 
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of Lightning's precision plugin for ``precision`` (None: no autocast): fp16 for
+    16-mixed on CUDA, bf16 for bf16-mixed (and for 16-mixed on CPU, which the pack switches to bf16-mixed)."""
+    if precision == "16-mixed" and device.type == "cuda":
+        return torch.float16
+    if precision in ("16-mixed", "bf16-mixed"):
+        return torch.bfloat16
+    return None
+
+
 def mixed_precision(precision: str, device: torch.device) -> tuple[Any, Any]:
     """The autocast context and GradScaler (or None) of Lightning's precision plugin for ``precision``, so
-    the baselines run the arithmetic the pack runs: fp16 autocast + GradScaler for 16-mixed on CUDA, bf16
-    autocast for bf16-mixed (and for 16-mixed on CPU, which the pack switches to bf16-mixed)."""
-    if precision == "16-mixed" and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler("cuda")
-    if precision in ("16-mixed", "bf16-mixed"):
-        return torch.autocast(device.type, dtype=torch.bfloat16), None
-    return contextlib.nullcontext(), None
+    the baselines run the arithmetic the pack runs (fp16 autocast comes with a GradScaler)."""
+    dtype = autocast_dtype(precision, device)
+    if dtype is None:
+        return contextlib.nullcontext(), None
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 and device.type == "cuda" else None
+    return torch.autocast(device.type, dtype=dtype), scaler
+
+
+class AutocastForward(nn.Module):
+    """Runs ``module``'s forward under autocast with a fixed dtype, entered *inside* the forward.
+
+    autocast's enabled flag and dtype are per thread. ``nn.DataParallel`` runs each replica's forward in a
+    thread of its own, which sees none of the caller's ``with torch.autocast(...)``; a replica that enters
+    autocast without a dtype gets the device default (fp16 on CUDA), so a bf16 run would silently train in
+    fp16. Wrapped like this, every replica's thread enters the run's dtype itself.
+    """
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: Any) -> None:
@@ -185,6 +224,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     if cuda:
         torch.cuda.set_device(device)
         configure_tf32(True, "cuda")  # the pack's default (build_trainer): the same arithmetic on both sides
+    torch.backends.cudnn.benchmark = True  # as the pack's Trainer(benchmark=True): the same conv algorithms
     distributed = w.devices > 1
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=w.devices)
@@ -224,6 +264,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
                      "workload": asdict(w), "params": numel, "first_step_s": ends[0] - start if ends else None,
                      "grad_bytes": numel * 4, "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": peaks, "allreduce": allreduce,
+                     "cudnn_benchmark": torch.backends.cudnn.benchmark, **data_facts(data),
                      **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
     if distributed:
         dist.destroy_process_group()
@@ -290,7 +331,12 @@ def run_dp(w: Workload, out: str) -> None:
     torch.manual_seed(w.seed)
     device = torch.device("cuda", 0)
     configure_tf32(True, "cuda")
-    model = nn.DataParallel(build_module(w).model.to(device), device_ids=list(range(w.devices)))
+    torch.backends.cudnn.benchmark = True  # as the pack and the raw loop
+    net: nn.Module = build_module(w).model.to(device)
+    dtype = autocast_dtype(w.precision, device)
+    if dtype is not None:
+        net = AutocastForward(net, device.type, dtype)  # each replica's thread enters the run's dtype
+    model = nn.DataParallel(net, device_ids=list(range(w.devices)))
     data = build_dataset(w)
     loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True, collate_fn=keep_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -299,13 +345,15 @@ def run_dp(w: Workload, out: str) -> None:
     for step, (x, y) in enumerate(loader):
         if step >= w.total_steps:
             break
-        with autocast:
+        with autocast:  # this thread's autocast covers the loss; the replicas enter their own
             loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         optimizer.zero_grad(set_to_none=True)
         backward_and_step(loss, optimizer, scaler)
         ends.append(sync_point(device))
     peaks = [round(torch.cuda.max_memory_allocated(i) / 2**20, 1) for i in range(w.devices)]
     _write(out, {"impl": "dp", "devices": w.devices, "workload": asdict(w), "peak_mem_mb_per_rank": peaks,
+                 "autocast_dtype": str(dtype).removeprefix("torch.") if dtype else None,
+                 "cudnn_benchmark": torch.backends.cudnn.benchmark, **data_facts(data),
                  **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
 
 
