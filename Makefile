@@ -24,7 +24,7 @@ test-slow:  ## the slow CPU tests (accuracy targets, longer runs)
 test-gpu:  ## the GPU tier: 1-GPU tests, and 2+-GPU (NCCL) tests that skip below 2 GPUs; skips cleanly on CPU
 	$(BIN)/python -m pytest -q -m gpu
 
-gpu-check:  ## one GPU: ResNet-50 224 px bf16 channels-last, pack vs raw, eager and compiled, MFU -> bench-results/gpu.json
+gpu-check:  ## the GPU slot's one script (<= 8 min): gpu tier, CUDA kill+resume, sync debug, ResNet-50 pack vs raw, 2+ GPUs: bench -> bench-results/gpu-report.{json,md}; exit 1 on any failed check
 	$(BIN)/python -m ddp_recipes.bench.gpucheck
 
 bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writes bench-results/)
