@@ -66,6 +66,7 @@ from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported the
 from ddp_recipes.preemption import die_with_launcher, tag_children_with_launcher
 from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.syncbn import SyncBatchNormPlugin
+from ddp_recipes.world import check_bf16_device
 
 if TYPE_CHECKING:
     from ddp_recipes.plan import DDPOptions
@@ -165,6 +166,9 @@ class TunedDDPStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # In the rank, on its own device: asking before the launch would initialise CUDA in the launching
+        # process (and break the fork launcher).
+        check_bf16_device(str(getattr(self.precision_plugin, "precision", "")), self.root_device)
         # NCCL's variables only for NCCL (gloo reads none of them); what was exported goes at teardown.
         if self._get_process_group_backend() == "nccl":
             self._exported = apply_env_defaults(self.env_defaults())
