@@ -4,14 +4,19 @@ runs them on real GPUs."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.failures import PEER_FAILURE_PREFIX, stale_after
 from ddp_recipes.strategy import TunedDDPStrategy
 from ddp_recipes.world import check_bf16_device, resolve_precision
+from tests.helpers import free_port
 
 
 def _fake_gpu(monkeypatch: pytest.MonkeyPatch, name: str, capability: tuple[int, int]) -> None:
@@ -66,3 +71,35 @@ def test_strategy_checks_bf16_first_thing_in_the_rank(monkeypatch):
                                 precision_plugin=MixedPrecision("bf16-mixed", "cuda"))
     with pytest.raises(ConfigError, match="use precision 16-mixed"):
         strategy.setup_environment()
+
+
+# ---- item 6: a lost peer on NCCL ends every rank with the pack's line ------------------------------------
+
+def _run_pair(case: str) -> list[subprocess.CompletedProcess]:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.peerwatch_scenarios", case, str(rank)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs]
+
+
+@pytest.mark.slow  # two processes importing Lightning: about a minute on a loaded machine
+def test_a_dead_peer_ends_the_waiting_rank_with_the_pack_message():
+    survivor, dead = _run_pair("die")
+    assert dead.returncode == 3, dead.stderr[-2000:]
+    assert survivor.returncode == 1, survivor.stderr[-2000:]
+    assert "slept to the end" not in survivor.stdout  # ended by the watch, not by its own end
+    lines = [line for line in survivor.stderr.splitlines() if PEER_FAILURE_PREFIX in line]
+    assert len(lines) == 1 and lines[0].startswith("[rank 0] ") and "rank 1 silent for" in lines[0], survivor.stderr
+
+
+@pytest.mark.slow
+def test_a_peer_that_finishes_is_not_a_lost_one():
+    first, finished = _run_pair("finish")
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert first.returncode == 0 and "slept to the end" in first.stdout, first.stderr[-2000:]
+
+
+def test_the_watch_runs_on_nccl_only():
+    assert TunedDDPStrategy(process_group_backend="gloo").start_peer_watch() is None
+    assert stale_after(None) == 120.0 and stale_after(1800) == 120.0 and stale_after(60) == 30.0
+    assert stale_after(4) == 15.0  # never under three heartbeats
