@@ -3,10 +3,12 @@ torchrun restart on a stale store; and how a failed launcher stops its other ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -72,3 +74,85 @@ def stop_processes(procs: list[Any], grace_s: float) -> None:
               "killing it", file=sys.stderr, flush=True)
         proc.kill()
         proc.wait() if isinstance(proc, subprocess.Popen) else proc.join()
+
+
+HEARTBEAT_S = 5.0  # how often each rank proves it is alive through the rendezvous store
+STALE_CAP_S = 120.0  # a peer silent this long is lost (capped below the collective timeout, see stale_after)
+_WATCH_PREFIX = "ddp_recipes/peerwatch/"
+
+
+def stale_after(timeout_s: float | None) -> float:
+    """How long a silent peer may stay silent: under half the collective timeout, so this watch ends the rank
+    with the pack's message before torch's NCCL watchdog aborts it (SIGABRT, no Python); never under three
+    heartbeats, so a rank busy holding the GIL a few seconds is not taken for dead."""
+    half = timeout_s / 2 if timeout_s else STALE_CAP_S
+    return max(3 * HEARTBEAT_S, min(STALE_CAP_S, half))
+
+
+class PeerWatch:
+    """A heartbeat through the c10d store that ends this rank, with the pack's one-line message, when a peer dies.
+
+    On NCCL a rank whose peer died waits inside a collective until torch's watchdog aborts the process from C++
+    (no exception, no ``on_exception``, exit -6). Here each rank bumps its own counter every ``HEARTBEAT_S`` and
+    watches the next rank's (a ring: three store requests per rank per beat at any world size); a counter that
+    stops for ``stale_s`` means that rank is gone. The finder posts it under one shared key that every watcher
+    reads, so every rank prints the message and exits (code 1) within about one beat of each other. A rank
+    that stops normally posts ``done``, and a store that stays unreachable for ``stale_s`` (its host, rank 0,
+    died) counts as a lost rank 0. Runs outside the step: no cost on the training path.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, stale_s: float, hint: Any,
+                 interval_s: float | None = None) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.stale_s, self.hint = stale_s, hint
+        self.interval_s = HEARTBEAT_S if interval_s is None else interval_s
+        self.peer = (rank + 1) % world_size
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.store.set(f"{_WATCH_PREFIX}beat/{self.rank}", "0")
+        self._thread = threading.Thread(target=self._run, name="ddp-recipes-peer-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching; tell the rank that watches this one that it finished on purpose."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval_s)
+            self._thread = None
+        with contextlib.suppress(Exception):  # the store's host may already be gone after a normal end
+            self.store.set(f"{_WATCH_PREFIX}beat/{self.rank}", "done")
+
+    def _run(self) -> None:
+        beats, last_value, last_change, store_ok = 0, None, time.monotonic(), time.monotonic()
+        lost_key, peer_key = f"{_WATCH_PREFIX}lost", f"{_WATCH_PREFIX}beat/{self.peer}"
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            try:
+                beats += 1
+                self.store.set(f"{_WATCH_PREFIX}beat/{self.rank}", str(beats))
+                if self.store.check([lost_key]):
+                    return self._lose(self.store.get(lost_key).decode())
+                value = self.store.get(peer_key).decode() if self.store.check([peer_key]) else None
+                store_ok = now
+            except Exception:  # noqa: BLE001 - an unreachable store is the news here, not a bug
+                if now - store_ok >= self.stale_s:
+                    return self._lose(f"rank 0 (the rendezvous store's host) unreachable for {now - store_ok:.0f} s")
+                continue
+            if value == "done":
+                last_change = now  # finished on purpose: its silence from now on means nothing
+            elif value != last_value:
+                last_value, last_change = value, now
+            elif now - last_change >= self.stale_s:
+                what = f"rank {self.peer} silent for {now - last_change:.0f} s"
+                with contextlib.suppress(Exception):
+                    self.store.set(lost_key, what)
+                return self._lose(what)
+
+    def _lose(self, what: str) -> None:
+        if self._stop.is_set():
+            return
+        print(f"[rank {self.rank}] {self.hint(what)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # the main thread is blocked in a collective: nothing short of exiting ends it

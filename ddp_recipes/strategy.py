@@ -16,9 +16,12 @@ unchanged. What it changes or adds, each for a reason:
   ``PL_GLOBAL_SEED`` is left alone on purpose: Lightning seeds the DistributedSampler from it, and a
   per-rank value there would break the disjointness of the shards.
 * SyncBatchNorm on CPU (gloo) too: ``Trainer(sync_batchnorm=True)`` gets :class:`SyncBatchNormPlugin`.
-* NCCL settings from arguments, exported before the process group starts, never over a user's value;
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` by default, so a collective stuck past ``timeout`` aborts the
-  communicator and ends the process instead of waiting forever (gloo honours ``timeout`` by itself).
+* NCCL settings from arguments, exported before the process group starts, never over a user's value.
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is left to torch (its default, 3, ends a rank whose collective outlived
+  ``timeout``; 1 would also wait for ``ncclCommAbort``, which can itself hang); gloo honours ``timeout`` by itself.
+* On NCCL, a :class:`~ddp_recipes.failures.PeerWatch` heartbeat through the rendezvous store ends every rank
+  with the peer-failure line below when a peer dies: torch's watchdog would abort them from C++ with no
+  Python message at all.
 * The "Expected to have finished reduction" error names the parameters without gradients and the flag.
 * A lost or silent peer (gloo "Connection closed by peer", a collective timeout, an NCCL abort) gets one
   line saying what it means and what to do, printed at once and prepended to the original error. On a
@@ -58,14 +61,17 @@ from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported the
     PEER_FAILURE_PATTERN,
     PEER_FAILURE_PREFIX,
     SHARED_STORE_FIX,
+    PeerWatch,
     init_failure_hint,
     is_peer_failure,
     restarts_share_store,
+    stale_after,
     stop_processes,
 )
 from ddp_recipes.preemption import die_with_launcher, tag_children_with_launcher
 from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.syncbn import SyncBatchNormPlugin
+from ddp_recipes.world import check_bf16_device
 
 if TYPE_CHECKING:
     from ddp_recipes.plan import DDPOptions
@@ -151,11 +157,9 @@ class TunedDDPStrategy(DDPStrategy):
 
     def env_defaults(self) -> dict[str, Any]:
         """The NCCL variables exported before an NCCL process group starts (each only where the user set none)."""
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING is not among them: torch's default (3) already ends a rank stuck past
+        # the timeout, and a dead peer is caught earlier, with a message, by PeerWatch (setup_distributed).
         defaults = dict(self._nccl)
-        if not any(name in os.environ for name in ASYNC_ERROR_HANDLING_VARS):
-            # 1 = tear down: a timed-out or failed NCCL collective aborts the communicator and ends the
-            # process with the error, instead of leaving the rank blocked in a kernel forever.
-            defaults["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = 1
         if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
             # The flight recorder: every rank keeps its last collectives (op, sizes, sequence number, state)
             # and, on a timeout, dumps them to TORCH_FR_DUMP_TEMP_FILE<rank> (default /tmp/nccl_trace_rank_).
@@ -165,6 +169,10 @@ class TunedDDPStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # In the rank, on its own device: asking before the launch would initialise CUDA in the launching
+        # process (and break the fork launcher).
+        if self.parallel_devices:
+            check_bf16_device(str(getattr(self.precision_plugin, "precision", "")), self.root_device)
         # NCCL's variables only for NCCL (gloo reads none of them); what was exported goes at teardown.
         if self._get_process_group_backend() == "nccl":
             self._exported = apply_env_defaults(self.env_defaults())
@@ -187,6 +195,22 @@ class TunedDDPStrategy(DDPStrategy):
             if hint:
                 err.args = (f"{hint}\n\n{err.args[0] if err.args else ''}", *err.args[1:])
             raise
+        self._peer_watch = self.start_peer_watch()
+
+    def start_peer_watch(self) -> PeerWatch | None:
+        """On NCCL with 2+ ranks, the heartbeat that ends this rank with the pack's message when a peer dies.
+
+        gloo needs none: a dead peer closes its sockets and the collective raises ("Connection closed by peer").
+        """
+        if self._get_process_group_backend() != "nccl" or self.world_size < 2 or getattr(self, "_peer_watch", None):
+            return getattr(self, "_peer_watch", None)
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+        watch = PeerWatch(_get_default_store(), self.global_rank, self.world_size, stale_after(timeout),
+                          self.peer_failure_hint)
+        watch.start()
+        return watch
 
     @override
     def _configure_launcher(self) -> None:
@@ -196,6 +220,10 @@ class TunedDDPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        watch = getattr(self, "_peer_watch", None)
+        if watch is not None:  # before the process group goes: a finished rank is not a lost one
+            watch.stop()
+            self._peer_watch = None
         super().teardown()
         for key, value in getattr(self, "_exported", {}).items():
             if os.environ.get(key) == value:  # still ours: the process leaves as it came
@@ -300,9 +328,12 @@ class TunedDDPStrategy(DDPStrategy):
             exception.args = (f"{hint}\n\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
         super().on_exception(exception)
 
-    def peer_failure_hint(self) -> str:
+    def peer_failure_hint(self, what: str | None = None) -> str:
+        """The one line a rank prints when a peer is lost; ``what`` says how it was found (PeerWatch)."""
         timeout = self._timeout.total_seconds() if self._timeout is not None else None
         waited = f"process-group timeout {timeout:g} s, --timeout-s" if timeout else "no timeout set"
+        if what:
+            waited = f"{what}; {waited}"
         return (f"{PEER_FAILURE_PREFIX} ({waited}), so this rank stops too. The first error is in the "
                 "other ranks' logs; restart from the last checkpoint (recipes: --resume auto).")
 

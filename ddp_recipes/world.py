@@ -76,7 +76,8 @@ def resolve_precision(precision: str, accelerator: str) -> str:
     """The precision Lightning will run, with the switch made explicit.
 
     16-mixed needs CUDA's fp16 kernels and a GradScaler; on CPU we switch to bf16-mixed (same memory and
-    speed intent, no loss scaling needed) and say so once. bf16-mixed on a GPU without bf16 is an error.
+    speed intent, no loss scaling needed) and say so once. Whether the GPU has bf16 is checked in the rank
+    (:func:`check_bf16_device`): asking here would initialise CUDA in the launching process.
     """
     check_choice("precision", precision, PRECISIONS)
     if precision == "16-mixed" and accelerator == "cpu":
@@ -85,9 +86,23 @@ def resolve_precision(precision: str, accelerator: str) -> str:
 
         rank_zero_info("--precision 16-mixed needs CUDA (fp16 AMP + GradScaler); using bf16-mixed on CPU instead.")
         return "bf16-mixed"
-    if precision == "bf16-mixed" and accelerator == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("{precision} bf16-mixed is not supported by this GPU (pre-Ampere); use {precision} 16-mixed")
     return precision
+
+
+def check_bf16_device(precision: str, device: torch.device) -> None:
+    """bf16-mixed on a CUDA device without bf16 units fails here, in the rank, naming the fix.
+
+    ``torch.cuda.is_bf16_supported()`` counts emulation as support (a V100 or T4 then runs bf16 slowly in
+    emulated kernels, or fails in one without); only compute capability 8.0+ has it in hardware.
+    """
+    if not precision.startswith("bf16") or device.type != "cuda":
+        return
+    with torch.cuda.device(device):
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return
+        name, (major, minor) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    raise ConfigError(f"{{precision}} {precision} needs a GPU with bf16 (compute capability 8.0+, Ampere or newer); "
+                      f"{name} is {major}.{minor}: use {{precision}} 16-mixed")
 
 
 def check_node_env(num_nodes: int) -> None:

@@ -239,14 +239,15 @@ NCCL_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "NC
              "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
 
 
-def test_nccl_async_error_handling_is_a_default_never_an_override(monkeypatch):
+def test_nccl_async_error_handling_is_left_to_torch(monkeypatch):
+    """torch's default (3) stays: the pack exports no TORCH_NCCL_ASYNC_ERROR_HANDLING (issue #20, item 6)."""
     monkeypatch.setattr("lightning.pytorch.strategies.DDPStrategy.setup_environment", lambda self: None)
     monkeypatch.setattr("lightning.pytorch.strategies.DDPStrategy.teardown", lambda self: None)
     for name in NCCL_VARS:
         monkeypatch.delenv(name, raising=False)
     strategy = TunedDDPStrategy(nccl_debug="WARN", process_group_backend="nccl")
     strategy.setup_environment()
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and os.environ["NCCL_DEBUG"] == "WARN"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ and os.environ["NCCL_DEBUG"] == "WARN"
     assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     strategy.teardown()  # the process leaves as it came: nothing of ours is left in its environment
     assert not [name for name in NCCL_VARS if name in os.environ]
@@ -260,9 +261,9 @@ def test_nccl_async_error_handling_is_a_default_never_an_override(monkeypatch):
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's own value stays
 
     monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-    monkeypatch.setenv("NCCL_ASYNC_ERROR_HANDLING", "0")  # the old name counts as the user's choice too
+    monkeypatch.setenv("NCCL_ASYNC_ERROR_HANDLING", "0")  # the old name: also the user's, and left alone
     TunedDDPStrategy(process_group_backend="nccl").setup_environment()
-    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ and os.environ["NCCL_ASYNC_ERROR_HANDLING"] == "0"
 
 
 def test_gloo_exports_no_nccl_variables(monkeypatch):

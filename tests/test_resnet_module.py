@@ -190,3 +190,23 @@ def test_fit_on_synthetic_data():
     (result,) = trainer.test(model, dm, verbose=False)
     assert {"test_loss", "test_acc", "test_acc5"} <= result.keys()
     assert 0.0 <= result["test_acc"] <= result["test_acc5"] <= 1.0
+
+
+def test_grad_checkpointing_compiles_and_matches_eager():
+    """dynamo refuses a lambda ``context_fn`` (issue #20, item 7); compiled, the BN stats still step once."""
+    torch.manual_seed(0)
+    eager = ResNetClassifier(cifar_stem=True, grad_checkpointing=True)
+    compiled = ResNetClassifier(cifar_stem=True, grad_checkpointing=True)
+    compiled.load_state_dict(eager.state_dict())
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    torch._dynamo.reset()
+    loss_e, grads_e = _loss_and_grads(eager, x, y)
+    compiled.train()
+    loss_c = F.cross_entropy(torch.compile(compiled, backend="aot_eager", fullgraph=True)(x), y)
+    loss_c.backward()
+    grads_c = {n: p.grad for n, p in compiled.named_parameters()}
+    torch.testing.assert_close(loss_c.detach(), loss_e, rtol=1e-4, atol=1e-6)
+    for name, grad in grads_e.items():
+        torch.testing.assert_close(grads_c[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    for name, buf in eager.state_dict().items():
+        torch.testing.assert_close(compiled.state_dict()[name], buf, rtol=1e-5, atol=1e-6, msg=name)

@@ -31,6 +31,10 @@ def run_rank(cfg: DoctorConfig, rank: int, local_rank: int) -> dict[str, Any]:
     os.environ.update(MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(cfg.master_port), RANK=str(rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(cfg.world_size))
     device = torch.device("cuda", local_rank) if cfg.accelerator == "cuda" else torch.device("cpu")
+    if cfg.backend == "nccl":
+        # A hung collective then raises here after --timeout-s (and is diagnosed) instead of torch's watchdog
+        # aborting the rank from C++ (SIGABRT, "exited with code -6"). The doctor's waits are all explicit.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
     phase, outcome, world = "init", {"ok": True, "rank": rank}, cfg.world_size
     try:
         if device.type == "cuda":
@@ -101,6 +105,9 @@ def launch(cfg: DoctorConfig) -> dict[str, Any]:
             if os.path.exists(path):
                 with open(path) as fh:
                     outcomes[first + i] = json.load(fh)
+            elif p.exitcode == -signal.SIGABRT:  # torch's NCCL watchdog (a user's TORCH_NCCL_BLOCKING_WAIT=0)
+                outcomes[first + i] = Failure(f"rank {first + i} was aborted by torch's NCCL watchdog: a collective "
+                                              f"hung past --timeout-s {cfg.timeout_s:g}", DEBUG_FIX).as_dict()
             elif first + i not in hung and p.exitcode != -signal.SIGTERM:  # SIGTERM: we stopped a failed rank's peer
                 outcomes[first + i] = Failure(f"rank {first + i} exited with code {p.exitcode} before reporting "
                                               "(crash, OOM kill or signal)", "check dmesg; " + DEBUG_FIX).as_dict()

@@ -14,6 +14,7 @@ one (before the classifier for EfficientNet, MobileNet, VGG...; inside every blo
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -70,6 +71,11 @@ class _KeepBatchNormStats:
                 for buffer, value in zip(self._buffers(norm), saved, strict=True):
                     buffer.copy_(value)
         self.saved = []
+
+
+def _keep_batchnorm_stats(stage: nn.Module) -> tuple[contextlib.nullcontext, _KeepBatchNormStats]:
+    """The eager checkpoint ``context_fn``: nothing around the forward, the BN-stat restore around the recompute."""
+    return contextlib.nullcontext(), _KeepBatchNormStats(stage)
 
 
 class ResNetClassifier(ImageClassifier):
@@ -197,10 +203,17 @@ class ResNetClassifier(ImageClassifier):
         """
         m = self.model
         x = m.maxpool(m.relu(m.bn1(m.conv1(x))))  # the stem is cheap in memory: run it normally
+        compiling = torch.compiler.is_compiling()
         for name in STAGES:
             stage = getattr(m, name)
-            x = checkpoint(stage, x, use_reentrant=False,
-                           context_fn=lambda s=stage: (contextlib.nullcontext(), _KeepBatchNormStats(s)))
+            if compiling:
+                # Under torch.compile the recompute is the partitioner's, on a functionalized graph: BatchNorm's
+                # running statistics are updated once, so there is nothing to undo. (dynamo also accepts only a
+                # context_fn returning two TorchDispatchModes, for selective checkpointing.)
+                x = checkpoint(stage, x, use_reentrant=False)
+            else:
+                x = checkpoint(stage, x, use_reentrant=False,
+                               context_fn=functools.partial(_keep_batchnorm_stats, stage))
         return m.fc(torch.flatten(m.avgpool(x), 1))
 
     @override
