@@ -201,3 +201,23 @@ def test_comm_hooks_on_nccl_keep_ranks_identical(tmp_path, hook):
     ranks = _scenario(tmp_path, "train", "--devices", "2", "--batch", "8", "--steps", "6", "--comm-hook", hook)
     assert _max_rel_diff(ranks[0]["state"], ranks[1]["state"]) == 0
     assert ranks[0]["record"]["global_step"] == 6
+
+
+@one_gpu
+def test_resume_restores_the_own_cuda_generator(tmp_path):
+    """The rank's device generator alone goes through a weights_only checkpoint round trip; draws repeat."""
+    import lightning as L
+
+    from ddp_recipes.data.images import SyntheticImageDataModule
+    from ddp_recipes.resume import rng_state, set_rng_state
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.save(rng_state(device), tmp_path / "rng.pt")
+    first = torch.rand(8, device=device)
+    saved = torch.load(tmp_path / "rng.pt", weights_only=True)
+    assert isinstance(saved["cuda"], torch.Tensor)
+    set_rng_state(saved, device)
+    assert torch.equal(torch.rand(8, device=device), first)
+    dm = SyntheticImageDataModule(num_samples=8, image_size=8)
+    dm.trainer = L.Trainer(accelerator="gpu", devices=1, logger=False, enable_checkpointing=False)
+    assert dm.pin_memory is True
