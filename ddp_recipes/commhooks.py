@@ -7,11 +7,19 @@ loses the residuals. :class:`ResumablePowerSGD` saves that state per parameter (
 strategy gathers them to rank 0) and loads it back.
 
 Why per parameter: torch keys the state by DDP bucket index, and a bucket's flat buffer holds its
-gradients in bucket order. A new process's first step runs on DDP's *initial* bucket layout (reverse
-parameter order); DDP then rebuilds the buckets in the order gradients became ready. So every stored entry
-is tagged with its layout (parameter names and shapes), and a bucket that arrives with another layout gets
-its entry assembled from the per-parameter pieces of whatever entries hold them. The compression itself
-is per tensor, so the numbers do not depend on which bucket a tensor sits in.
+gradients in bucket order. A new process's first step runs on DDP's *initial* bucket layout (parameter
+order); DDP then rebuilds the buckets in the order gradients became ready. So every stored entry is tagged
+with its layout (parameter names and shapes), and a bucket that arrives with another set of parameters gets
+its entry assembled from the per-parameter pieces of whatever entries hold them.
+
+Why the saved layout is kept for the first resumed step: the numbers depend on where a gradient sits in the
+bucket. MKL's matrix-vector product (the ``bmm`` that computes P) gives other last bits for a matrix that
+starts at another offset modulo 16 bytes, and torch draws a fresh Q in the packing order of the layout.
+DDP's initial layout puts the MNIST MLP's weights 16-byte aligned, its rebuilt one 8 bytes off: a resumed
+step compressed in place ended 1e-8 away from the uninterrupted run's. So when a bucket arrives holding the
+same tensors as the saved entry in another order, PowerSGD runs on a copy of it laid out as saved (one copy
+in and out, on that step only) and the result is copied back; from DDP's rebuild on, the bucket has the
+saved layout again and runs in place.
 """
 
 from __future__ import annotations
@@ -57,16 +65,57 @@ class ResumablePowerSGD:
     def _make_hook(self):
         @functools.wraps(powerSGD_hook.powerSGD_hook)
         def hook(state: powerSGD_hook.PowerSGDState, bucket: Any) -> torch.futures.Future:
-            index = bucket.index()
-            layout = tuple((self._names.get(id(p), f"#{i}"), tuple(g.shape))
-                           for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients(), strict=True)))
-            if self.layouts.get(index) != layout and (self._pool or self.layouts):
-                self._relayout(index, layout, bucket.buffer())
-            self.layouts[index] = layout
-            self._owner.update((name, index) for name, _ in layout)
-            return powerSGD_hook.powerSGD_hook(state, bucket)
+            layout = self._layout_of(bucket)
+            target = self._prepare(bucket.index(), layout, bucket.buffer())
+            if target == layout:
+                return powerSGD_hook.powerSGD_hook(state, bucket)
+            return self._run_staged(state, bucket, layout, target)
 
         return hook
+
+    def _layout_of(self, bucket: Any) -> Layout:
+        return tuple((self._names.get(id(p), f"#{i}"), tuple(g.shape))
+                     for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients(), strict=True)))
+
+    def _prepare(self, index: int, layout: Layout, buffer: torch.Tensor) -> Layout:
+        """Put ``index``'s state in the layout torch's hook is to run on, and return that layout: the stored
+        one when the bucket holds the same tensors in another order on a compressing step (see the module
+        docstring), else the bucket's own."""
+        home, target = self.layouts.get(index), layout
+        if (home is not None and home != layout and sorted(home) == sorted(layout)
+                and self.state.iter >= self.state.start_powerSGD_iter):
+            target = home
+        if (home != target or any(name in self._pool for name, _ in target)) and (self._pool or self.layouts):
+            self._relayout(index, target, buffer)
+        self.layouts[index] = target
+        self._owner.update((name, index) for name, _ in target)
+        return target
+
+    @staticmethod
+    def _run_staged(state: powerSGD_hook.PowerSGDState, bucket: Any, layout: Layout,
+                    target: Layout) -> torch.futures.Future:
+        """torch's hook on a copy of ``bucket`` laid out as ``target``; the result goes back into the bucket."""
+        buffer = bucket.buffer()
+        where, offset = {}, 0
+        for name, shape in layout:
+            where[name] = offset
+            offset += _numel(shape)
+        staged = torch.empty_like(buffer, memory_format=torch.contiguous_format)  # a fresh, aligned allocation
+        moves, views, offset = [], [], 0
+        for name, shape in target:
+            size = _numel(shape)
+            moves.append((where[name], offset, size))
+            staged[offset:offset + size].copy_(buffer[where[name]:where[name] + size])
+            views.append(staged[offset:offset + size].view(shape))
+            offset += size
+
+        def unstage(fut: torch.futures.Future) -> torch.Tensor:
+            result = fut.value()
+            for src, dst, size in moves:
+                buffer[src:src + size].copy_(result[dst:dst + size])
+            return buffer
+
+        return powerSGD_hook.powerSGD_hook(state, _StagedBucket(bucket, staged, views)).then(unstage)
 
     def _packing(self, layout: Layout) -> list[tuple[str, int, int]]:
         """(name, n*r, m*r) of the tensors PowerSGD compresses, in the order it packs their P and Q."""
@@ -128,15 +177,39 @@ class ResumablePowerSGD:
         out: dict[str, Any] = {n: int(getattr(s, n)) for n in _COUNTERS}
         out["pieces"] = {n: {k: t.detach().cpu().clone() for k, t in p.items()} for n, p in pieces.items()}
         out["rng"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+        # The layout each bucket's entries were computed in: the resumed run's first step uses it.
+        out["layouts"] = {int(i): [[n, list(shape)] for n, shape in layout] for i, layout in self.layouts.items()}
         return out
 
     def load_state_dict(self, saved: dict[str, Any], device: torch.device) -> None:
         s = self.state
         s.error_dict, s.q_memory_dict, s.p_memory_dict = {}, {}, {}
-        self.layouts = {}
+        # Checkpoints of ddp-recipes <= 0.2 have no layouts: the first resumed step then runs in DDP's
+        # initial layout (equal to the last bits only where the BLAS does not depend on alignment).
+        self.layouts = {int(i): tuple((n, tuple(shape)) for n, shape in layout)
+                        for i, layout in saved.get("layouts", {}).items()}
         self._pool = {n: {k: t.to(device) for k, t in p.items()} for n, p in saved["pieces"].items()}
         self._owner = dict.fromkeys(self._pool, "pool")
         for n in _COUNTERS:
             setattr(s, n, int(saved[n]))
         name, keys, pos, has_gauss, gauss = saved["rng"]
         s.rng.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+class _StagedBucket:
+    """What torch's PowerSGD hook reads from a ``GradBucket``, over a staged copy of its buffer."""
+
+    def __init__(self, bucket: Any, buffer: torch.Tensor, gradients: list[torch.Tensor]) -> None:
+        self._bucket, self._buffer, self._gradients = bucket, buffer, gradients
+
+    def index(self) -> int:
+        return self._bucket.index()
+
+    def is_last(self) -> bool:
+        return self._bucket.is_last()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._gradients

@@ -4,7 +4,7 @@ Lightning saves weights, optimizer, LR schedulers, precision/scaler and loop cou
 adds what decides the rest of the run and puts it back at the *training boundary* (``on_train_start``):
 after every set-up hook, after Lightning restored the checkpoint, before the first training batch.
 
-* Every rank's python/numpy/torch(/CUDA) random streams. A fresh run gets ``seed + rank`` there instead,
+* Every rank's python/numpy/torch random streams, and on CUDA its own device's generator. A fresh run gets ``seed + rank`` there instead,
   so set-up hooks (a DataModule's ``random_split``, ``configure_model``) see the same RNG on every rank
   and only training draws per-rank streams.
 * The training loader's position. Lightning builds the training iterator in ``setup_data()``, which
@@ -47,22 +47,49 @@ def seed_rank(seed: int, rank: int, step: int = 0) -> int:
     return value
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's random streams, as plain lists and tensors (loadable with ``weights_only=True``)."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's random streams, as plain lists and tensors (loadable with ``weights_only=True``).
+
+    CUDA: only ``device``'s generator, and only when ``device`` is a CUDA device. A rank draws from its own
+    device alone; saving every visible device's would initialise CUDA on all of them in every rank (a CPU
+    run on a GPU host included) and tie the checkpoint to the number of devices each process sees.
+    """
     name, keys, pos, has_gauss, gauss = np.random.get_state()
+    cuda = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
     return {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Put back what :func:`rng_state` saved; CUDA only into ``device``, and only when it is a CUDA device."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device is None or device.type != "cuda":
+        return  # a CPU run never touches CUDA, whatever the checkpoint holds
+    cuda = _own_cuda_state(state.get("cuda"), device)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def _own_cuda_state(saved: Any, device: torch.device) -> torch.Tensor | None:
+    """The saved state of ``device``'s generator. Checkpoints of ddp-recipes <= 0.2 hold every visible
+    device's state by position: that position is this device's only when the process sees as many devices
+    as the saving one did."""
+    if saved is None or isinstance(saved, torch.Tensor):
+        return saved
+    if not saved:  # an old checkpoint of a CPU run
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if len(saved) == torch.cuda.device_count() and index < len(saved):
+        return saved[index]
+    rank_zero_warn(f"the checkpoint holds the CUDA random states of {len(saved)} visible device(s) by position "
+                   f"(ddp-recipes <= 0.2) and this process sees {torch.cuda.device_count()}: which one was "
+                   f"{device}'s is unknown, so its CUDA stream is not restored (CUDA-side random ops such as "
+                   "dropout on the GPU will differ from the uninterrupted run; CPU-side streams are restored)")
+    return None
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:
@@ -144,7 +171,8 @@ class ResumeState(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
-        state: dict[str, Any] = {"rng": gather_to_rank0(rng_state())}
+        device = trainer.strategy.root_device if trainer is not None else None
+        state: dict[str, Any] = {"rng": gather_to_rank0(rng_state(device))}
         if trainer is None:
             return state
         state["world_size"] = trainer.world_size
@@ -178,7 +206,7 @@ class ResumeState(Callback):
         saved_world = (pending or {}).get("world_size")
         same_world = pending is not None and saved_world == trainer.world_size
         if same_world and pending.get("rng") and len(pending["rng"]) == trainer.world_size:
-            set_rng_state(pending["rng"][trainer.global_rank])
+            set_rng_state(pending["rng"][trainer.global_rank], trainer.strategy.root_device)
         elif self.seed is not None:
             seed_rank(self.seed, trainer.global_rank, step=trainer.global_step if resuming else 0)
         if not resuming:

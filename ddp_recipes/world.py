@@ -65,8 +65,10 @@ def resolve_accelerator(accelerator: str = "auto") -> str:
 
 def check_devices(devices: int, accelerator: str) -> None:
     """More CUDA devices per node than this node has fails now, not in the launcher."""
+    if accelerator != "cuda":
+        return  # a CPU run never asks CUDA: every rank of it would load the CUDA driver for nothing
     visible = cuda_devices()
-    if accelerator == "cuda" and devices > visible:
+    if devices > visible:
         raise ConfigError(f"{{devices}} {devices} but only {visible} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES="
                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use {{devices}} {visible} or more "
                           "nodes ({num_nodes})")

@@ -1,20 +1,20 @@
-"""ResumablePowerSGD's bookkeeping: per-parameter state across DDP bucket layouts (no process group)."""
+"""ResumablePowerSGD: per-parameter state across DDP bucket layouts, and a resumed run that compresses
+exactly as the uninterrupted one (torch's hook on a one-rank gloo group)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
 
-from ddp_recipes.commhooks import ResumablePowerSGD
+from ddp_recipes.commhooks import ResumablePowerSGD, _numel
 
 A, B, C = ("a", (8, 8)), ("b", (8, 8)), ("c", (8,))  # two compressible matrices and a bias
 
 
-def take(psgd: ResumablePowerSGD, index: int, layout) -> None:
+def take(psgd: ResumablePowerSGD, index: int, layout):
     """What the hook does before torch's PowerSGD runs on a bucket with this layout."""
-    if psgd.layouts.get(index) != layout and (psgd._pool or psgd.layouts):
-        psgd._relayout(index, layout, torch.zeros(1))
-    psgd.layouts[index] = layout
-    psgd._owner.update((name, index) for name, _ in layout)
+    return psgd._prepare(index, layout, torch.zeros(1))
 
 
 def test_state_follows_parameters_across_a_bucket_rebuild():
@@ -60,3 +60,82 @@ def test_a_bucket_with_nothing_to_compress_keeps_torch_from_drawing_a_new_q():
     take(fresh, 3, (C,))
     # torch's hook draws from its RandomState whenever the bucket has no P entry, even an empty one.
     assert fresh.state.p_memory_dict[3].numel() == 0 and fresh.state.q_memory_dict[3].numel() == 0
+
+
+# ---- the hook itself, on real gradients ------------------------------------------------------------------
+
+class Bucket:
+    """A DDP bucket as torch's hook reads it: a flat buffer, per-parameter views of it, index, is_last."""
+
+    def __init__(self, layout, grads: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]) -> None:
+        self.flat = torch.cat([grads[name].reshape(-1) for name, _ in layout])
+        self.views, offset = {}, 0
+        for name, shape in layout:
+            self.views[name] = self.flat[offset:offset + _numel(shape)].view(shape)
+            offset += _numel(shape)
+        self._params = [params[name] for name, _ in layout]
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self.views.values())
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# The MNIST MLP's tensors. DDP's rebuilt layout (the one a run saves) puts the weights 8 bytes off a
+# 16-byte boundary; its initial layout (a new process's first step) puts them on one.
+MLP = {"1.weight": (128, 784), "1.bias": (128,), "3.weight": (10, 128), "3.bias": (10,)}
+REBUILT = tuple((n, MLP[n]) for n in ("3.bias", "3.weight", "1.bias", "1.weight"))
+INITIAL = tuple((n, MLP[n]) for n in ("1.weight", "1.bias", "3.weight", "3.bias"))
+
+
+@pytest.mark.parametrize("saved_at", [4, 6], ids=["at-start-iter", "mid-compression"])
+def test_resumed_first_step_compresses_like_the_uninterrupted_run(saved_at, one_rank_group):
+    """Steps 0..8 (PowerSGD from 4); a copy saved after ``saved_at`` steps continues in a new state whose
+    first bucket arrives in the initial layout. Every step's result must equal the uninterrupted one's bit
+    for bit: at the start iteration torch draws Q in the packing order of the layout it sees, and MKL's
+    matrix-vector product depends on a matrix's offset modulo 16 bytes."""
+    gen = torch.Generator().manual_seed(0)
+    steps = [{n: torch.randn(shape, generator=gen) for n, shape in MLP.items()} for _ in range(9)]
+    params = {n: torch.nn.Parameter(torch.zeros(shape)) for n, shape in MLP.items()}
+
+    def new() -> ResumablePowerSGD:
+        psgd = ResumablePowerSGD(matrix_approximation_rank=1, start_powerSGD_iter=4)
+        psgd._names = {id(p): n for n, p in params.items()}  # what set_module gives for the MLP
+        return psgd
+
+    def step(psgd: ResumablePowerSGD, layout, grads) -> dict[str, torch.Tensor]:
+        bucket = Bucket(layout, grads, params)
+        out = psgd.hook(psgd.state, bucket).wait()
+        assert out.data_ptr() == bucket.flat.data_ptr()  # DDP reads the result from its own bucket
+        return {name: view.clone() for name, view in bucket.views.items()}
+
+    straight, results = new(), []
+    for i, grads in enumerate(steps):
+        results.append(step(straight, INITIAL if i == 0 else REBUILT, grads))
+        if i + 1 == saved_at:
+            saved = straight.state_dict()
+    assert saved["iter"] == saved_at
+    resumed = new()
+    resumed.load_state_dict(saved, torch.device("cpu"))
+    for i in range(saved_at, len(steps)):
+        got = step(resumed, INITIAL if i == saved_at else REBUILT, steps[i])
+        different = [n for n in MLP if not torch.equal(got[n], results[i][n])]
+        assert not different, f"step {i}: {different} differ"
+    assert resumed.layouts[0] == REBUILT

@@ -397,3 +397,23 @@ def test_bench_dp_path_on_two_gpus(tmp_path):
     dp = run_worker("dp", 2, BENCH_TINY, tmp_path)
     assert dp["impl"] == "dp" and dp["devices"] == 2 and dp["global_samples_per_s"] > 0
     assert len(dp["peak_mem_mb_per_rank"]) == 2 and min(dp["peak_mem_mb_per_rank"]) > 0  # both GPUs worked
+
+
+@one_gpu
+def test_resume_restores_the_own_cuda_generator(tmp_path):
+    """The rank's device generator alone goes through a weights_only checkpoint round trip; draws repeat."""
+    import lightning as L
+
+    from ddp_recipes.data.images import SyntheticImageDataModule
+    from ddp_recipes.resume import rng_state, set_rng_state
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.save(rng_state(device), tmp_path / "rng.pt")
+    first = torch.rand(8, device=device)
+    saved = torch.load(tmp_path / "rng.pt", weights_only=True)
+    assert isinstance(saved["cuda"], torch.Tensor)
+    set_rng_state(saved, device)
+    assert torch.equal(torch.rand(8, device=device), first)
+    dm = SyntheticImageDataModule(num_samples=8, image_size=8)
+    dm.trainer = L.Trainer(accelerator="gpu", devices=1, logger=False, enable_checkpointing=False)
+    assert dm.pin_memory is True

@@ -36,8 +36,27 @@ def test_default_num_workers(monkeypatch, cpus, devices, expected):
 def test_loader_defaults_fit_the_machine(tmp_path):
     dm = CIFAR10DataModule(tmp_path)
     assert dm.num_workers == default_num_workers(1)  # no trainer yet: one device per node
-    assert dm.pin_memory == torch.cuda.is_available()
+    assert dm.pin_memory is False  # no trainer yet: nothing says the run is on CUDA
     assert CIFAR10DataModule(tmp_path, num_workers=3, pin_memory=False).num_workers == 3
+
+
+def test_pin_memory_follows_the_trainers_device(tmp_path, monkeypatch):
+    """Decided from the trainer's root device when the loaders are built, never by asking CUDA (which would
+    initialise it in every rank of a CPU run on a GPU host)."""
+    import types
+
+    import lightning as L
+
+    def cuda_touched(*args, **kwargs):
+        raise AssertionError("pin_memory asked CUDA")
+
+    dm = CIFAR10DataModule(tmp_path)
+    dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    monkeypatch.setattr(torch.cuda, "is_available", cuda_touched)
+    assert dm.pin_memory is False
+    dm.trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 1)))
+    assert dm.pin_memory is True
+    assert CIFAR10DataModule(tmp_path, pin_memory=False).pin_memory is False
 
 
 # ---------------------------------------------------------------- synthetic

@@ -288,3 +288,94 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path, capsys):
     (folder / ".last.ckpt.tmp-1").write_bytes(whole)  # an unfinished atomic save is never a candidate
     with pytest.warns(UserWarning, match=r"--resume auto: skipping .*hpc_ckpt_2\.ckpt: not a readable checkpoint"):
         assert newest_checkpoint(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
+
+
+# ---- random streams: the rank's own CUDA generator only, and no CUDA at all on a CPU run ---------------
+
+CUDA_CALLS = ("is_available", "init", "_lazy_init", "device_count", "current_device", "get_rng_state",
+              "get_rng_state_all", "set_rng_state", "set_rng_state_all")
+
+
+def test_a_cpu_run_never_calls_into_cuda(tmp_path, monkeypatch):
+    """A CPU run (fresh, then resumed) on a GPU host must not initialise CUDA in its ranks: neither the RNG
+    save/restore nor the image DataModule's pin_memory default may ask CUDA anything."""
+    import inspect
+
+    from recipes import resnet
+
+    ours = str(Path(__file__).resolve().parents[1] / "ddp_recipes")
+    asked: list[str] = []
+
+    def recorder(name, original):
+        def call(*args, **kwargs):
+            caller = inspect.stack()[1].filename
+            if caller.startswith(ours):
+                asked.append(f"torch.cuda.{name} from {Path(caller).name}")
+            return original(*args, **kwargs)
+        return call
+
+    for name in CUDA_CALLS:
+        monkeypatch.setattr(torch.cuda, name, recorder(name, getattr(torch.cuda, name)))
+    common = [*TINY, "--checkpoint-every-n-steps", "2", "--output-dir", str(tmp_path)]
+    resnet.main([*common, "--max-steps", "2"])
+    resnet.main([*common, "--max-steps", "4", "--resume", "auto"])
+    assert saved_step(tmp_path / "checkpoints" / "last.ckpt") == 4
+    assert asked == []
+    rng = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["callbacks"]["ResumeState"]["rng"]
+    assert rng[0]["cuda"] is None
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    """A fake layout of 4 visible CUDA devices: each generator's state is its index; restores are recorded."""
+    import torch.cuda as cuda
+
+    restored: list[tuple[torch.device, int]] = []
+    visible = {"count": 4}
+
+    def index(device) -> int:
+        device = torch.device(device)
+        return device.index if device.index is not None else 0
+
+    def never(*args, **kwargs):
+        raise AssertionError("every device's generator touched")
+
+    monkeypatch.setattr(cuda, "device_count", lambda: visible["count"])
+    monkeypatch.setattr(cuda, "get_rng_state", lambda device="cuda": torch.tensor([index(device)], dtype=torch.uint8))
+    monkeypatch.setattr(cuda, "set_rng_state",
+                        lambda state, device="cuda": restored.append((torch.device(device), int(state[0]))))
+    monkeypatch.setattr(cuda, "get_rng_state_all", never)
+    monkeypatch.setattr(cuda, "set_rng_state_all", never)
+    return visible, restored
+
+
+def test_only_the_own_cuda_generator_is_saved_and_restored(four_gpus, tmp_path):
+    """Saved by rank 2 of a 4-GPU node (cuda:2), resumed as one SLURM task per GPU (the task sees cuda:0)."""
+    from ddp_recipes.resume import rng_state, set_rng_state
+
+    visible, restored = four_gpus
+    torch.save(rng_state(torch.device("cuda", 2)), tmp_path / "rng.pt")
+    saved = torch.load(tmp_path / "rng.pt", weights_only=True)
+    assert torch.equal(saved["cuda"], torch.tensor([2], dtype=torch.uint8))
+    visible["count"] = 1
+    set_rng_state(saved, torch.device("cuda", 0))
+    assert restored == [(torch.device("cuda", 0), 2)]
+    set_rng_state(saved, torch.device("cpu"))  # a CPU resume of a CUDA run: the CPU streams only
+    assert len(restored) == 1
+
+
+def test_old_checkpoints_with_every_devices_state_still_load(four_gpus):
+    """ddp-recipes <= 0.2 saved every visible device's state in a list: its own entry is restored when the
+    process sees as many devices; otherwise a warning, not a crash."""
+    from ddp_recipes.resume import rng_state, set_rng_state
+
+    visible, restored = four_gpus
+    old = {**rng_state(), "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(4)]}
+    set_rng_state(old, torch.device("cuda", 3))
+    assert restored == [(torch.device("cuda", 3), 3)]
+    visible["count"] = 1
+    with pytest.warns(UserWarning, match=r"CUDA random states of 4 visible device\(s\) by position"):
+        set_rng_state(old, torch.device("cuda", 0))
+    assert len(restored) == 1
+    set_rng_state({**old, "cuda": []}, torch.device("cuda", 0))  # an old CPU run's checkpoint
+    assert len(restored) == 1

@@ -81,8 +81,13 @@ class _ImageDataModule(SplitDataModule):
 
     @property
     def pin_memory(self) -> bool:
-        """The given ``pin_memory``, or True exactly when CUDA is available (pinning only helps H2D copies)."""
-        return torch.cuda.is_available() if self._pin_memory is None else self._pin_memory
+        """The given ``pin_memory``, or True exactly when the trainer trains on CUDA (pinning only helps
+        host-to-device copies). Read when the loaders are built, from the trainer's device: asking
+        ``torch.cuda.is_available()`` would initialise CUDA in every rank of a CPU run on a GPU host."""
+        if self._pin_memory is not None:
+            return self._pin_memory
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return isinstance(device, torch.device) and device.type == "cuda"
 
 
 class SyntheticImageDataModule(_ImageDataModule):
