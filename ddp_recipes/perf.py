@@ -9,6 +9,9 @@
 * **Input wait**: the time the training loop blocks on the next batch (Lightning's
   ``train_dataloader_next``: the loader, and its prefetch of the following batch), per step, from a
   profiler that times that one action.
+* **Step time** (:class:`StepClock`): on CUDA, CUDA events recorded on the stream at each mark, so a
+  figure is device time, not the host's launch queue; read without a synchronize (an event is read once
+  the device has passed it). On CPU the host clock, which is the device's.
 """
 
 from __future__ import annotations
@@ -116,6 +119,39 @@ def flops_summary(flops_per_sample: int | None, samples_per_sec: float | None, w
         "peak_flops_per_sec_per_device": peak_per_device,
         "mfu": round(per_device / peak_per_device, 4) if per_device and peak_per_device else None,
     }
+
+
+# ---- step time ------------------------------------------------------------------------------------------
+
+class StepClock:
+    """Marks points of the training loop and gives the seconds between two marks, in device time.
+
+    ``kind`` is ``"host"`` (``time.perf_counter``; CPU and any non-CUDA device) or ``"cuda-events"``: a
+    ``torch.cuda.Event`` recorded on the current stream, whose ``elapsed_time`` is known once the device
+    reached it. :meth:`seconds` is None until then and never blocks; ``wait=True`` synchronizes on the later
+    event (for reading the figures after training, outside the measured work).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.kind = "cuda-events" if self.device.type == "cuda" else "host"
+
+    def mark(self) -> Any:
+        if self.kind == "host":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: Any, end: Any, wait: bool = False) -> float | None:
+        """Seconds from mark ``start`` to mark ``end``; None while the device has not reached ``end``."""
+        if self.kind == "host":
+            return end - start
+        if not end.query():  # a status read of the event, not a stream synchronize
+            if not wait:
+                return None
+            end.synchronize()
+        return start.elapsed_time(end) / 1000.0
 
 
 # ---- input-pipeline wait -------------------------------------------------------------------------------

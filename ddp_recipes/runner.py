@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,29 +29,49 @@ from ddp_recipes.checkpoint import (
 from ddp_recipes.config import RunConfig, writable_dir
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.perf import flops_summary, input_wait, peak_flops, tf32_state, training_flops_per_sample
+from ddp_recipes.perf import (
+    StepClock,
+    flops_summary,
+    input_wait,
+    peak_flops,
+    tf32_state,
+    training_flops_per_sample,
+)
 from ddp_recipes.preemption import LastCheckpoint
 from ddp_recipes.trainer import build_trainer
 from ddp_recipes.userclass import RecipeClasses, RecordClasses, class_path
 
 
 class ThroughputMeter(Callback):
-    """Steady-state training samples/s over all ranks, from rank-local wall time between optimizer steps,
-    and the fraction of that time the loop waited for its next batch.
+    """Steady-state training samples/s over all ranks, from rank-local time between optimizer steps, and
+    the fraction of that time the loop waited for its next batch.
 
     DDP's gradient all-reduce makes every step a synchronisation point, so one rank's clock measures the
     whole group. The first ``warmup_steps`` intervals (allocator, first all-reduce, bucket rebuild, loader
     workers starting; at most half of a short run) and the time outside training batches (validation,
     epoch ends) are excluded.
+
+    Step time is device time (:class:`~ddp_recipes.perf.StepClock`): CUDA events on CUDA, read once the
+    device has passed them (never a synchronize inside training; the figures' properties wait for the
+    last events, so read them after ``fit``), the host clock on CPU. The input wait is host time (the loop
+    blocked on the loader). Per step this costs a clock mark and a few list operations: no device read.
     """
 
     def __init__(self, warmup_steps: int = 5) -> None:
         self.warmup_steps = warmup_steps
         self.intervals: list[tuple[int, float, float | None]] = []  # (samples over all ranks, seconds, wait s)
         self.example: torch.Tensor | None = None  # the first batch's input, for the FLOP count
-        self.first_step_s: float | None = None  # the fit's first batch: with --compile, its compilation
-        self._last: float | None = None
-        self._first_start: float | None = None
+        self.clock: StepClock | None = None
+        self._first_step: float | None = None
+        self._first: tuple[Any, Any] | None = None  # marks around the fit's first batch, until read
+        self._pending: deque[tuple[int, Any, Any, float | None]] = deque()  # intervals the device has not reached
+        self._last: Any = None
+        self._first_start: Any = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.clock is None:
+            self.clock = StepClock(trainer.strategy.root_device)
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -64,8 +85,7 @@ class ThroughputMeter(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._first_start is None:
-            self._first_start = time.perf_counter()
-        if self.example is None:
+            self._first_start = self._clock(trainer).mark()
             first = batch[0] if isinstance(batch, list | tuple) and batch else batch
             if torch.is_tensor(first):
                 self.example = torch.empty(first.shape, dtype=first.dtype, device="meta")
@@ -73,14 +93,45 @@ class ThroughputMeter(Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        now = time.perf_counter()
-        if self.first_step_s is None and self._first_start is not None:
-            self.first_step_s = now - self._first_start
+        clock = self._clock(trainer)
+        now = clock.mark()
+        if self._first is None and self._first_step is None and self._first_start is not None:
+            self._first = (self._first_start, now)
         if self._last is not None:
-            self.intervals.append((_batch_len(batch) * trainer.world_size, now - self._last, input_wait(trainer)))
+            self._pending.append((_batch_len(batch) * trainer.world_size, self._last, now, input_wait(trainer)))
+            self._collect(wait=False)
         self._last = now
 
+    def _clock(self, trainer: L.Trainer) -> StepClock:
+        if self.clock is None:  # a batch hook before on_train_start (a subclass, or a test driving hooks)
+            self.clock = StepClock(trainer.strategy.root_device)
+        return self.clock
+
+    def _collect(self, wait: bool) -> None:
+        """Move the intervals whose end the device has reached (all of them with ``wait``) to ``intervals``."""
+        clock = self.clock
+        if clock is None:
+            return
+        while self._pending:
+            samples, start, end, waited = self._pending[0]
+            seconds = clock.seconds(start, end, wait=wait)
+            if seconds is None:
+                break  # later marks are later on the stream: not reached either
+            self._pending.popleft()
+            self.intervals.append((samples, seconds, waited))
+        if self._first is not None:
+            seconds = clock.seconds(*self._first, wait=wait)
+            if seconds is not None:
+                self._first_step, self._first = seconds, None
+
+    @property
+    def first_step_s(self) -> float | None:
+        """Seconds of the fit's first batch (with --compile, its compilation); device time on CUDA."""
+        self._collect(wait=True)
+        return self._first_step
+
     def _steady(self) -> list[tuple[int, float, float | None]]:
+        self._collect(wait=True)
         return self.intervals[min(self.warmup_steps, len(self.intervals) // 2):]
 
     @property
@@ -107,6 +158,8 @@ class ThroughputMeter(Callback):
 def _batch_len(batch: Any) -> int:
     """Samples in a batch, by Lightning's own rule (the first tensor's leading dimension, also inside dicts
     and lists; a dict's keys are not samples); 1 when nothing in it has a length."""
+    if isinstance(batch, list | tuple) and batch and torch.is_tensor(batch[0]) and batch[0].ndim:
+        return int(batch[0].shape[0])  # the common (x, y) case, without Lightning's tree walk each step
     try:
         return int(extract_batch_size(batch))
     except (MisconfigurationException, RecursionError, TypeError):

@@ -5,6 +5,7 @@
     python -m ddp_recipes.bench predict --step-ms 97 --params 25.6e6 --devices 8 --link nvlink2
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8
     python -m ddp_recipes.bench peak --device-name "NVIDIA H200" --precision bf16-mixed   # MFU's denominator
+    python -m ddp_recipes.bench overhead --data-dir data --val-size 5000   # the pack vs plain Lightning, 1 process
 
 Every measured run is a fresh set of processes (``ddp_recipes.bench.workers``). Output in ``--out``:
 results.json, report.md (also printed), speedup.png, and a final one-line summary.
@@ -362,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_recipes.bench.loader import main as loader_main
 
         return loader_main(argv[1:])
+    if argv and argv[0] == "overhead":
+        from ddp_recipes.bench.overhead import main as overhead_main
+
+        return overhead_main(argv[1:])
     parser = build_parser(BenchConfig, prog=PROG, description=__doc__)  # type: ignore[arg-type]
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     try:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, TensorDataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp_recipes.errors import CheckpointError
@@ -69,6 +69,21 @@ def seed_all(value: int) -> None:
     torch.default_generator.manual_seed(value)
 
 
+def draws_random_numbers(dataset: Dataset) -> bool:
+    """Whether fetching from ``dataset`` may draw random numbers (augmentation), so needs per-sample seeds.
+
+    False for a plain ``TensorDataset`` (indexing in-memory tensors draws nothing) and for a dataset whose
+    ``draws_random_numbers`` attribute says so (:class:`~ddp_recipes.data.samplers.TensorBatchDataset`);
+    True otherwise, subclasses of ``TensorDataset`` included (they may add a random transform). Seeding
+    costs about a third of an MNIST-MLP step (python, numpy and torch RNG states saved and restored per
+    batch), so it is skipped where it cannot change a batch.
+    """
+    declared = getattr(dataset, "draws_random_numbers", None)
+    if isinstance(declared, bool):
+        return declared
+    return type(dataset) is not TensorDataset
+
+
 class _RestoredRNG:
     """Save python/numpy/torch-CPU RNG state on enter, put it back on exit."""
 
@@ -93,6 +108,8 @@ class SeededDataset(Dataset):
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
+        # Read by ResumableSampler: without randomness to seed, its indices need not carry the epoch.
+        self.draws_random_numbers = draws_random_numbers(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -109,13 +126,17 @@ class SeededDataset(Dataset):
             return fetch()
 
     def __getitem__(self, key: Any) -> Any:
+        if not self.draws_random_numbers:
+            return self.dataset[key]
         return self._seeded(key, lambda: self.dataset[int(key)])
 
     def __getitems__(self, keys: list[Any]) -> Any:
+        many = getattr(self.dataset, "__getitems__", None)
+        if not self.draws_random_numbers:  # plain int keys (see ResumableSampler): straight through
+            return many(keys) if many is not None else [self.dataset[k] for k in keys]
         # Datasets that fetch whole batches at once (in-memory tensors) get one seed per batch, from its
         # first sample: the same batches at the same world size and batch size draw the same numbers.
         plain = [int(k) for k in keys]
-        many = getattr(self.dataset, "__getitems__", None)
         if many is None:
             return [self[k] for k in keys]
         return self._seeded(keys[0], lambda: many(plain)) if keys else many(plain)
@@ -128,7 +149,9 @@ class ResumableSampler(DistributedSampler):
     prefix of the epoch's permutation is skipped, the rest is padded and sharded as the parent does.
     At the same world size this is exactly the rest of every rank's shard; at another one, the rest of
     the epoch re-sharded. ``__len__`` stays the full shard, as Lightning counts batches from there.
-    Yields :class:`SampleKey` indices (plain ints that also carry the epoch).
+    Yields :class:`SampleKey` indices (plain ints that also carry the epoch), or plain ints when the
+    dataset draws no random numbers (``draws_random_numbers`` False: nothing to seed, and a key object
+    per sample would cost ~2.5 us each at every epoch start).
     """
 
     def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, drop_last: bool = False) -> None:
@@ -166,6 +189,8 @@ class ResumableSampler(DistributedSampler):
                 # The parent pads with the permutation's head: same rule, so a same-world resume matches.
                 rest += (order * math.ceil(pad / len(order)))[:pad]
         shard = rest[self.rank::self.num_replicas]
+        if not getattr(self.dataset, "draws_random_numbers", True):
+            return iter(shard)
         return iter([SampleKey(i, self.epoch) for i in shard])
 
 

@@ -99,6 +99,13 @@ class TensorBatchDataset(TensorDataset):
     :func:`keep_batch` then passes the ready batch through instead of collating it.
     """
 
+    @property
+    def draws_random_numbers(self) -> bool:
+        """Whether a fetch may draw random numbers (read by the resumable loader, which then seeds it): not
+        for this class; a subclass may override ``__getitem__``/``__getitems__`` with a random transform."""
+        cls = type(self)
+        return not (cls.__getitem__ is TensorDataset.__getitem__ and cls.__getitems__ is TensorBatchDataset.__getitems__)
+
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         index = torch.as_tensor(indices, dtype=torch.long)
         return tuple(t[index] for t in self.tensors)

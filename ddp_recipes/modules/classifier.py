@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torchmetrics import MeanMetric, Metric
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.ema import ModelEMA
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.modules.logging import TrainLossLogging
+from ddp_recipes.modules.logging import SyncFreeMean, TrainLossLogging
 from ddp_recipes.optim import build_optimizer
 from ddp_recipes.schedules import lightning_reference_scheduler, lightning_scheduler
 
@@ -124,7 +124,7 @@ class ImageClassifier(TrainLossLogging):
         if "loss" in metrics:
             raise ConfigError(f"{type(self).__name__}.build_metrics() returns a metric named 'loss', which would be "
                               "logged as val_loss twice (the loss is logged already); rename it")
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_loss, self.test_loss = SyncFreeMean(), SyncFreeMean()  # no host read per batch
         self.val_metrics = nn.ModuleDict(metrics)
         self.test_metrics = nn.ModuleDict(self.build_metrics())
         names = [f"val_{name}" for name in self.val_metrics] + ["val_loss"]
@@ -151,7 +151,7 @@ class ImageClassifier(TrainLossLogging):
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
         x, y = batch
         logits = self(x)
-        loss_metric: MeanMetric = getattr(self, f"{stage}_loss")
+        loss_metric: SyncFreeMean = getattr(self, f"{stage}_loss")
         # Weighted by batch size so a short last batch counts per sample, as in a 1-device run.
         loss_metric.update(self.loss(logits, y, stage), weight=x.shape[0])
         self.log(f"{stage}_loss", loss_metric, on_step=False, on_epoch=True)
@@ -181,12 +181,12 @@ class ImageClassifier(TrainLossLogging):
         tensors = {f"model.{name}": t for name, t in chain(network.named_parameters(), network.named_buffers())}
         return torch.func.functional_call(self, tensors, (x,), strict=False)
 
-    def _ema_metrics(self, stage: str, device: torch.device) -> tuple[MeanMetric, nn.ModuleDict]:
+    def _ema_metrics(self, stage: str, device: torch.device) -> tuple[SyncFreeMean, nn.ModuleDict]:
         """The ``_ema`` twins of the stage's metrics, made on first use: a module or checkpoint of a run
         without EMA never has them, and their states stay out of checkpoints (non-persistent)."""
         name = f"{stage}_metrics_ema"
         if not hasattr(self, name):
-            loss, metrics = MeanMetric(), nn.ModuleDict(self.build_metrics())
+            loss, metrics = SyncFreeMean(), nn.ModuleDict(self.build_metrics())
             for metric in (loss, *metrics.values()):
                 metric.persistent(False)
             setattr(self, f"{stage}_loss_ema", loss.to(device))

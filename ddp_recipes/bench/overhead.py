@@ -1,0 +1,237 @@
+"""``python -m ddp_recipes.bench overhead``: what the pack adds to a training step, against plain Lightning.
+
+    python -m ddp_recipes.bench overhead --data-dir data --val-size 5000 --rounds 3
+    python -m ddp_recipes.bench overhead --steps 600 --threads 1 --out bench-results/overhead.json
+
+One process, one device. Each round fits the MNIST module twice, in alternating order: **pack** is the
+MNIST recipe's path (``run_fit_test`` with the recipe's checkpoint callbacks, ``build_trainer``, the
+resumable loader over in-memory tensors, diagnostics, CSV logs, progress bar) and **plain** is a
+``lightning.Trainer`` a user would write for the same LightningModule and the same in-memory tensors
+(a shuffled ``DataLoader``, the same CSV logger, log cadence and progress bar). Both are timed by the
+same callback (host clock between consecutive training batch ends, epoch boundaries and validation
+excluded, the first ``--warmup-steps`` dropped). The pack's own ``summary.json`` figures
+(``train_samples_per_sec``, ``input_wait_fraction``) are recorded beside it.
+
+Writes ``--out`` (JSON: every round, medians, the spread of the per-round pack/plain ratio) and prints one
+line: ``overhead pack/plain <median> (<min>-<max>) ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from ddp_recipes.choices import MNIST_ARCHS
+from ddp_recipes.config import RunConfig
+from ddp_recipes.data.base import SplitDataModule
+from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.perf import InputWaitProfiler
+
+PROG = "python -m ddp_recipes.bench overhead"
+LOG_EVERY_N_STEPS = 10  # make_trainer's cadence: both trainers log alike
+PROGRESS_REFRESH = 20  # make_trainer's progress bar: both trainers draw alike
+
+
+class StepTimer(Callback):
+    """Host-clock seconds between consecutive training batch ends, outside epoch boundaries and validation."""
+
+    def __init__(self) -> None:
+        self.intervals: list[float] = []
+        self.waits: list[float | None] = []
+        self._last: float | None = None
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last = None
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last = None
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.intervals.append(now - self._last)
+            profiler = trainer.profiler
+            self.waits.append(profiler.last_wait if isinstance(profiler, InputWaitProfiler) else None)
+        self._last = now
+
+    def figures(self, batch: int, warmup: int) -> dict[str, Any]:
+        steady, waits = self.intervals[warmup:], self.waits[warmup:]
+        if not steady:
+            return {"samples_per_sec": None, "step_ms_median": None, "input_wait_fraction": None, "steps": 0}
+        wait = sum(waits) / sum(steady) if all(w is not None for w in waits) else None
+        return {"samples_per_sec": round(batch * len(steady) / sum(steady), 1),
+                "step_ms_median": round(1000 * statistics.median(steady), 4),
+                "input_wait_fraction": round(wait, 4) if wait is not None else None, "steps": len(steady)}
+
+
+class _Tensors(SplitDataModule):
+    """The pack's data path (resumable loader, exact evaluation) over given in-memory tensors."""
+
+    def __init__(self, train: TensorBatchDataset, val: TensorBatchDataset, batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.train_set, self.val_set, self.test_set = train, val, val
+        self.batch_size, self.seed, self.num_workers, self.pin_memory = batch_size, seed, 0, False
+
+
+def load_data(data_dir: str, val_size: int, samples: int, seed: int) -> tuple[TensorBatchDataset, TensorBatchDataset]:
+    """MNIST's train split normalised in memory as the recipe does (``data_dir``), or synthetic tensors of its
+    shape; ``val_size`` images held out by a fixed-seed permutation, as MNISTDataModule does."""
+    if data_dir:
+        from ddp_recipes.data.mnist import load_split
+
+        images, labels = load_split(data_dir, train=True)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        images, labels = torch.randn(samples, 1, 28, 28, generator=g), torch.randint(0, 10, (samples,), generator=g)
+    if val_size >= len(labels):
+        raise ConfigError(f"{{val_size}} {val_size} leaves no training data ({len(labels)} images)")
+    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    val, train = perm[:val_size], perm[val_size:]
+    return TensorBatchDataset(images[train], labels[train]), TensorBatchDataset(images[val], labels[val])
+
+
+def run_pack(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBatchDataset, out: Path) -> dict:
+    """The MNIST recipe's fit (recipes.mnist.main without the flag parsing and the test pass)."""
+    from ddp_recipes.modules.mnist import MNISTClassifier
+    from ddp_recipes.runner import checkpoint_callbacks, run_fit_test
+
+    cfg = RunConfig(devices=1, accelerator=args.accelerator, max_steps=args.steps + args.warmup_steps,
+                    batch_size=args.batch_size, seed=args.seed, output_dir=str(out), num_workers=0)
+    timer = StepTimer()
+    data = _Tensors(train, val, args.batch_size, args.seed)
+    summary = run_fit_test(cfg, lambda: MNISTClassifier(arch=args.arch, lr=cfg.plan.lr), data, cfg.plan.lr,
+                           callbacks=[*checkpoint_callbacks(cfg, len(val) > 0, MNISTClassifier), timer],
+                           test=False, save_final=False)
+    return {**timer.figures(args.batch_size, args.warmup_steps),
+            "summary_samples_per_sec": summary.get("train_samples_per_sec"),
+            "summary_input_wait_fraction": summary.get("input_wait_fraction")}
+
+
+def run_plain(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBatchDataset, out: Path) -> dict:
+    """A plain ``lightning.Trainer`` on the same module and tensors, logging and drawing as the pack does."""
+    from ddp_recipes.modules.mnist import MNISTClassifier
+
+    L.seed_everything(args.seed, verbose=False)
+    timer = StepTimer()
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_steps=args.steps + args.warmup_steps,
+                        logger=CSVLogger(out, name="logs"), log_every_n_steps=LOG_EVERY_N_STEPS,
+                        default_root_dir=out, profiler=InputWaitProfiler(),
+                        callbacks=[TQDMProgressBar(refresh_rate=PROGRESS_REFRESH), timer])
+    module = MNISTClassifier(arch=args.arch, lr=0.01)
+    val_loader = DataLoader(val, batch_size=args.batch_size, collate_fn=keep_batch) if len(val) else None
+    trainer.fit(module, DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=keep_batch),
+                val_loader)
+    return timer.figures(args.batch_size, args.warmup_steps)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every round, pack and plain interleaved (the order alternates), then medians and spreads."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train, val = load_data(args.data_dir, args.val_size, args.samples, args.seed)
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="overhead-") as scratch:
+        for r in range(args.rounds):
+            order = ("plain", "pack") if r % 2 == 0 else ("pack", "plain")
+            row: dict[str, Any] = {"round": r, "order": list(order)}
+            for impl in order:
+                out = Path(scratch) / f"{impl}-{r}"
+                row[impl] = (run_pack if impl == "pack" else run_plain)(args, train, val, out)
+            a, b = row["pack"]["samples_per_sec"], row["plain"]["samples_per_sec"]
+            row["pack_over_plain"] = round(a / b, 4) if a and b else None
+            rounds.append(row)
+            print(json.dumps({"round": r, "pack": a, "plain": b, "ratio": row["pack_over_plain"],
+                              "pack_input_wait": row["pack"]["input_wait_fraction"]}), flush=True)
+    return {"config": vars(args), "torch_version": torch.__version__, "lightning_version": L.__version__,
+            "torch_threads": torch.get_num_threads(), "rounds": rounds, "summary": summarize(rounds)}
+
+
+def _stats(values: list[float | None]) -> dict[str, float | None]:
+    known = [v for v in values if v is not None]
+    if not known:
+        return {"median": None, "min": None, "max": None}
+    return {"median": round(statistics.median(known), 4), "min": min(known), "max": max(known)}
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"pack_over_plain": _stats([r["pack_over_plain"] for r in rounds]),
+            "pack_samples_per_sec": _stats([r["pack"]["samples_per_sec"] for r in rounds]),
+            "plain_samples_per_sec": _stats([r["plain"]["samples_per_sec"] for r in rounds]),
+            "pack_input_wait_fraction": _stats([r["pack"]["input_wait_fraction"] for r in rounds]),
+            "plain_input_wait_fraction": _stats([r["plain"]["input_wait_fraction"] for r in rounds]),
+            "pack_summary_input_wait_fraction": _stats([r["pack"]["summary_input_wait_fraction"] for r in rounds])}
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    ratio, wait = s["pack_over_plain"], s["pack_input_wait_fraction"]
+    return (f"overhead pack/plain {ratio['median']} ({ratio['min']}-{ratio['max']}) over {len(result['rounds'])} "
+            f"rounds; samples/s pack {s['pack_samples_per_sec']['median']} plain {s['plain_samples_per_sec']['median']}; "
+            f"pack input wait {wait['median']} ({wait['min']}-{wait['max']}) of step time")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default="", help="folder holding MNIST/raw (empty: synthetic tensors of MNIST's shape)")
+    p.add_argument("--val-size", type=int, default=0, help="images held out for validation, as the recipe's --val-size")
+    p.add_argument("--samples", type=int, default=20000, help="synthetic images when --data-dir is empty")
+    p.add_argument("--arch", default="mlp", choices=MNIST_ARCHS, help="the MNIST module's network")
+    p.add_argument("--batch-size", type=int, default=64, help="per-device batch (the recipe's default)")
+    p.add_argument("--steps", type=int, default=400, help="timed steps per fit, after the warm-up")
+    p.add_argument("--warmup-steps", type=int, default=20, help="step intervals dropped at the start of each fit")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of pack and plain, interleaved")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"), help="the device of both fits")
+    p.add_argument("--seed", type=int, default=42, help="seed of the data split, the model and the order")
+    p.add_argument("--out", default="bench-results/overhead.json", help="the JSON file to write")
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    for name in ("batch_size", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"{{{name}}} must be >= 1 (got {getattr(args, name)})")
+    for name in ("val_size", "warmup_steps", "threads"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"{{{name}}} must be >= 0 (got {getattr(args, name)})")
+    if args.data_dir and not (Path(args.data_dir) / "MNIST" / "raw").is_dir():
+        raise ConfigError(f"{{data_dir}} {args.data_dir!r} has no MNIST/raw folder; pass the folder that holds it")
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("{accelerator} cuda but no CUDA device is visible; use {accelerator} cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ddp_recipes.config import fail
+
+    args = _parser().parse_args(argv)
+    try:
+        validate(args)
+    except ConfigError as err:
+        fail(err.cli(), PROG)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's per-fit hints (num_workers, ...) would bury the figures
+        result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    print(summary_line(result))
+    return 0

@@ -1,0 +1,158 @@
+"""A pack training step reads the device from the host no more often than plain Lightning's (issue #20.4).
+
+Counted, not timed: a ``TorchDispatchMode`` counts ``aten._local_scalar_dense`` (``.item()``, ``float(t)``)
+and ``aten.is_nonzero`` (``bool(t)``, ``if t:``) over a steady-state window of training steps, for the
+MNIST recipe's path (``run_fit_test`` with the recipe's callbacks, ``build_trainer``, resumable loader,
+diagnostics) and for a plain ``lightning.Trainer`` running the same module on the same tensors. On CPU
+these reads cost little, but each is a stream stall on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+
+from ddp_recipes.bench.overhead import _Tensors
+from ddp_recipes.config import RunConfig
+from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+from ddp_recipes.modules.logging import SyncFreeMean
+from ddp_recipes.modules.mnist import MNISTClassifier
+from ddp_recipes.runner import checkpoint_callbacks, make_trainer, run_fit_test
+
+HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero")
+BATCH, START, WINDOW = 16, 12, 24  # steps 12..36 of a 200-step epoch: no epoch end, no first-step work
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostReadCounter(Callback):
+    """Counts every aten op from the end of step ``START`` to the end of step ``START + WINDOW``: whole steps,
+    every hook of every callback included (the mode is entered in one batch-end hook, left in a later one)."""
+
+    def __init__(self) -> None:
+        self.mode: _CountOps | None = None
+        self.ops: Counter[str] = Counter()
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx == START:
+            self.mode = _CountOps()
+            self.mode.__enter__()
+        elif batch_idx == START + WINDOW and self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.ops, self.steps, self.mode = self.mode.ops, WINDOW, None
+
+    def host_reads(self) -> int:
+        return sum(self.ops[name] for name in HOST_READS)
+
+
+def _data() -> tuple[TensorBatchDataset, TensorBatchDataset]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3264, 1, 28, 28, generator=g), torch.randint(0, 10, (3264,), generator=g)
+    return TensorBatchDataset(x[:3200], y[:3200]), TensorBatchDataset(x[3200:], y[3200:])
+
+
+def _pack(tmp_path, extra: list[Callback] = ()) -> HostReadCounter:
+    train, val = _data()
+    cfg = RunConfig(devices=1, accelerator="cpu", max_steps=START + WINDOW + 2, batch_size=BATCH,
+                    output_dir=str(tmp_path / "pack"), num_workers=0)
+    counter = HostReadCounter()
+    # The recipe's own callbacks and logging (recipes.mnist.main, without its flag parsing and test pass).
+    run_fit_test(cfg, lambda: MNISTClassifier(lr=cfg.plan.lr), _Tensors(train, val, BATCH, cfg.seed), cfg.plan.lr,
+                 callbacks=[*checkpoint_callbacks(cfg, True, MNISTClassifier), counter, *extra], test=False,
+                 save_final=False)
+    return counter
+
+
+def _plain(tmp_path) -> HostReadCounter:
+    train, val = _data()
+    counter = HostReadCounter()
+    # What a user writes with Lightning alone, logging and drawing at the pack's cadence (make_trainer's).
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=START + WINDOW + 2, default_root_dir=tmp_path,
+                        logger=CSVLogger(tmp_path / "plain", name="logs"), log_every_n_steps=10,
+                        callbacks=[TQDMProgressBar(refresh_rate=20), counter])
+    trainer.fit(MNISTClassifier(lr=0.01), DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=keep_batch),
+                DataLoader(val, batch_size=BATCH, collate_fn=keep_batch))
+    return counter
+
+
+class _ReadsLoss(Callback):
+    """The mistake the test must catch: a pack-style callback that reads the loss on the host every step."""
+
+    def __init__(self) -> None:
+        self.seen = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen += outputs["loss"].item()
+
+
+def test_a_pack_step_reads_the_device_no_more_than_plain_lightning(tmp_path):
+    pack, plain = _pack(tmp_path), _plain(tmp_path)
+    assert pack.steps == plain.steps == WINDOW
+    # The window really saw the steps: forward, backward and the optimizer ran inside the mode.
+    for counted in (pack, plain):
+        assert counted.ops["aten::addmm"] >= WINDOW and counted.ops["aten::_foreach_add_"] + counted.ops["aten::add_"] > 0
+    assert pack.host_reads() <= plain.host_reads(), (
+        f"pack {dict((k, pack.ops[k]) for k in HOST_READS)} vs plain {dict((k, plain.ops[k]) for k in HOST_READS)} "
+        f"over {WINDOW} steps")
+
+
+@pytest.mark.slow
+def test_the_count_sees_one_item_per_step_in_a_callback(tmp_path):
+    base = _pack(tmp_path / "base")
+    added = _pack(tmp_path / "added", extra=[_ReadsLoss()])
+    assert added.host_reads() - base.host_reads() == WINDOW
+
+
+def test_sync_free_mean_is_the_weighted_mean_and_keeps_nan():
+    metric = SyncFreeMean()
+    metric.update(torch.tensor(2.0), weight=3)
+    metric.update(torch.tensor(4.0), weight=1)
+    metric.update(torch.tensor([1.0, 3.0]))  # a vector: each element weight 1
+    assert torch.isclose(metric.compute(), torch.tensor((6 + 4 + 4) / 6))
+    metric.update(torch.tensor([1.0, 2.0]), weight=torch.tensor([0.0, 2.0]))
+    assert torch.isclose(metric.compute(), torch.tensor((14 + 4) / 8))
+    metric.update(torch.tensor(float("nan")), weight=2)
+    assert torch.isnan(metric.compute())  # not silently dropped
+
+
+def test_sync_free_mean_update_makes_no_host_read():
+    metric = SyncFreeMean()
+    with _CountOps() as mode:
+        metric.update(torch.tensor(0.5), weight=64)
+    assert not any(mode.ops[name] for name in HOST_READS), dict(mode.ops)
+
+
+@pytest.mark.parametrize("make", ["make_trainer"])
+def test_the_recipe_trainer_keeps_its_log_cadence(tmp_path, make):
+    # The window above compares at make_trainer's cadence; if it changes, the plain side must follow.
+    cfg = RunConfig(devices=1, accelerator="cpu", max_steps=2, output_dir=str(tmp_path))
+    assert make_trainer(cfg).log_every_n_steps == 10
+
+
+def test_the_modules_training_step_makes_no_host_read():
+    # Shared by both sides above, so counted here on its own: MeanMetric's default NaN check would be one
+    # aten.is_nonzero per step (``if nans.any()``).
+    module = MNISTClassifier()
+    batch = (torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,)))
+    with _CountOps() as mode:
+        module.training_step(batch, 0)
+    assert mode.ops["aten::addmm"] == 2  # the step ran inside the mode
+    assert not any(mode.ops[name] for name in HOST_READS), {k: mode.ops[k] for k in HOST_READS}
