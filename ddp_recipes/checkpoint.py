@@ -100,13 +100,18 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
     one-line warning each; None when there is none. Ties go to last.ckpt, then the newest hpc_ckpt_N, then
     by name: every rank resolves this on its own before the process group exists, so the rule uses what
     the files say, not their write times."""
-    best: tuple[tuple[int, int, float], Path] | None = None
-    for path in checkpoint_candidates(output_dir):
+    return newest_of(checkpoint_candidates(output_dir))
+
+
+def newest_of(paths: list[Path], asked: str = "--resume auto") -> str | None:
+    """:func:`newest_checkpoint`'s rule over ``paths``; ``asked`` names the request in the warnings."""
+    best: tuple[tuple[int, int, tuple[int, int, str]], Path] | None = None
+    for path in paths:
         try:
             step, epoch = checkpoint_position(path)
         except Exception as err:  # truncated zip, garbage, not a checkpoint: skip it, keep looking
             reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-            rank_zero_warn(f"--resume auto: skipping {path}: not a readable checkpoint ({reason})")
+            rank_zero_warn(f"{asked}: skipping {path}: not a readable checkpoint ({reason})")
             continue
         key = (step, epoch, _tie_rank(path))
         if best is None or key > best[0]:

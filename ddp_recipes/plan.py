@@ -7,12 +7,14 @@ DataModules. A :class:`~ddp_recipes.config.RunConfig` says what was asked; a :cl
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddp_recipes.choices import COMM_HOOKS, LR_SCALING_RULES, check_choice
-from ddp_recipes.errors import ConfigError
+from ddp_recipes.choices import COMM_HOOKS, LR_SCALING_RULES, START_METHODS, check_choice
+from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.schedules import scale_lr
 from ddp_recipes.world import (
     check_devices,
@@ -20,6 +22,75 @@ from ddp_recipes.world import (
     resolve_precision,
     resolve_world,
 )
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{{{name}}} must be True or False (got {lit(repr(value))})", name)
+    return value
+
+
+def _seconds(name: str, value: Any) -> float:
+    """A positive, finite number of seconds from a number, a numeric string ("30") or a timedelta."""
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, str):
+        try:
+            seconds = float(seconds)
+        except ValueError:
+            pass
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < 10**9:
+        raise ConfigError(f"{{{name}}} must be > 0 seconds and finite: a number, a numeric string or a "
+                          f"timedelta (got {lit(repr(value))})", name)
+    return float(seconds)
+
+
+def _positive_mb(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"{{{name}}} must be > 0 (MiB; got {lit(repr(value))})", name)
+    return value
+
+
+def _int_at_least(low: int, why: str = "") -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{{{name}}} must be an integer >= {low}{why} (got {lit(repr(value))})", name)
+        return value
+    return check
+
+
+def _seed(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{{{name}}} must be an integer (got {lit(repr(value))})", name)
+    return value
+
+
+# The one check of every DDP value, whoever receives it (DDPOptions from a config or build_trainer's
+# keywords, TunedDDPStrategy from a user's Trainer(strategy=...)). Each returns the value normalised.
+_DDP_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "find_unused_parameters": _flag,
+    "static_graph": _flag,
+    "gradient_as_bucket_view": _flag,
+    "broadcast_buffers": _flag,
+    "sync_batchnorm": _flag,
+    "nccl_p2p_disable": _flag,
+    "comm_hook": lambda name, value: check_choice(name, value, COMM_HOOKS) or value,
+    "start_method": lambda name, value: check_choice(name, value, START_METHODS) or value,
+    "bucket_cap_mb": _positive_mb,
+    "timeout_s": _seconds,
+    "timeout": lambda name, value: timedelta(seconds=_seconds(name, value)),
+    # PowerSGD: rank 0 would compress to nothing; DDP rebuilds its buckets after the first iteration and
+    # the error feedback needs them stable, so compression starts at iteration 2 at the earliest.
+    "powersgd_rank": _int_at_least(1),
+    "powersgd_start_iter": _int_at_least(2, " (DDP rebuilds its buckets after the first iteration)"),
+    "seed": _seed,
+}
+
+
+def check_ddp_values(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` checked and normalised (``timeout`` -> timedelta, ``timeout_s`` -> float); None means
+    unset and passes. A :class:`ConfigError` naming the parameter for the first bad one."""
+    return {name: _DDP_CHECKS[name](name, value) if value is not None and name in _DDP_CHECKS else value
+            for name, value in values.items()}
 
 
 @dataclass(frozen=True)
@@ -34,11 +105,8 @@ class DDPOptions:
     timeout_s: float | None = None  # None: torch's default collective timeout
 
     def __post_init__(self) -> None:
-        check_choice("comm_hook", self.comm_hook, COMM_HOOKS)
-        if self.bucket_cap_mb is not None and not 0 < self.bucket_cap_mb < float("inf"):
-            raise ConfigError(f"{{bucket_cap_mb}} must be > 0 (got {self.bucket_cap_mb})")
-        if self.timeout_s is not None and not 0 < self.timeout_s < 10**9:
-            raise ConfigError(f"{{timeout_s}} must be > 0 seconds and finite (got {self.timeout_s})")
+        for name, value in check_ddp_values(dataclasses.asdict(self)).items():
+            object.__setattr__(self, name, value)  # frozen; "30" -> 30.0 for timeout_s
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~ddp_recipes.strategy.TunedDDPStrategy` these options set."""

@@ -29,11 +29,16 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 LAST = "last.ckpt"
+RECIPE_RESUME = "rerun with --resume auto"
+# What a build_trainer user does instead (their script has no --resume flag).
+LIBRARY_RESUME = 'run the script again with trainer.fit(..., ckpt_path="last") to continue from it'
 
 
 LAUNCHER_PID_VAR = "DDP_RECIPES_LAUNCHER_PID"  # in the environment of the ranks Lightning launched, only
@@ -135,11 +140,14 @@ class LastCheckpoint(Checkpoint):
     A ``Checkpoint`` subclass, so Lightning runs its epoch-end hook after the LightningModule's.
     """
 
-    def __init__(self, dirpath: str | os.PathLike, every_n_steps: int = 0) -> None:
+    def __init__(self, dirpath: str | os.PathLike | None, every_n_steps: int = 0,
+                 resume_hint: str = RECIPE_RESUME) -> None:
         if every_n_steps < 0:
             raise ValueError(f"--checkpoint-every-n-steps must be >= 0 (got {every_n_steps})")
-        self.dirpath = Path(dirpath)
+        # None: set before fit (build_trainer puts it under the Trainer's default_root_dir).
+        self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
+        self.resume_hint = resume_hint  # the preemption message's last words: how to continue
         self._seen_step = -1
         self._saved_step = -1
         self._signals: _FlagSignalConnector | None = None
@@ -214,7 +222,7 @@ class LastCheckpoint(Checkpoint):
         requeued = self._requeue(trainer, signum)
         name = signal.Signals(signum).name
         message = (f"preempted by {name} at step {trainer.global_step} (epoch {trainer.current_epoch}): checkpoint "
-                   f"saved to {self.path}{requeued}; rerun with --resume auto")
+                   f"saved to {self.path}{requeued}; {self.resume_hint}")
         if trainer.is_global_zero:
             print(message, file=sys.stderr, flush=True)
         raise Preempted(signum, message)
@@ -235,3 +243,43 @@ class LastCheckpoint(Checkpoint):
         except (OSError, subprocess.TimeoutExpired) as err:
             ok, detail = False, [str(err)]
         return f"; SLURM job {job_id} requeued" if ok else f"; requeueing SLURM job {job_id} failed ({detail})"
+
+
+class _LastAwareCheckpointConnector(_CheckpointConnector):
+    """Lightning's checkpoint connector, with ``ckpt_path="last"`` meaning the newest *complete*
+    checkpoint among :class:`LastCheckpoint`'s folder and every ``ModelCheckpoint``'s ``last*.ckpt``.
+
+    Lightning's own "last" knows only ``ModelCheckpoint`` and picks by file time; here the checkpoint's own
+    step decides (every rank resolves it alone, before the process group exists) and unreadable files are
+    skipped. No checkpoint yet: a fresh start, as Lightning does, so one script serves both runs.
+    """
+
+    @override
+    def _parse_ckpt_path(self, state_fn: TrainerFn, ckpt_path: Any, model_provided: bool,
+                         model_connected: bool) -> Any:
+        if ckpt_path != "last":
+            return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from ddp_recipes.checkpoint import newest_of
+
+        candidates: list[Path] = []
+        folders = [c.dirpath for c in self.trainer.callbacks if isinstance(c, LastCheckpoint) and c.dirpath]
+        for folder in folders:
+            candidates += [p for p in sorted(folder.glob("*.ckpt")) if p.is_file() and not p.name.startswith(".")]
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                candidates += [Path(p) for p in sorted(callback._find_last_checkpoints(self.trainer))]
+        found = newest_of(list(dict.fromkeys(candidates)), asked='ckpt_path="last"')
+        if found is None:
+            where = ", ".join(str(f) for f in folders) or "the checkpoint folders"
+            rank_zero_info(f'ckpt_path="last": no checkpoint in {where} yet; starting from the beginning')
+        return found
+
+
+def find_last_checkpoint(trainer: L.Trainer) -> None:
+    """Make ``trainer.fit(..., ckpt_path="last")`` resolve as :class:`_LastAwareCheckpointConnector` does.
+    The connector keeps its state; only its class changes (Lightning creates it in ``Trainer.__init__``)."""
+    connector = trainer._checkpoint_connector
+    if type(connector) is _CheckpointConnector:
+        connector.__class__ = _LastAwareCheckpointConnector

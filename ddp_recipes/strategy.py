@@ -34,12 +34,13 @@ unchanged. What it changes or adds, each for a reason:
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import os
 import re
 import sys
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
@@ -52,9 +53,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_recipes.choices import COMM_HOOKS, check_choice
 from ddp_recipes.commhooks import ResumablePowerSGD
-from ddp_recipes.errors import ConfigError
+from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported these from here
     ASYNC_ERROR_HANDLING_VARS,
     CHILD_GRACE_S,
@@ -68,13 +68,11 @@ from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported the
     stale_after,
     stop_processes,
 )
+from ddp_recipes.plan import DDPOptions, check_ddp_values
 from ddp_recipes.preemption import die_with_launcher, tag_children_with_launcher
 from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.syncbn import SyncBatchNormPlugin
 from ddp_recipes.world import check_bf16_device
-
-if TYPE_CHECKING:
-    from ddp_recipes.plan import DDPOptions
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +102,18 @@ class TunedDDPStrategy(DDPStrategy):
         nccl_p2p_disable: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        check_choice("comm_hook", comm_hook, COMM_HOOKS)
+        # The pack's one validator (also DDPOptions'): each value fails here, in one line naming it, not at
+        # the rendezvous or the DDP wrap.
+        _check_keywords(kwargs)
+        checked = check_ddp_values(dict(
+            find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view, bucket_cap_mb=bucket_cap_mb, comm_hook=comm_hook,
+            powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter, seed=seed, timeout=timeout,
+            nccl_p2p_disable=nccl_p2p_disable, start_method=kwargs.get("start_method"),
+            broadcast_buffers=kwargs.get("broadcast_buffers")))
+        timeout, bucket_cap_mb = checked["timeout"], checked["bucket_cap_mb"]
         if comm_hook != "none" and kwargs.get("ddp_comm_hook") is not None:
             raise ConfigError("pass either {comm_hook} or ddp_comm_hook, not both")
-        if powersgd_start_iter < 2:
-            # DDP rebuilds its buckets after the first iteration; PowerSGD's error feedback needs them stable.
-            raise ConfigError(f"{{powersgd_start_iter}} must be >= 2 (got {powersgd_start_iter})")
-        if isinstance(timeout, int | float):
-            timeout = timedelta(seconds=timeout)
         if timeout is not None:
             kwargs["timeout"] = timeout
         ddp_kwargs: dict[str, Any] = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
@@ -131,11 +133,16 @@ class TunedDDPStrategy(DDPStrategy):
     @classmethod
     def from_options(cls, options: DDPOptions, **kwargs: Any) -> TunedDDPStrategy:
         """The strategy for one :class:`~ddp_recipes.plan.DDPOptions` (what ``build_trainer`` uses);
-        ``kwargs`` are the other constructor arguments (seed, NCCL settings, PowerSGD's, Lightning's)."""
-        both = sorted(set(options.strategy_kwargs()) & set(kwargs))
-        if both:
-            raise ConfigError(f"{{options}} already sets {', '.join(both)}; pass it in the DDPOptions only")
-        return cls(**options.strategy_kwargs(), **kwargs)
+        ``kwargs`` are any other constructor arguments. A DDP knob in both is fine when the options leave it
+        at its default (``kwargs`` then decide) or both say the same; two different values are an error."""
+        merged, defaults = options.strategy_kwargs(), DDPOptions().strategy_kwargs()
+        given = check_ddp_values(kwargs)  # timeout 60 and timedelta(seconds=60) compare equal
+        for key, value in given.items():
+            if key in merged and merged[key] != defaults[key] and value != merged[key]:
+                raise ConfigError(f"{{{key}}} is set twice with different values ({lit(repr(merged[key]))} by the "
+                                  f"DDP options or keywords, {lit(repr(value))} in strategy_kwargs); set it once", key)
+            merged[key] = value
+        return cls(**merged)
 
     # ---- SyncBatchNorm: Lightning hands us its CUDA-only plugin; swap in the CPU-capable one --------
 
@@ -364,6 +371,22 @@ class TunedDDPStrategy(DDPStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"TunedDDPStrategy, find_unused_parameters={fup}",
                                            find_unused_parameters=fup)
+
+
+# What DDPStrategy passes on to DistributedDataParallel besides its own arguments; Lightning sets the
+# module, its devices and the process group itself.
+_DDP_OWN = {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
+
+
+def _check_keywords(kwargs: dict[str, Any]) -> None:
+    """Unknown keywords fail now, naming themselves, not at the DDP wrap minutes later."""
+    strategy = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
+    ddp = set(inspect.signature(DistributedDataParallel.__init__).parameters) - _DDP_OWN
+    unknown = sorted(set(kwargs) - strategy - ddp)
+    if unknown:
+        name = unknown[0]
+        raise ConfigError(f"{{{name}}} is not an argument of TunedDDPStrategy, Lightning's DDPStrategy or "
+                          f"DistributedDataParallel; check its spelling (DDP accepts: {', '.join(sorted(ddp))})", name)
 
 
 def ddp_parameter_order(module: nn.Module, ignore: Any = ()) -> list[tuple[str, nn.Parameter]]:

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ddp_recipes.checkpoint import AtomicCheckpointIO
+from ddp_recipes.checkpoint import CHECKPOINT_DIR, AtomicCheckpointIO
 from ddp_recipes.choices import PRECISIONS  # noqa: F401 - re-exported: 0.1 defined it here
+from ddp_recipes.data.adopt import adopt_user_loaders
 from ddp_recipes.diagnostics import DDPDiagnostics
-from ddp_recipes.errors import ConfigError
+from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.perf import InputWaitProfiler, TF32Setting, configure_tf32
 from ddp_recipes.plan import DDPOptions, RunPlan
+from ddp_recipes.preemption import LIBRARY_RESUME, LastCheckpoint, find_last_checkpoint
 from ddp_recipes.resume import ResumeState
 from ddp_recipes.strategy import TunedDDPStrategy
 from ddp_recipes.world import (  # noqa: F401 - re-exported: 0.1 imported these from here
     SCHEDULER_VARS,
     check_node_env,
+    cuda_devices,
     launched_by_torchrun,
     resolve_accelerator,
     resolve_precision,
@@ -30,10 +34,10 @@ from ddp_recipes.world import (  # noqa: F401 - re-exported: 0.1 imported these 
 def build_trainer(
     *,
     plan: RunPlan | None = None,
-    devices: int | None = None,
+    devices: int | str | list[int] | None = None,
     num_nodes: int | None = None,
-    accelerator: str = "auto",
-    precision: str = "32-true",
+    accelerator: str | None = "auto",
+    precision: str | int = "32-true",
     sync_batchnorm: bool = False,
     find_unused_parameters: bool = False,
     static_graph: bool = False,
@@ -43,7 +47,7 @@ def build_trainer(
     accumulate_grad_batches: int = 1,
     max_epochs: int | None = None,
     max_steps: int = -1,
-    timeout_s: float | None = None,
+    timeout_s: float | str | None = None,
     diagnostics: bool = True,
     lr_scaling: str | None = None,
     warmup_epochs: float | None = None,
@@ -52,6 +56,9 @@ def build_trainer(
     tf32: bool = True,
     ddp: DDPOptions | None = None,
     strategy_kwargs: dict[str, Any] | None = None,
+    preemption: bool = True,
+    checkpoint_dir: str | None = None,
+    checkpoint_every_n_steps: int = 0,
     **trainer_kwargs: Any,
 ) -> L.Trainer:
     """A Lightning Trainer for ``devices`` x ``num_nodes`` processes.
@@ -71,7 +78,34 @@ def build_trainer(
     The DDP knobs may come as one :class:`~ddp_recipes.plan.DDPOptions` (``ddp=``) instead of the flat
     keywords, and everything a recipe resolved as one :class:`~ddp_recipes.plan.RunPlan` (``plan=``, what
     ``RunConfig.plan`` gives); then the run keywords above must stay unset.
+
+    Lightning's own spellings are accepted with their meaning: ``devices`` as an int, ``"auto"``, ``"2"``,
+    ``"0,1"`` or a list of indices; ``accelerator=None``; ``precision`` 32/16/"bf16"/"bf16-true"...;
+    ``callbacks`` and ``plugins`` as one object or a list; any DDPStrategy keyword in ``strategy_kwargs``.
+
+    The run's lifecycle (what ``python -m recipes.X`` gets, on by default): :class:`LastCheckpoint` writes
+    ``<checkpoint_dir>/last.ckpt`` (default ``<default_root_dir>/checkpoints``) at every epoch end and every
+    ``checkpoint_every_n_steps`` steps; SIGTERM (and SLURM's requeue signal) only set a flag, every rank
+    saves at the next step boundary and exits with 128 + signal; ``trainer.fit(..., ckpt_path="last")``
+    continues from the newest complete checkpoint (starting fresh when there is none). ``preemption=False``
+    leaves signals and ``last.ckpt`` to the caller (Lightning's own handlers run).
+    Training loaders Lightning re-creates get the pack's resumable order and per-sample augmentation
+    seeding; evaluation loaders an unpadded shard (:mod:`ddp_recipes.data.adopt`).
     """
+    devices, device_ids = _devices(devices, accelerator, plan)
+    accelerator = _accelerator(accelerator)
+    precision, lightning_precision = _precision(precision)
+    strategy_kwargs = dict(strategy_kwargs or {})
+    if "seed" in strategy_kwargs:  # one seed for the run: the strategy's is build_trainer's
+        given = strategy_kwargs.pop("seed")
+        current = plan.seed if plan is not None else seed
+        if current is not None and given is not None and current != given:
+            raise ConfigError(f"{{seed}} is set twice with different values ({current} and {given} in "
+                              "strategy_kwargs); set it once")
+        if plan is not None and plan.seed is None:
+            plan = plan.replace(seed=given)
+        elif plan is None and seed is None:
+            seed = given
     if plan is None:
         flat_ddp = DDPOptions(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                               comm_hook=comm_hook, bucket_cap_mb=bucket_cap_mb, sync_batchnorm=sync_batchnorm,
@@ -91,16 +125,22 @@ def build_trainer(
             raise ConfigError(f"{{plan}} already decides {', '.join(decided)}; pass the plan alone, or "
                               "plan.replace(...) to change it")
         global_batch = plan.batch.global_batch if plan.batch else None
-    return _trainer_for(plan, global_batch, strategy_kwargs, trainer_kwargs)
+    if lightning_precision is not None:
+        plan = plan.replace(precision=lightning_precision)
+    if device_ids is not None:
+        trainer_kwargs["devices"] = device_ids if plan.accelerator == "cuda" else len(device_ids)
+    lifecycle = _Lifecycle(preemption, checkpoint_dir, checkpoint_every_n_steps)
+    return _trainer_for(plan, global_batch, strategy_kwargs, trainer_kwargs, lifecycle)
 
 
+_LIFECYCLE = ("preemption", "checkpoint_dir", "checkpoint_every_n_steps")  # allowed with a plan too
 # build_trainer's run keywords and their defaults: with a plan, each must stay at its default.
 _RUN_DEFAULTS = {name: p.default for name, p in inspect.signature(build_trainer).parameters.items()
-                 if p.kind is p.KEYWORD_ONLY and name not in ("plan", "strategy_kwargs")}
+                 if p.kind is p.KEYWORD_ONLY and name not in ("plan", "strategy_kwargs", *_LIFECYCLE)}
 
 
 def _trainer_for(plan: RunPlan, global_batch: int | None, strategy_kwargs: dict[str, Any] | None,
-                 trainer_kwargs: dict[str, Any]) -> L.Trainer:
+                 trainer_kwargs: dict[str, Any], lifecycle: _Lifecycle | None = None) -> L.Trainer:
     check_node_env(plan.num_nodes)  # here, not in the plan: a config may be made on any machine
     configure_tf32(plan.tf32, plan.accelerator)
     trainer_kwargs.setdefault("profiler", InputWaitProfiler())
@@ -108,10 +148,13 @@ def _trainer_for(plan: RunPlan, global_batch: int | None, strategy_kwargs: dict[
         # Same seed on every rank before the model is built: identical initial weights everywhere.
         L.seed_everything(plan.seed, workers=True, verbose=False)
 
-    plugins = list(trainer_kwargs.pop("plugins", None) or [])
+    plugins = _as_list(trainer_kwargs.pop("plugins", None), "plugins")
     if not any(isinstance(p, CheckpointIO) for p in plugins):
         plugins.append(AtomicCheckpointIO())  # a kill mid-save keeps the previous checkpoint intact
-    callbacks = list(trainer_kwargs.pop("callbacks", None) or [])
+    callbacks = _as_list(trainer_kwargs.pop("callbacks", None), "callbacks")
+    # enable_checkpointing=False (the bench, evaluation): Lightning refuses any Checkpoint callback then.
+    checkpointing = trainer_kwargs.get("enable_checkpointing", True) is not False
+    last = lifecycle.callback(callbacks) if lifecycle is not None and checkpointing else None
     if plan.accelerator == "cuda":
         callbacks.append(TF32Setting(plan.tf32))  # again in each rank: spawned ranks do not inherit it
     if not any(isinstance(c, ResumeState) for c in callbacks):
@@ -130,9 +173,9 @@ def _trainer_for(plan: RunPlan, global_batch: int | None, strategy_kwargs: dict[
                 rank_zero_info("1 device: no DDP wrap, so --comm-hook, --find-unused-parameters and "
                                "--sync-batchnorm have nothing to do.")
             trainer_kwargs["strategy"] = "auto"
-    return L.Trainer(
+    trainer_kwargs.setdefault("devices", plan.devices)
+    trainer = L.Trainer(
         accelerator="gpu" if plan.accelerator == "cuda" else "cpu",
-        devices=plan.devices,
         num_nodes=plan.num_nodes,
         precision=plan.precision,
         sync_batchnorm=ddp.sync_batchnorm and plan.distributed,
@@ -143,3 +186,109 @@ def _trainer_for(plan: RunPlan, global_batch: int | None, strategy_kwargs: dict[
         callbacks=callbacks,
         **trainer_kwargs,
     )
+    if last is not None and last.dirpath is None:
+        last.dirpath = Path(trainer.default_root_dir) / CHECKPOINT_DIR
+    if lifecycle is not None:  # a recipe's loaders are resumable already and left alone; a user's are adopted
+        adopt_user_loaders(trainer)
+        find_last_checkpoint(trainer)
+    return trainer
+
+
+class _Lifecycle:
+    """build_trainer's ``preemption``, ``checkpoint_dir`` and ``checkpoint_every_n_steps``."""
+
+    def __init__(self, preemption: bool, checkpoint_dir: str | None, every_n_steps: int) -> None:
+        if not isinstance(preemption, bool):
+            raise ConfigError(f"{{preemption}} must be True or False (got {lit(repr(preemption))})")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
+            raise ConfigError(f"{{checkpoint_every_n_steps}} must be an integer >= 0 (got {lit(repr(every_n_steps))})")
+        self.preemption, self.checkpoint_dir, self.every_n_steps = preemption, checkpoint_dir, every_n_steps
+
+    def callback(self, callbacks: list[Any]) -> LastCheckpoint | None:
+        """The run's LastCheckpoint (the caller's own, else a new one appended); None when opted out."""
+        own = next((c for c in callbacks if isinstance(c, LastCheckpoint)), None)
+        if own is not None or not self.preemption:
+            return own
+        last = LastCheckpoint(self.checkpoint_dir or ".", every_n_steps=self.every_n_steps, resume_hint=LIBRARY_RESUME)
+        if self.checkpoint_dir is None:
+            last.dirpath = None  # set from the Trainer's default_root_dir once it exists
+        callbacks.append(last)
+        return last
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    """Lightning's ``callbacks``/``plugins``: None, one object or a list of them."""
+    if value is None:
+        return []
+    if isinstance(value, list | tuple):
+        return list(value)
+    if isinstance(value, str | bytes | dict):
+        raise ConfigError(f"{{{name}}} must be one object or a list of them (got {lit(repr(value))})", name)
+    return [value]
+
+
+def _devices(devices: Any, accelerator: Any, plan: RunPlan | None) -> tuple[int | None, list[int] | None]:
+    """Lightning's ``devices`` spellings as (count for the plan, indices for the Trainer or None)."""
+    if devices is None or plan is not None:
+        return devices, None
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            if launched_by_torchrun():
+                return None, None
+            cuda = str(accelerator).lower() in ("auto", "gpu", "cuda", "none") and cuda_devices()
+            return (cuda_devices() if cuda else 1), None  # Lightning's CPU "auto" is one process
+        if "," in text:
+            try:
+                devices = [int(part) for part in text.split(",") if part.strip()]
+            except ValueError:
+                devices = text
+        else:
+            try:
+                devices = int(text)
+            except ValueError:
+                devices = text
+    if isinstance(devices, list | tuple) and devices and all(isinstance(d, int) and not isinstance(d, bool)
+                                                              and d >= 0 for d in devices):
+        return len(devices), list(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if devices == -1:  # Lightning: every visible device
+            if not cuda_devices():
+                raise ConfigError("{devices} -1 (every GPU) but torch sees no CUDA device; give a number of "
+                                  "CPU processes, e.g. {devices} 2")
+            return cuda_devices(), None
+        return devices, None
+    raise ConfigError(f"{{devices}} must be a number, \"auto\", a numeric string such as \"2\" or \"0,1\", or a list "
+                      f"of device indices (got {lit(repr(devices))})")
+
+
+def _accelerator(accelerator: Any) -> str:
+    """None as Lightning's "auto"; a CPU/CUDA Accelerator object by its name."""
+    if accelerator is None:
+        return "auto"
+    if isinstance(accelerator, str):
+        return accelerator
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+
+    if isinstance(accelerator, CPUAccelerator):
+        return "cpu"
+    if isinstance(accelerator, CUDAAccelerator):
+        return "cuda"
+    raise ConfigError(f"{{accelerator}} must be one of auto, cpu, gpu, cuda (got {lit(repr(accelerator))})")
+
+
+# Lightning's other spellings of the pack's precisions, and the precisions it runs without the pack's
+# resolution (passed through unchanged).
+_PRECISION_ALIASES = {32: "32-true", "32": "32-true", 16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed",
+                      "16-mixed": "16-mixed"}
+_PRECISION_PASS_THROUGH = ("bf16-true", "16-true", "64-true", "64", 64, "transformer-engine",
+                           "transformer-engine-float16")
+
+
+def _precision(precision: Any) -> tuple[str, str | int | None]:
+    """(the pack precision to resolve, Lightning's precision to run instead or None)."""
+    if precision in _PRECISION_PASS_THROUGH and not isinstance(precision, bool):
+        return "32-true", precision
+    if isinstance(precision, str | int) and not isinstance(precision, bool):
+        return _PRECISION_ALIASES.get(precision, precision), None
+    return precision, None

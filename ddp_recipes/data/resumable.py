@@ -154,8 +154,10 @@ class ResumableSampler(DistributedSampler):
     per sample would cost ~2.5 us each at every epoch start).
     """
 
-    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, drop_last: bool = False) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0, drop_last: bool = False,
+                 shuffle: bool = True) -> None:
+        # shuffle=False: a one-process run of a user's SequentialSampler loader keeps its order.
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self._resume: tuple[int, int] | None = None
         self.started_at = 0  # samples (all ranks) that the latest iteration skipped
@@ -171,6 +173,8 @@ class ResumableSampler(DistributedSampler):
 
     def epoch_order(self) -> list[int]:
         """The whole epoch's permutation (unpadded), identical on every rank and at every world size."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))  # type: ignore[arg-type]
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.dataset), generator=g).tolist()  # type: ignore[arg-type]

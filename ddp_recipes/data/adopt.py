@@ -1,0 +1,182 @@
+"""Exact resume and exact evaluation for a user's own DataLoader, where Lightning re-creates it.
+
+Under DDP Lightning rebuilds each loader whose sampler is not a ``DistributedSampler``, to put one in
+(``_DataConnector._prepare_dataloader``). That is the one place that sees the user's original loader
+and knows what it is for, so the pack takes over there:
+
+* **training**: a plain ``DataLoader`` over a map-style dataset with a ``RandomSampler``,
+  ``SequentialSampler`` or plain ``DistributedSampler`` becomes a
+  :class:`~ddp_recipes.data.resumable.ResumableDataLoader`: the same shuffle as Lightning's sampler (seed
+  ``PL_GLOBAL_SEED``), a position Lightning saves and restores mid-epoch, and augmentation seeded per
+  sample, so loader workers draw the same crops after a restart (any ``num_workers``). Loaders it cannot
+  rebuild (iterable datasets, DataLoader subclasses, custom samplers or batch samplers) keep Lightning's
+  handling and get one warning naming the loader and what a resume will not reproduce.
+* **evaluation**: a non-shuffled or shuffled sampler becomes an unpadded
+  :class:`~ddp_recipes.data.samplers.ExactDistributedSampler` shard; a user's own padding sampler is
+  kept, with a warning that says how many samples are scored twice. (Prediction is Lightning's already
+  unpadded ``UnrepeatedDistributedSamplerWrapper``.)
+
+The dataset the training loader holds is then a :class:`~ddp_recipes.data.resumable.SeededDataset`
+wrapping the user's (``.dataset`` of it is theirs).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader, has_iterable_dataset
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+from typing_extensions import override
+
+from ddp_recipes.data.resumable import (
+    ResumableDataLoader,
+    ResumableSampler,
+    SeededDataset,
+    ignore_preemption_signals,
+)
+from ddp_recipes.data.samplers import ExactDistributedSampler
+
+_EVAL = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+
+class WorkerInit:
+    """worker_init_fn: leave preemption signals to the training process, then run the user's own."""
+
+    def __init__(self, user: Any = None) -> None:
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        ignore_preemption_signals(worker_id)
+        if self.user is not None:
+            self.user(worker_id)
+
+
+class _AdoptingDataConnector(_DataConnector):
+    """Lightning's data connector; the loaders it re-creates get the pack's samplers (module docstring)."""
+
+    @override
+    def _prepare_dataloader(self, dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+        if mode == RunningStage.TRAINING:
+            adopted = self._adopt_train(dataloader)
+        elif mode in _EVAL:
+            adopted = self._adopt_eval(dataloader, mode)
+        else:
+            adopted = None
+        return adopted if adopted is not None else super()._prepare_dataloader(dataloader, shuffle, mode)
+
+    def _world(self) -> tuple[int, int]:
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer._accelerator_connector.is_distributed else None
+        return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
+
+    def _warn(self, name: str, text: str) -> None:
+        said = self.__dict__.setdefault("_pack_warned", set())
+        if (name, text) not in said:  # once per loader and reason, however often loaders are reloaded
+            said.add((name, text))
+            rank_zero_warn(f"{name}: {text}")
+
+    # ---- training -----------------------------------------------------------------------------------
+
+    def _adopt_train(self, loader: object) -> DataLoader | None:
+        name = "train_dataloader"
+        not_exact = ("a resumed run will not continue exactly (the order after a mid-epoch restart and the "
+                     "augmentation drawn in loader workers differ from an uninterrupted run)")
+        if isinstance(loader, ResumableDataLoader):
+            return None
+        if not isinstance(loader, DataLoader):
+            self._warn(name, f"a {type(loader).__name__}, not a DataLoader: {not_exact}")
+            return None
+        if has_iterable_dataset(loader):
+            self._warn(name, f"an IterableDataset ({type(loader.dataset).__name__}) cannot be repositioned: "
+                             f"{not_exact}; use a map-style Dataset for an exact resume")
+            return None
+        if type(loader) is not DataLoader:
+            self._warn(name, f"a DataLoader subclass ({type(loader).__name__}) is left as it is: {not_exact}; "
+                             "a plain DataLoader gets the resumable order and per-sample augmentation seeding")
+            return None
+        if type(loader.batch_sampler) is not BatchSampler:
+            self._warn(name, f"its batch sampler ({type(loader.batch_sampler).__name__}) cannot be replaced: "
+                             f"{not_exact}")
+            return None
+        sampler = loader.sampler
+        world, rank = self._world()
+        distributed = world > 1
+        connector = self.trainer._accelerator_connector
+        if type(sampler) is DistributedSampler:
+            shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
+            world, rank = sampler.num_replicas, sampler.rank
+        elif type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and not sampler.replacement
+                                                   and sampler._num_samples is None):
+            if distributed and not connector.use_distributed_sampler:
+                self._warn(name, f"use_distributed_sampler=False with a {type(sampler).__name__}: every rank "
+                                 f"reads the whole dataset, and {not_exact}")
+                return None
+            # Under DDP Lightning always shuffles the training shard; one process keeps the loader's choice.
+            shuffle = distributed or isinstance(sampler, RandomSampler)
+            seed, drop_last = int(os.getenv("PL_GLOBAL_SEED", 0)), False
+        else:
+            self._warn(name, f"its sampler ({type(sampler).__name__}) cannot be replaced: {not_exact}")
+            return None
+        if self.trainer.overfit_batches:
+            return None
+        batch_size = loader.batch_size if loader.batch_size is not None else loader.batch_sampler.batch_size
+        batch_drop = loader.drop_last if loader.batch_size is not None else loader.batch_sampler.drop_last
+        seeded = SeededDataset(loader.dataset, seed)
+        workers = loader.num_workers
+        return ResumableDataLoader(
+            seeded, batch_size=batch_size, drop_last=batch_drop, shuffle=None,
+            sampler=ResumableSampler(seeded, num_replicas=world, rank=rank, seed=seed, drop_last=drop_last,
+                                     shuffle=shuffle),
+            num_workers=workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+            timeout=loader.timeout, worker_init_fn=WorkerInit(loader.worker_init_fn),
+            multiprocessing_context=loader.multiprocessing_context,
+            # A private generator: the workers' base seed must not come from (and advance) the global RNG.
+            generator=torch.Generator().manual_seed(seed),
+            prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+            persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+            in_order=loader.in_order)
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+
+    def _adopt_eval(self, loader: object, mode: RunningStage) -> DataLoader | None:
+        world, rank = self._world()
+        if world < 2 or not isinstance(loader, DataLoader) or has_iterable_dataset(loader):
+            return None
+        name = f"{mode.dataloader_prefix}_dataloader"
+        sampler = loader.sampler
+        if isinstance(sampler, ExactDistributedSampler):
+            return None
+        if isinstance(sampler, DistributedSampler):
+            duplicated = 0 if sampler.drop_last else sampler.total_size - len(sampler.dataset)  # type: ignore[arg-type]
+            if duplicated:
+                self._warn(name, f"its DistributedSampler pads {len(sampler.dataset)} samples to "  # type: ignore[arg-type]
+                                 f"{sampler.total_size}: {duplicated} sample(s) are scored twice and bias the "
+                                 "metrics; use ddp_recipes.data.samplers.ExactDistributedSampler (or let Lightning "
+                                 "shard a plain loader) for exact evaluation")
+            return None
+        if not self.trainer._accelerator_connector.use_distributed_sampler:
+            return None
+        if type(sampler) in (SequentialSampler, RandomSampler) and type(loader.batch_sampler) is BatchSampler:
+            # Order does not matter for a metric; every sample scored once does.
+            return _update_dataloader(loader, ExactDistributedSampler(loader.dataset, num_replicas=world, rank=rank),
+                                      mode=mode)
+        length = len(sampler) if hasattr(sampler, "__len__") else 0  # type: ignore[arg-type]
+        duplicated = -length % world
+        if duplicated:
+            self._warn(name, f"its {type(sampler).__name__} is sharded by Lightning's DistributedSamplerWrapper, "
+                             f"which pads {length} samples to {length + duplicated}: {duplicated} sample(s) are "
+                             "scored twice and bias the metrics")
+        return None
+
+
+def adopt_user_loaders(trainer: L.Trainer) -> None:
+    """Give ``trainer`` the adopting data connector (its state is kept; only the class changes)."""
+    connector = trainer._data_connector
+    if type(connector) is _DataConnector:
+        connector.__class__ = _AdoptingDataConnector
