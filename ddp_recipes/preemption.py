@@ -5,10 +5,12 @@ SIGTERM (SIGKILL follows, 30 s later by default); SLURM sends the signal of ``#S
 here) before the time limit and SIGTERM on preemption. A rank cannot act on a signal where it lands: a
 collective started from a signal handler (Lightning 2.6 broadcasts from its SIGTERM handler, and its
 SLURM handler saves a checkpoint, which gathers RNG states) runs at a different point on each rank and
-pairs with whatever collective the others are in. So here the handlers only set a flag; at the next
-optimizer-step boundary every rank contributes its flag to one all-reduce, and if any rank was signalled
-all of them save ``last.ckpt`` together, rank 0 requeues the SLURM job if SLURM asked for it, and every
-rank exits with 128 + signal number and one line on rank 0 (no traceback).
+pairs with whatever collective the others are in. So here the handlers only set a flag; at each
+optimizer-step boundary every rank contributes its flag to an all-reduce that is read at the *next*
+boundary (:class:`_SignalVote`: on a CPU gloo group, asynchronous, so a step never waits for it and never
+reads the device), and if any rank was signalled all of them save ``last.ckpt`` together one step after
+the signal, rank 0 requeues the SLURM job if SLURM asked for it, and every rank exits with 128 + signal
+number and one line on rank 0 (no traceback).
 
 :class:`LastCheckpoint` writes ``last.ckpt`` at every epoch end and every ``every_n_steps`` optimizer
 steps, with or without validation and independent of any best-checkpoint callback (Lightning's
@@ -151,6 +153,7 @@ class LastCheckpoint(Checkpoint):
         self._seen_step = -1
         self._saved_step = -1
         self._signals: _FlagSignalConnector | None = None
+        self._vote: _SignalVote | None = None
 
     @property
     def path(self) -> Path:
@@ -169,6 +172,7 @@ class LastCheckpoint(Checkpoint):
         # The step this process starts at is a boundary already passed (and saved, when resuming): the
         # first micro-batch of an accumulation window must not look like a new optimizer step.
         self._seen_step = self._saved_step = trainer.global_step
+        self._vote = _SignalVote.open(trainer)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -188,16 +192,27 @@ class LastCheckpoint(Checkpoint):
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.save(trainer)
-        signum = self._agreed_signal(trainer)  # a signal during epoch-end validation lands here
+        signum = self._agreed_signal(trainer, now=True)  # a signal during epoch-end validation lands here
         if signum:
             self._exit(trainer, signum)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        signum = self._agreed_signal(trainer)
+        signum = self._agreed_signal(trainer, now=True)
+        self._close_vote()
         if signum:  # training is over and saved; do not start testing inside the grace period
             self.save(trainer)
             self._exit(trainer, signum)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, Preempted):  # Preempted: every rank left at the same vote, all read
+            self._vote = None  # a failing rank must not wait for peers that may be gone
+
+    def _close_vote(self) -> None:
+        if self._vote is not None:
+            self._vote.close()
+            self._vote = None
 
     def save(self, trainer: L.Trainer) -> None:
         """Write last.ckpt (every rank calls; rank 0 writes), once per step."""
@@ -208,15 +223,13 @@ class LastCheckpoint(Checkpoint):
 
     # ---- preemption ----------------------------------------------------------------------------------
 
-    def _agreed_signal(self, trainer: L.Trainer) -> int:
-        """The signal any rank received (0 if none); one all-reduce when there are several ranks."""
-        local = self._signals.signum if self._signals is not None else None
-        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return int(local or 0)
-        device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([local or 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+    def _agreed_signal(self, trainer: L.Trainer, *, now: bool = False) -> int:
+        """The signal any rank received (0 if none). At a step boundary: the vote of the previous boundary
+        (this boundary's is started and read at the next); with ``now``, a vote that waits for every rank."""
+        local = int(self._signals.signum or 0) if self._signals is not None else 0
+        if self._vote is None:
+            return local
+        return self._vote.now(local) if now else self._vote.lagged(local)
 
     def _exit(self, trainer: L.Trainer, signum: int) -> None:
         requeued = self._requeue(trainer, signum)
@@ -225,6 +238,7 @@ class LastCheckpoint(Checkpoint):
                    f"saved to {self.path}{requeued}; {self.resume_hint}")
         if trainer.is_global_zero:
             print(message, file=sys.stderr, flush=True)
+        self._close_vote()
         raise Preempted(signum, message)
 
     @staticmethod
@@ -243,6 +257,59 @@ class LastCheckpoint(Checkpoint):
         except (OSError, subprocess.TimeoutExpired) as err:
             ok, detail = False, [str(err)]
         return f"; SLURM job {job_id} requeued" if ok else f"; requeueing SLURM job {job_id} failed ({detail})"
+
+
+class _SignalVote:
+    """"Was any rank signalled?" agreed by every rank at the same step boundary, at no cost to the step.
+
+    A blocking all-reduce per step would stall every step on the slowest rank's host, and on NCCL its
+    ``.item()`` would wait for the GPU to drain (a device-to-host read per step, which plain Lightning does
+    not make). Instead each boundary starts an asynchronous MAX all-reduce of the local flag on a gloo
+    (CPU) group of its own and reads the one the previous boundary started, which has long finished.
+    Every rank reads the same vote at the same boundary, so all of them decide alike, one step after the
+    signal. The group is separate so these small CPU collectives never queue between DDP's gradient
+    buckets on the training group.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    @classmethod
+    def open(cls, trainer: L.Trainer) -> _SignalVote | None:
+        """A vote for this fit, or None with one rank (its own flag is the answer). Collective: every
+        rank calls it at the same point (the start of training)."""
+        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        return cls(dist.new_group(backend="gloo"))
+
+    def lagged(self, local: int) -> int:
+        """The previous boundary's vote; this boundary's vote starts (read at the next one)."""
+        agreed = self._read()
+        self._start(local)
+        return agreed
+
+    def now(self, local: int) -> int:
+        """A vote read at once (epoch end, train end: rare points where waiting for the ranks is due)."""
+        earlier = self._read()
+        self._start(local)
+        return max(earlier, self._read())
+
+    def close(self) -> None:
+        self._read()  # the last vote must complete on every rank before its group goes
+        dist.destroy_process_group(self._group)
+
+    def _start(self, local: int) -> None:
+        flag = torch.tensor([local], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+
+    def _read(self) -> int:
+        if self._pending is None:
+            return 0
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return int(flag.tolist()[0])  # tolist: a host tensor read without a dispatched .item()
 
 
 class _LastAwareCheckpointConnector(_CheckpointConnector):
