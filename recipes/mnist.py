@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import lightning as L
 
-from ddp_recipes.checkpoint import check_compatible
-from ddp_recipes.choices import MNISTArch
-from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
+from ddp_recipes.checkpointing.checkpoint import check_compatible
+from ddp_recipes.config.choices import MNISTArch
+from ddp_recipes.config.run_config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-from ddp_recipes.runner import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
-from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
+from ddp_recipes.train.run import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
+from ddp_recipes.train.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.mnist"
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import lightning as L
 
-from ddp_recipes.checkpoint import check_compatible
-from ddp_recipes.choices import (
+from ddp_recipes.checkpointing.checkpoint import check_compatible
+from ddp_recipes.config.choices import (
     RESNET_DATA,
     AutoAugment,
     Interpolation,
@@ -30,17 +30,18 @@ from ddp_recipes.choices import (
     ResNetData,
     WarmupMethod,
 )
-from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
+from ddp_recipes.config.run_config import ConfigError, RunConfig, fail, opt, parse_config
 from ddp_recipes.data.images import (  # noqa: F401 - default_num_workers: 0.1 imported it from here
     CIFAR10DataModule,
     ImageFolderDataModule,
     SyntheticImageDataModule,
     default_num_workers,
 )
-from ddp_recipes.ema import ModelEMA, adjusted_decay, check_ema, ema_state_dict
 from ddp_recipes.errors import lit
 from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
-from ddp_recipes.runner import (
+from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, check_ema, ema_state_dict
+from ddp_recipes.optim.schedules import check_reference_schedule
+from ddp_recipes.train.run import (
     checkpoint_callbacks,
     has_loader,
     open_resume,
@@ -48,8 +49,7 @@ from ddp_recipes.runner import (
     run_test_only,
     scaled_lr,
 )
-from ddp_recipes.schedules import check_reference_schedule
-from ddp_recipes.userclass import (
+from ddp_recipes.train.userclass import (
     class_path,
     construct_datamodule,
     follow_checkpoint,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import v2
 
-from ddp_recipes.choices import AUTO_AUGMENTS, INTERPOLATIONS
+from ddp_recipes.config.choices import AUTO_AUGMENTS, INTERPOLATIONS
 from ddp_recipes.data import augment
 from ddp_recipes.data.augment import batch_mixer, eval_transform, normalize_transform, train_transform
 from ddp_recipes.data.images import (

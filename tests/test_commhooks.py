@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddp_recipes.commhooks import ResumablePowerSGD
+from ddp_recipes.ddp.commhooks import ResumablePowerSGD
 
 A, B, C = ("a", (8, 8)), ("b", (8, 8)), ("c", (8,))  # two compressible matrices and a bias
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ddp_recipes.config import ConfigError, RunConfig, build_parser, parse_config
-from ddp_recipes.schedules import scale_lr, warmup_cosine, warmup_cosine_factor
+from ddp_recipes.config.run_config import ConfigError, RunConfig, build_parser, parse_config
+from ddp_recipes.optim.schedules import scale_lr, warmup_cosine, warmup_cosine_factor
 from tests.helpers import cli_text, raises_cli
 
 

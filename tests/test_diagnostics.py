@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ddp_recipes import build_trainer
-from ddp_recipes.config import RunConfig, parse_config
-from ddp_recipes.diagnostics import (
+from ddp_recipes.config.run_config import RunConfig, parse_config
+from ddp_recipes.train.diagnostics import (
     DDPDiagnostics,
     DDPDiagnosticWarning,
     batch_fingerprint,

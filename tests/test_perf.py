@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_recipes import perf
-from ddp_recipes.diagnostics import DDPDiagnostics
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.modules.resnet import ResNetClassifier
-from ddp_recipes.runner import ThroughputMeter
-from ddp_recipes.trainer import build_trainer
+from ddp_recipes.train import perf
+from ddp_recipes.train.diagnostics import DDPDiagnostics
+from ddp_recipes.train.run import ThroughputMeter
+from ddp_recipes.train.trainer import build_trainer
 
 
 def test_tf32_switches_and_what_the_setup_print_says(monkeypatch, restore_tf32):

@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
-import ddp_recipes.config as config_module
+import ddp_recipes.config.run_config as config_module
 from ddp_recipes import TunedDDPStrategy, build_trainer
-from ddp_recipes.choices import ACCELERATORS, COMM_HOOKS, LR_SCALING_RULES, PRECISIONS, RESNET_DATA
-from ddp_recipes.config import RunConfig, build_parser, parse_config
+from ddp_recipes.config.choices import ACCELERATORS, COMM_HOOKS, LR_SCALING_RULES, PRECISIONS, RESNET_DATA
+from ddp_recipes.config.plan import BatchPlan, DDPOptions, RunPlan
+from ddp_recipes.config.run_config import RunConfig, build_parser, parse_config
 from ddp_recipes.errors import CheckpointError, ConfigError, DataError, MissingDataError
-from ddp_recipes.plan import BatchPlan, DDPOptions, RunPlan
 from recipes.resnet import ResNetConfig
 
 
@@ -81,7 +81,7 @@ def test_plan_and_flat_keywords_do_not_mix():
 @pytest.mark.parametrize("field, choices", [("precision", PRECISIONS), ("comm_hook", COMM_HOOKS),
                                             ("lr_scaling", LR_SCALING_RULES), ("accelerator", ACCELERATORS)])
 def test_each_choice_list_is_defined_once(field, choices):
-    """The CLI's choices and the config's validation are the Literal of ddp_recipes.choices."""
+    """The CLI's choices and the config's validation are the Literal of ddp_recipes.config.choices."""
     action = next(a for a in build_parser(RunConfig)._actions if a.dest == field)
     assert tuple(action.choices) == choices
     with pytest.raises(ConfigError) as info:

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_recipes import checkpoint as ckpt_io
 from ddp_recipes.bench import __main__ as bench
-from ddp_recipes.strategy import (
+from ddp_recipes.checkpointing import checkpoint as ckpt_io
+from ddp_recipes.ddp.strategy import (
     CHILD_GRACE_S,
     PEER_FAILURE_PREFIX,
     TunedDDPStrategy,

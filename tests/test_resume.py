@@ -254,7 +254,7 @@ TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--
 @pytest.mark.parametrize("val_samples", ["32", "0"])
 def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
     """last.ckpt at every epoch end (validation or not, improving or not) and every N steps, once per step."""
-    from ddp_recipes.preemption import LastCheckpoint
+    from ddp_recipes.checkpointing.preemption import LastCheckpoint
     from recipes import resnet
 
     saved: list[int] = []
@@ -274,7 +274,7 @@ def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path, capsys):
-    from ddp_recipes.checkpoint import newest_checkpoint
+    from ddp_recipes.checkpointing.checkpoint import newest_checkpoint
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.config import fail
+from ddp_recipes.config.run_config import fail
 
 PROG = "python -m ddp_recipes.bench.gpucheck"
 # NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5 README (pytorch-21.03 NGC container), 1 GPU, their
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         fail("--batch-size must be >= 1, --steps >= 2 and --warmup-steps >= 1", PROG)
     from ddp_recipes.bench.__main__ import run_worker
     from ddp_recipes.bench.workers import Workload, build_module
-    from ddp_recipes.perf import peak_flops, training_flops_per_sample
+    from ddp_recipes.train.perf import peak_flops, training_flops_per_sample
 
     settings = {"recipe": "resnet", "arch": "resnet50", "image_size": 224, "batch_size": args.batch_size,
                 "steps": args.steps, "warmup_steps": args.warmup_steps, "precision": "bf16-mixed",

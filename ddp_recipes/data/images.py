@@ -20,7 +20,7 @@ from torchvision import datasets
 from torchvision.transforms import v2
 from typing_extensions import override
 
-from ddp_recipes.choices import AutoAugment, Interpolation
+from ddp_recipes.config.choices import AutoAugment, Interpolation
 from ddp_recipes.data import augment
 from ddp_recipes.data.augment import IMAGENET_MEAN as IMAGENET_MEAN  # public here before augment.py
 from ddp_recipes.data.augment import IMAGENET_STD as IMAGENET_STD

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch  # noqa: F401 - ``doctor.torch`` stays reachable, as before the split
 
-from ddp_recipes.choices import BACKENDS
+from ddp_recipes.config.choices import BACKENDS
 from ddp_recipes.doctor.checks import (
     COMM_VARS,
     DEBUG_FIX,

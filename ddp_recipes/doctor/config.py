@@ -10,11 +10,11 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from ddp_recipes.choices import ACCELERATORS, BACKENDS, check_choice
-from ddp_recipes.config import opt, writable_dir
+from ddp_recipes.config.choices import ACCELERATORS, BACKENDS, check_choice
+from ddp_recipes.config.run_config import opt, writable_dir
+from ddp_recipes.config.world import cuda_devices, launched_by_torchrun, resolve_accelerator, resolve_world
 from ddp_recipes.doctor.sweep import MIN_BYTES, parse_bytes
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.world import cuda_devices, launched_by_torchrun, resolve_accelerator, resolve_world
 
 # What torchrun exports and the doctor reads: launched_by_torchrun decides on the first two, then the
 # others say where this process sits.

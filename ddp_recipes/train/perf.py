@@ -125,7 +125,7 @@ class InputWaitProfiler(Profiler):
     """Times only Lightning's ``train_dataloader_next`` action (the loop blocked on the next batch).
 
     Every other action costs one string test. ``last_wait`` is the latest fetch's seconds, read by
-    :class:`~ddp_recipes.runner.ThroughputMeter` and :class:`~ddp_recipes.diagnostics.DDPDiagnostics` at
+    :class:`~ddp_recipes.train.run.ThroughputMeter` and :class:`~ddp_recipes.train.diagnostics.DDPDiagnostics` at
     each batch end.
     """
 

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_recipes.choices import (  # noqa: F401 - re-exported: the config's choice lists
+from ddp_recipes.config.choices import (  # noqa: F401 - re-exported: the config's choice lists
     ACCELERATORS,
     COMM_HOOKS,
     LR_SCALING_RULES,
@@ -25,9 +25,9 @@ from ddp_recipes.choices import (  # noqa: F401 - re-exported: the config's choi
     check_choice,
     check_choices,
 )
+from ddp_recipes.config.plan import DDPOptions, RunPlan
+from ddp_recipes.config.world import launched_by_torchrun, resolve_world  # noqa: F401 - re-exported
 from ddp_recipes.errors import CheckpointError, ConfigError, DataError, flag  # noqa: F401 - re-exported
-from ddp_recipes.plan import DDPOptions, RunPlan
-from ddp_recipes.world import launched_by_torchrun, resolve_world  # noqa: F401 - re-exported
 
 
 def opt(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors argparse's word
@@ -133,7 +133,7 @@ class RunConfig:
         return default_num_workers(devices_per_node)
 
     def resolve(self) -> RunPlan:
-        """The frozen :class:`~ddp_recipes.plan.RunPlan` of this config (see :attr:`plan`)."""
+        """The frozen :class:`~ddp_recipes.config.plan.RunPlan` of this config (see :attr:`plan`)."""
         ddp = DDPOptions(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
                          comm_hook=self.comm_hook, bucket_cap_mb=self.bucket_cap_mb,
                          sync_batchnorm=self.sync_batchnorm, timeout_s=self.timeout_s)
@@ -227,7 +227,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-# The CLI lives in ddp_recipes.cli; re-exported here, where 0.1 defined it.
-from ddp_recipes.cli import build_parser, fail, parse_config, writable_dir  # noqa: E402, F401
+# The CLI lives in ddp_recipes.config.cli; re-exported here, where 0.1 defined it.
+from ddp_recipes.config.cli import build_parser, fail, parse_config, writable_dir  # noqa: E402, F401
 
 _RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(RunConfig))

@@ -1,5 +1,5 @@
 """The resolved run: every derived value computed once, frozen, and read by the runner, the trainer and the
-DataModules. A :class:`~ddp_recipes.config.RunConfig` says what was asked; a :class:`RunPlan` says what runs.
+DataModules. A :class:`~ddp_recipes.config.run_config.RunConfig` says what was asked; a :class:`RunPlan` says what runs.
 
 :class:`DDPOptions` are the DDP knobs as one object: config -> ``build_trainer`` -> ``TunedDDPStrategy``.
 """
@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddp_recipes.choices import COMM_HOOKS, LR_SCALING_RULES, check_choice
-from ddp_recipes.errors import ConfigError
-from ddp_recipes.schedules import scale_lr
-from ddp_recipes.world import (
+from ddp_recipes.config.choices import COMM_HOOKS, LR_SCALING_RULES, check_choice
+from ddp_recipes.config.world import (
     check_devices,
     resolve_accelerator,
     resolve_precision,
     resolve_world,
 )
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.optim.schedules import scale_lr
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class DDPOptions:
             raise ConfigError(f"{{timeout_s}} must be > 0 seconds and finite (got {self.timeout_s})")
 
     def strategy_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :class:`~ddp_recipes.strategy.TunedDDPStrategy` these options set."""
+        """The keyword arguments of :class:`~ddp_recipes.ddp.strategy.TunedDDPStrategy` these options set."""
         return dict(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
                     bucket_cap_mb=self.bucket_cap_mb, comm_hook=self.comm_hook,
                     timeout=timedelta(seconds=self.timeout_s) if self.timeout_s else None)
@@ -90,7 +90,7 @@ class BatchPlan:
 class RunPlan:
     """What runs: resolved world, hardware, batch arithmetic, learning rate, loader workers and DDP options.
 
-    Built by :meth:`RunConfig.plan <ddp_recipes.config.RunConfig.plan>` (every field known) or by
+    Built by :meth:`RunConfig.plan <ddp_recipes.config.run_config.RunConfig.plan>` (every field known) or by
     :func:`~ddp_recipes.build_trainer` from its keywords (the batch and LR facts then stay None: the
     trainer does not need them, and the diagnostics skip the checks that do).
     """

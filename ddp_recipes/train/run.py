@@ -18,20 +18,26 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from ddp_recipes.atomic import write_json_atomic  # noqa: F401 - also imported from here by users
-from ddp_recipes.checkpoint import (
+from ddp_recipes.checkpointing.checkpoint import (
     CHECKPOINT_DIR,
     check_compatible,
     plain_data,
     read_checkpoint,
     resolve_resume,
 )
-from ddp_recipes.config import RunConfig, writable_dir
+from ddp_recipes.checkpointing.preemption import LastCheckpoint
+from ddp_recipes.config.run_config import RunConfig, writable_dir
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.perf import flops_summary, input_wait, peak_flops, tf32_state, training_flops_per_sample
-from ddp_recipes.preemption import LastCheckpoint
-from ddp_recipes.trainer import build_trainer
-from ddp_recipes.userclass import RecipeClasses, RecordClasses, class_path
+from ddp_recipes.train.perf import (
+    flops_summary,
+    input_wait,
+    peak_flops,
+    tf32_state,
+    training_flops_per_sample,
+)
+from ddp_recipes.train.trainer import build_trainer
+from ddp_recipes.train.userclass import RecipeClasses, RecordClasses, class_path
 
 
 class ThroughputMeter(Callback):
@@ -316,7 +322,7 @@ def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], 
     is sharded exactly (no padded duplicates), and the metrics are the whole set's. When the checkpoint
     holds EMA weights (``--model-ema``) they are evaluated too (``test_acc_ema``, ...). Writes
     ``<output-dir>/test.json`` on rank 0 and returns the same dict on every rank."""
-    from ddp_recipes.ema import ModelEMA, ema_state_dict
+    from ddp_recipes.optim.ema import ModelEMA, ema_state_dict
 
     out = writable_dir(cfg.output_dir, "output_dir")
     callbacks: list[Callback] = []

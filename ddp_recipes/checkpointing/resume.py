@@ -120,7 +120,7 @@ class ResumeState(Callback):
 
     ``seed`` is the run's base seed (None: leave the streams alone on a fresh run). Collectives: its
     ``state_dict`` gathers every rank's state to rank 0, so it runs where Lightning dumps checkpoints, on
-    every rank at the same point (never from a signal handler: see :mod:`ddp_recipes.preemption`).
+    every rank at the same point (never from a signal handler: see :mod:`ddp_recipes.checkpointing.preemption`).
     """
 
     def __init__(self, seed: int | None = None) -> None:

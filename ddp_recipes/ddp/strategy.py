@@ -11,7 +11,7 @@ unchanged. What it changes or adds, each for a reason:
 * ``seed=S``: when training starts (after every set-up hook, so a DataModule's ``random_split`` or
   ``configure_model`` sees the same RNG on every rank), rank r seeds random/numpy/torch with S + r so
   dropout, augmentation and noise differ per rank (``seed_everything`` gives every rank the same stream).
-  With :class:`~ddp_recipes.resume.ResumeState` among the callbacks (``build_trainer`` adds it), that
+  With :class:`~ddp_recipes.checkpointing.resume.ResumeState` among the callbacks (``build_trainer`` adds it), that
   callback does it, and a resumed run gets the checkpoint's streams instead.
   ``PL_GLOBAL_SEED`` is left alone on purpose: Lightning seeds the DistributedSampler from it, and a
   per-rank value there would break the disjointness of the shards.
@@ -49,10 +49,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_recipes.choices import COMM_HOOKS, check_choice
-from ddp_recipes.commhooks import ResumablePowerSGD
-from ddp_recipes.errors import ConfigError
-from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported these from here
+from ddp_recipes.checkpointing.preemption import die_with_launcher, tag_children_with_launcher
+from ddp_recipes.checkpointing.resume import ResumeState, gather_to_rank0, seed_rank
+from ddp_recipes.config.choices import COMM_HOOKS, check_choice
+from ddp_recipes.ddp.commhooks import ResumablePowerSGD
+from ddp_recipes.ddp.failures import (  # noqa: F401 - re-exported: 0.1 imported these from here
     ASYNC_ERROR_HANDLING_VARS,
     CHILD_GRACE_S,
     PEER_FAILURE_PATTERN,
@@ -63,12 +64,11 @@ from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported the
     restarts_share_store,
     stop_processes,
 )
-from ddp_recipes.preemption import die_with_launcher, tag_children_with_launcher
-from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
-from ddp_recipes.syncbn import SyncBatchNormPlugin
+from ddp_recipes.ddp.syncbn import SyncBatchNormPlugin
+from ddp_recipes.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ddp_recipes.plan import DDPOptions
+    from ddp_recipes.config.plan import DDPOptions
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class TunedDDPStrategy(DDPStrategy):
 
     @classmethod
     def from_options(cls, options: DDPOptions, **kwargs: Any) -> TunedDDPStrategy:
-        """The strategy for one :class:`~ddp_recipes.plan.DDPOptions` (what ``build_trainer`` uses);
+        """The strategy for one :class:`~ddp_recipes.config.plan.DDPOptions` (what ``build_trainer`` uses);
         ``kwargs`` are the other constructor arguments (seed, NCCL settings, PowerSGD's, Lightning's)."""
         both = sorted(set(options.strategy_kwargs()) & set(kwargs))
         if both:

@@ -17,11 +17,11 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
 
-from ddp_recipes.choices import literal_choices
+from ddp_recipes.config.choices import literal_choices
 from ddp_recipes.errors import ConfigError, flag, lit
 
 if TYPE_CHECKING:
-    from ddp_recipes.config import RunConfig
+    from ddp_recipes.config.run_config import RunConfig
 
 C = TypeVar("C", bound="RunConfig")
 

@@ -12,7 +12,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddp_recipes.choices import LR_SCALING_RULES, LR_SCHEDULERS, WARMUP_METHODS, check_choice
+from ddp_recipes.config.choices import LR_SCALING_RULES, LR_SCHEDULERS, WARMUP_METHODS, check_choice
 from ddp_recipes.errors import ConfigError
 
 SCALING_RULES = LR_SCALING_RULES  # 0.1's name

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ddp_recipes.choices import ACCELERATORS, PRECISIONS, check_choice
+from ddp_recipes.config.choices import ACCELERATORS, PRECISIONS, check_choice
 from ddp_recipes.errors import ConfigError
 
 # Launchers that give every process node 0's address and its own ranks (SLURM, LSF, MPI).
