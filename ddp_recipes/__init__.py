@@ -19,7 +19,7 @@ _EXPORTS = {
     "RunPlan": "ddp_recipes.config.plan",
     "DDPOptions": "ddp_recipes.config.plan",
     "RunConfig": "ddp_recipes.config.run_config",
-    "parse_config": "ddp_recipes.config.run_config",
+    "parse_config": "ddp_recipes.config.cli",
     "scale_lr": "ddp_recipes.optim.schedules",
     "warmup_cosine": "ddp_recipes.optim.schedules",
     "TunedDDPStrategy": "ddp_recipes.ddp.strategy",

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ddp_recipes.checkpointing.checkpoint import read_checkpoint
-from ddp_recipes.config.run_config import ConfigError
 from ddp_recipes.data.mnist import load_split
+from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.train.userclass import follow_checkpoint, resolve_classes, same_class, source_file
 from recipes import mnist, resnet

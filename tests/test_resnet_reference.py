@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from ddp_recipes.config.run_config import parse_config
+from ddp_recipes.config.cli import parse_config
 from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.optim.ema import ModelEMA, adjusted_decay
 from ddp_recipes.train import run as runner

@@ -25,7 +25,7 @@ from ddp_recipes.bench.hostinfo import host_facts, parallel_ceiling, parallel_wa
 from ddp_recipes.bench.report import markdown_report, summary_line, write_report
 from ddp_recipes.config.choices import ACCELERATORS, MNIST_ARCHS, check_choice
 from ddp_recipes.config.choices import PRECISIONS as RUN_PRECISIONS
-from ddp_recipes.config.run_config import fail, opt, writable_dir
+from ddp_recipes.config.cli import fail, opt, writable_dir
 from ddp_recipes.config.world import cuda_devices, resolve_accelerator
 from ddp_recipes.errors import ConfigError, lit
 
@@ -342,7 +342,7 @@ def _count_params(config: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddp_recipes.config.run_config import build_parser
+    from ddp_recipes.config.cli import build_parser
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "predict":

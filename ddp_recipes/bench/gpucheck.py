@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.config.run_config import fail
+from ddp_recipes.config.cli import fail
 
 PROG = "python -m ddp_recipes.bench.gpucheck"
 # NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5 README (pytorch-21.03 NGC container), 1 GPU, their

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_recipes.config.run_config import fail
+from ddp_recipes.config.cli import fail
 
 PROG = "python -m ddp_recipes.bench loader"
 DECODERS = ("pil", "tensor")

@@ -47,7 +47,7 @@ from typing import Any
 from ddp_recipes.bench.memory_report import markdown_table, summarize, summary_line
 from ddp_recipes.bench.memory_worker import METHOD, NUM_CLASSES, VARIANTS, measure_variant
 from ddp_recipes.config.choices import ACCELERATORS, check_choice
-from ddp_recipes.config.run_config import build_parser, fail, opt, writable_dir
+from ddp_recipes.config.cli import build_parser, fail, opt, writable_dir
 from ddp_recipes.config.world import resolve_accelerator
 from ddp_recipes.errors import ConfigError
 

@@ -53,10 +53,9 @@ from ddp_recipes.checkpointing.preemption import die_with_launcher, tag_children
 from ddp_recipes.checkpointing.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.config.choices import COMM_HOOKS, check_choice
 from ddp_recipes.ddp.commhooks import ResumablePowerSGD
-from ddp_recipes.ddp.failures import (  # noqa: F401 - re-exported: 0.1 imported these from here
+from ddp_recipes.ddp.failures import (
     ASYNC_ERROR_HANDLING_VARS,
     CHILD_GRACE_S,
-    PEER_FAILURE_PATTERN,
     PEER_FAILURE_PREFIX,
     SHARED_STORE_FIX,
     init_failure_hint,

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 
 from ddp_recipes.config.choices import ACCELERATORS, BACKENDS, check_choice
-from ddp_recipes.config.run_config import opt, writable_dir
+from ddp_recipes.config.cli import opt, writable_dir
 from ddp_recipes.config.world import cuda_devices, launched_by_torchrun, resolve_accelerator, resolve_world
 from ddp_recipes.doctor.sweep import MIN_BYTES, parse_bytes
 from ddp_recipes.errors import ConfigError

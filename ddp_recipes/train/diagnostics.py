@@ -41,16 +41,13 @@ from typing_extensions import override
 
 from ddp_recipes.config.choices import LR_SCALING_RULES, check_choice
 from ddp_recipes.ddp.syncbn import CPUSyncBatchNorm
-from ddp_recipes.train.diagnostic_rules import (  # noqa: F401 - re-exported: tests and users import them from here
+from ddp_recipes.train.diagnostic_rules import (
     batch_fingerprint,
     batch_size_of,
     describe_sampler,
     extremes,
-    far_apart,
     first_few,
-    first_tensor,
     gather_rows,
-    identical_ranks,
     loss_diverged,
     memory_imbalance,
     name_ranks,

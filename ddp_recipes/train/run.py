@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from ddp_recipes.atomic import write_json_atomic  # noqa: F401 - also imported from here by users
+from ddp_recipes.atomic import write_json_atomic
 from ddp_recipes.checkpointing.checkpoint import (
     CHECKPOINT_DIR,
     check_compatible,
@@ -26,7 +26,8 @@ from ddp_recipes.checkpointing.checkpoint import (
     resolve_resume,
 )
 from ddp_recipes.checkpointing.preemption import LastCheckpoint
-from ddp_recipes.config.run_config import RunConfig, writable_dir
+from ddp_recipes.config.cli import writable_dir
+from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.train.perf import (
@@ -117,11 +118,6 @@ def _batch_len(batch: Any) -> int:
         return int(extract_batch_size(batch))
     except (MisconfigurationException, RecursionError, TypeError):
         return 1
-
-
-def scaled_lr(cfg: RunConfig) -> float:
-    """The peak LR for this run: ``--lr`` scaled from ``--lr-reference-batch`` to the global batch."""
-    return cfg.plan.lr
 
 
 def checkpoint_callbacks(cfg: RunConfig, has_val: bool, model_class: type | None = None) -> list[Callback]:

@@ -11,15 +11,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO
 from ddp_recipes.checkpointing.resume import ResumeState
-from ddp_recipes.config.choices import PRECISIONS  # noqa: F401 - re-exported: 0.1 defined it here
 from ddp_recipes.config.plan import DDPOptions, RunPlan
-from ddp_recipes.config.world import (  # noqa: F401 - re-exported: 0.1 imported these from here
-    SCHEDULER_VARS,
+from ddp_recipes.config.world import (
     check_node_env,
-    launched_by_torchrun,
-    resolve_accelerator,
-    resolve_precision,
-    resolve_world,
 )
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError
