@@ -129,12 +129,6 @@ class ResumeState(Callback):
         self._pending: dict[str, Any] | None = None
         self._fresh_lrs: list[list[float]] = []
 
-    @property
-    @override
-    def _legacy_state_key(self) -> str:
-        # ddp-recipes 0.1 saved the RNG states under its RNGStateCheckpoint callback; read them from there.
-        return "RNGStateCheckpoint"
-
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -159,8 +153,6 @@ class ResumeState(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "ranks" in state_dict and "rng" not in state_dict:  # checkpoints of ddp-recipes 0.1
-            state_dict = {"rng": state_dict["ranks"], "world_size": len(state_dict["ranks"])}
         self._pending = state_dict
 
     # ---- restoring, at the training boundary ------------------------------------------------------------
