@@ -20,7 +20,7 @@ _EXPORTS = {
     "DDPOptions": "ddp_recipes.config.plan",
     "RunConfig": "ddp_recipes.config.run_config",
     "parse_config": "ddp_recipes.config.cli",
-    "scale_lr": "ddp_recipes.optim.schedules",
+    "scale_lr": "ddp_recipes.config.plan",
     "warmup_cosine": "ddp_recipes.optim.schedules",
     "TunedDDPStrategy": "ddp_recipes.ddp.strategy",
     "CPUSyncBatchNorm": "ddp_recipes.ddp.syncbn",

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from ddp_recipes.config.cli import build_parser, parse_config
+from ddp_recipes.config.plan import scale_lr
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.optim.schedules import scale_lr, warmup_cosine, warmup_cosine_factor
+from ddp_recipes.optim.schedules import warmup_cosine, warmup_cosine_factor
 from tests.helpers import cli_text, raises_cli
 
 

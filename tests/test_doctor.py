@@ -15,8 +15,8 @@ import torch
 
 from ddp_recipes.doctor.checks import COMM_VARS, classify, ifname_problem, is_loopback
 from ddp_recipes.doctor.cli import main
-from ddp_recipes.doctor.config import TORCHRUN_VARS, DoctorConfig
-from ddp_recipes.doctor.sweep import bus_bandwidth, parse_bytes, sweep_sizes
+from ddp_recipes.doctor.config import TORCHRUN_VARS, DoctorConfig, parse_bytes
+from ddp_recipes.doctor.sweep import bus_bandwidth, sweep_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,6 +7,7 @@ DataModules. A :class:`~ddp_recipes.config.run_config.RunConfig` says what was a
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,7 +20,20 @@ from ddp_recipes.config.world import (
     resolve_world,
 )
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.optim.schedules import scale_lr
+
+
+def scale_lr(base_lr: float, global_batch: int, reference_batch: int, rule: str = "none") -> float:
+    """The LR for ``global_batch`` given ``base_lr`` tuned at ``reference_batch``."""
+    if rule not in LR_SCALING_RULES:
+        raise ConfigError(f"{{lr_scaling}} must be one of {', '.join(LR_SCALING_RULES)} (got {rule!r})")
+    if global_batch < 1 or reference_batch < 1:
+        raise ConfigError(f"batch sizes must be >= 1 (global {global_batch}, reference {reference_batch})")
+    ratio = global_batch / reference_batch
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ddp_recipes.config.choices import (
 )
 from ddp_recipes.config.cli import opt
 from ddp_recipes.config.plan import DDPOptions, RunPlan
+from ddp_recipes.config.world import default_num_workers
 from ddp_recipes.errors import ConfigError
 
 
@@ -114,8 +115,6 @@ class RunConfig:
         the cores per rank)."""
         if self.DEFAULT_NUM_WORKERS is not None:
             return self.DEFAULT_NUM_WORKERS
-        from ddp_recipes.data.images import default_num_workers
-
         return default_num_workers(devices_per_node)
 
     def resolve(self) -> RunPlan:
