@@ -25,7 +25,8 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-from ddp_recipes.train.run import checkpoint_callbacks, has_loader, open_resume, run_fit_test
+from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
+from ddp_recipes.train.run import has_loader, run_fit_test
 from ddp_recipes.train.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.mnist"

@@ -36,13 +36,8 @@ from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
 from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, check_ema, ema_state_dict
 from ddp_recipes.optim.schedules import check_reference_schedule
-from ddp_recipes.train.run import (
-    checkpoint_callbacks,
-    has_loader,
-    open_resume,
-    run_fit_test,
-    run_test_only,
-)
+from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
+from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
 from ddp_recipes.train.userclass import (
     class_path,
     construct_datamodule,

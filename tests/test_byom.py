@@ -175,7 +175,7 @@ def test_optimizer_that_ignores_the_scaled_lr_is_named(tmp_path, recwarn):
 
 def test_subclass_monitor_drives_best_checkpoint(tmp_path):
     from ddp_recipes.config.run_config import RunConfig
-    from ddp_recipes.train.run import checkpoint_callbacks
+    from ddp_recipes.train.checkpoints import checkpoint_callbacks
 
     class LossMonitored(MNISTClassifier):
         monitor = "val_loss"

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, Dataset
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.train import perf
+from ddp_recipes.train.callbacks import ThroughputMeter
 from ddp_recipes.train.diagnostics import DDPDiagnostics
-from ddp_recipes.train.run import ThroughputMeter
 from ddp_recipes.train.trainer import build_trainer
 
 
