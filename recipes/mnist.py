@@ -18,13 +18,16 @@ from dataclasses import dataclass
 
 import lightning as L
 
-from ddp_recipes.checkpoint import check_compatible
-from ddp_recipes.choices import MNISTArch
-from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
+from ddp_recipes.checkpointing.checkpoint import check_compatible
+from ddp_recipes.config.choices import MNISTArch
+from ddp_recipes.config.cli import fail, opt, parse_config
+from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.mnist import MNISTDataModule
+from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-from ddp_recipes.runner import checkpoint_callbacks, has_loader, open_resume, run_fit_test, scaled_lr
-from ddp_recipes.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
+from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
+from ddp_recipes.train.run import has_loader, run_fit_test
+from ddp_recipes.train.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.mnist"
 
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
         if resume:
             classes = follow_checkpoint(classes, checkpoint, resume)
             check_compatible(checkpoint, resume, {"arch": cfg.arch}, accepted={"arch": ARCHS})
-        lr = scaled_lr(cfg)
+        lr = cfg.plan.lr
         model_kwargs(classes.model_class, model_args(cfg, lr))  # before any process starts: one line if not
         datamodule = build_datamodule(cfg, classes.datamodule)
         own_data = classes.datamodule is None

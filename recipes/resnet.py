@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 import lightning as L
 
-from ddp_recipes.checkpoint import check_compatible
-from ddp_recipes.choices import (
-    RESNET_DATA,
+from ddp_recipes.checkpointing.checkpoint import check_compatible
+from ddp_recipes.config.choices import (
     AutoAugment,
     Interpolation,
     LRScheduler,
@@ -30,26 +29,16 @@ from ddp_recipes.choices import (
     ResNetData,
     WarmupMethod,
 )
-from ddp_recipes.config import ConfigError, RunConfig, fail, opt, parse_config
-from ddp_recipes.data.images import (  # noqa: F401 - default_num_workers: 0.1 imported it from here
-    CIFAR10DataModule,
-    ImageFolderDataModule,
-    SyntheticImageDataModule,
-    default_num_workers,
-)
-from ddp_recipes.ema import ModelEMA, adjusted_decay, check_ema, ema_state_dict
-from ddp_recipes.errors import lit
+from ddp_recipes.config.cli import fail, opt, parse_config
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
+from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
-from ddp_recipes.runner import (
-    checkpoint_callbacks,
-    has_loader,
-    open_resume,
-    run_fit_test,
-    run_test_only,
-    scaled_lr,
-)
-from ddp_recipes.schedules import check_reference_schedule
-from ddp_recipes.userclass import (
+from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, check_ema, ema_state_dict
+from ddp_recipes.optim.schedules import check_reference_schedule
+from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
+from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
+from ddp_recipes.train.userclass import (
     class_path,
     construct_datamodule,
     follow_checkpoint,
@@ -58,7 +47,6 @@ from ddp_recipes.userclass import (
 )
 
 PROG = "python -m recipes.resnet"
-DATA = RESNET_DATA  # 0.1's name
 
 
 @dataclass
@@ -128,7 +116,6 @@ class ResNetConfig(RunConfig):
     DEFAULT_REFERENCE_BATCH = 256
     DEFAULT_MAX_EPOCHS = 30
     DEFAULT_NUM_WORKERS = None  # fitted to the cores per rank (decoding and augmentation)
-    PLAN_FIELDS = ("data",)
 
     def default_num_workers(self, devices_per_node: int) -> int:
         # Synthetic data are in-memory tensors: no decode to overlap, so no workers unless asked.
@@ -334,7 +321,7 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             check_compatible(checkpoint, resume, {"arch": cfg.arch, "num_classes": num_classes,
                                                   "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout},
                              accepted={"arch": ARCHS})
-        lr = scaled_lr(cfg)
+        lr = cfg.plan.lr
         model_kwargs(classes.model_class, model_args(cfg, num_classes, lr))  # before any process starts
         mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
         if mixing and not classes.model_class.takes_soft_targets():

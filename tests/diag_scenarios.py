@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_recipes import build_trainer  # noqa: E402
-from ddp_recipes.diagnostics import DDPDiagnostics  # noqa: E402
+from ddp_recipes.train.diagnostics import DDPDiagnostics  # noqa: E402
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 64, 16, 4
 

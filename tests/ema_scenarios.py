@@ -51,7 +51,7 @@ def loader(n: int, batch: int, seed: int = 0) -> DataLoader:
 
 def main() -> None:
     from ddp_recipes import build_trainer
-    from ddp_recipes.ema import ModelEMA
+    from ddp_recipes.optim.ema import ModelEMA
 
     out = Path(sys.argv[1])
     ema = ModelEMA(decay=0.7, update_every=2, warmup_epochs=0.5)

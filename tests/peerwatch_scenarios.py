@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from ddp_recipes import failures
-from ddp_recipes.strategy import TunedDDPStrategy
+from ddp_recipes.ddp.strategy import TunedDDPStrategy
 
 
 def main(case: str, rank: int) -> None:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-import ddp_recipes.runner as runner  # noqa: E402
+import ddp_recipes.train.run as runner  # noqa: E402
 
 
 class Fault(Callback):
@@ -83,7 +83,8 @@ class StallingFile:
 def slow_save(target: Path, ready: Path) -> None:
     import torch
 
-    from ddp_recipes import atomic, checkpoint
+    from ddp_recipes import atomic
+    from ddp_recipes.checkpointing import checkpoint
 
     atomic.open = lambda path, mode="r": StallingFile(open(path, mode), ready)  # module global beats builtin
     checkpoint.AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.full((4 << 20,), 2.0)}, "step": 2},

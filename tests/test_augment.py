@@ -13,14 +13,19 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import v2
 
-from ddp_recipes.choices import AUTO_AUGMENTS, INTERPOLATIONS
+from ddp_recipes.config.choices import AUTO_AUGMENTS, INTERPOLATIONS
 from ddp_recipes.data import augment
-from ddp_recipes.data.augment import batch_mixer, eval_transform, normalize_transform, train_transform
+from ddp_recipes.data.augment import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    batch_mixer,
+    eval_transform,
+    normalize_transform,
+    train_transform,
+)
 from ddp_recipes.data.images import (
     CIFAR10_MEAN,
     CIFAR10_STD,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     CIFAR10DataModule,
     ImageFolderDataModule,
     imagenet_train_transform,

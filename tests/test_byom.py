@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from ddp_recipes.checkpoint import read_checkpoint
-from ddp_recipes.config import ConfigError
+from ddp_recipes.checkpointing.checkpoint import read_checkpoint
 from ddp_recipes.data.mnist import load_split
+from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import MNISTClassifier
-from ddp_recipes.userclass import follow_checkpoint, resolve_classes, same_class, source_file
+from ddp_recipes.train.userclass import follow_checkpoint, resolve_classes, same_class, source_file
 from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA, free_port, raises_cli
 
@@ -174,8 +174,8 @@ def test_optimizer_that_ignores_the_scaled_lr_is_named(tmp_path, recwarn):
 
 
 def test_subclass_monitor_drives_best_checkpoint(tmp_path):
-    from ddp_recipes.config import RunConfig
-    from ddp_recipes.runner import checkpoint_callbacks
+    from ddp_recipes.config.run_config import RunConfig
+    from ddp_recipes.train.checkpoints import checkpoint_callbacks
 
     class LossMonitored(MNISTClassifier):
         monitor = "val_loss"

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_recipes.commhooks import ResumablePowerSGD, _numel
+from ddp_recipes.ddp.commhooks import ResumablePowerSGD, _numel
 
 A, B, C = ("a", (8, 8)), ("b", (8, 8)), ("c", (8,))  # two compressible matrices and a bias
 

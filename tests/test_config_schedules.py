@@ -7,8 +7,11 @@ import math
 import pytest
 import torch
 
-from ddp_recipes.config import ConfigError, RunConfig, build_parser, parse_config
-from ddp_recipes.schedules import scale_lr, warmup_cosine, warmup_cosine_factor
+from ddp_recipes.config.cli import build_parser, parse_config
+from ddp_recipes.config.plan import scale_lr
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.optim.schedules import warmup_cosine, warmup_cosine_factor
 from tests.helpers import cli_text, raises_cli
 
 
@@ -32,7 +35,7 @@ def test_cli_is_generated_from_the_dataclass():
     ],
 )
 def test_batch_plan(kwargs, plan):
-    assert RunConfig(**kwargs).batch_plan() == plan
+    assert RunConfig(**kwargs).plan.batch.astuple() == plan
 
 
 @pytest.mark.parametrize(
@@ -61,7 +64,7 @@ def test_torchrun_environment_sets_the_world(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = RunConfig()
-    assert (cfg.resolved_devices, cfg.resolved_num_nodes, cfg.world_size) == (2, 4, 8)
+    assert (cfg.plan.devices, cfg.plan.num_nodes, cfg.plan.world_size) == (2, 4, 8)
     with pytest.raises(ConfigError, match="^devices 3 disagrees with torchrun") as info:
         RunConfig(devices=3)
     # The library names the parameter; only the CLI spells it as a flag.

@@ -12,10 +12,10 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from ddp_recipes.config.world import check_bf16_device, resolve_precision
+from ddp_recipes.ddp.failures import PEER_FAILURE_PREFIX, stale_after
+from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.failures import PEER_FAILURE_PREFIX, stale_after
-from ddp_recipes.strategy import TunedDDPStrategy
-from ddp_recipes.world import check_bf16_device, resolve_precision
 from tests.helpers import free_port
 
 

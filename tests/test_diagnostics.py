@@ -17,10 +17,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ddp_recipes import build_trainer
-from ddp_recipes.config import RunConfig, parse_config
-from ddp_recipes.diagnostics import (
-    DDPDiagnostics,
-    DDPDiagnosticWarning,
+from ddp_recipes.config.cli import parse_config
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.train.diagnostic_rules import (
     batch_fingerprint,
     far_apart,
     first_tensor,
@@ -32,6 +31,7 @@ from ddp_recipes.diagnostics import (
     shuffle_coincidence_chance,
     unsharded_ranks,
 )
+from ddp_recipes.train.diagnostics import DDPDiagnostics, DDPDiagnosticWarning
 from tests.diag_scenarios import FrozenEpochSampler, Net, dataset
 from tests.helpers import free_port
 
@@ -165,11 +165,11 @@ def test_build_trainer_and_cli_wiring():
     plan = cfg.plan  # resolved once, frozen; build_trainer reads it whole
     assert plan.diagnostics is True
     assert (plan.lr_scaling, plan.reference_batch, plan.batch.global_batch) == ("sqrt", 64, 32)
-    trainer = build_trainer(**cfg.trainer_kwargs(), logger=False, enable_checkpointing=False)
+    trainer = build_trainer(plan=cfg.plan, logger=False, enable_checkpointing=False)
     diag = [c for c in trainer.callbacks if isinstance(c, DDPDiagnostics)]
     assert len(diag) == 1 and (diag[0].lr_scaling, diag[0].global_batch) == ("sqrt", 32)
-    off = parse_config(RunConfig, ["--devices", "1", "--no-diagnostics"]).trainer_kwargs()
-    trainer = build_trainer(**off, logger=False, enable_checkpointing=False)
+    off = parse_config(RunConfig, ["--devices", "1", "--no-diagnostics"]).plan
+    trainer = build_trainer(plan=off, logger=False, enable_checkpointing=False)
     assert not any(isinstance(c, DDPDiagnostics) for c in trainer.callbacks)
 
 

@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from ddp_recipes.ema import ModelEMA, adjusted_decay, ema_state_dict
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, ema_state_dict
 from tests.ema_scenarios import FEATURES, TinyClassifier, data, loader
 from tests.helpers import free_port
 

@@ -56,7 +56,7 @@ def _fit_tiny(precision: str, tmp_path, inf_step: int | None = None):
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ddp_recipes.trainer import build_trainer
+    from ddp_recipes.train.trainer import build_trainer
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -113,7 +113,7 @@ def test_cuda_single_device_recipe(tmp_path):
     summary = resnet.main([*TINY_RESNET, "--max-steps", "8", "--output-dir", str(tmp_path)])
     assert summary["world_size"] == 1 and summary["steps"] == 8 and 0 <= summary["test_acc"] <= 1
     assert summary["flops_per_sample"] > 0 and summary["achieved_flops_per_sec"] > 0
-    from ddp_recipes.perf import peak_flops
+    from ddp_recipes.train.perf import peak_flops
 
     if peak_flops(torch.device("cuda", 0), "32-true") is not None:  # a GPU in Lightning's table
         assert 0 < summary["mfu"] < 1
@@ -188,8 +188,8 @@ def test_channels_last_forward_matches_on_cuda(restore_tf32):
 
 @ampere
 def test_tf32_in_force_and_off_with_the_flag(restore_tf32):
-    from ddp_recipes.perf import tf32_state
-    from ddp_recipes.trainer import build_trainer
+    from ddp_recipes.train.perf import tf32_state
+    from ddp_recipes.train.trainer import build_trainer
 
     build_trainer(accelerator="gpu", devices=1, logger=False)
     assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
@@ -214,7 +214,7 @@ def test_compile_on_cuda_trains_like_eager(tmp_path):
 
 @one_gpu
 def test_torch_sync_batchnorm_conversion_and_revert():
-    from ddp_recipes.syncbn import SyncBatchNormPlugin
+    from ddp_recipes.ddp.syncbn import SyncBatchNormPlugin
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     model[1].running_mean.fill_(0.5)
@@ -404,8 +404,8 @@ def test_resume_restores_the_own_cuda_generator(tmp_path):
     """The rank's device generator alone goes through a weights_only checkpoint round trip; draws repeat."""
     import lightning as L
 
+    from ddp_recipes.checkpointing.resume import rng_state, set_rng_state
     from ddp_recipes.data.images import SyntheticImageDataModule
-    from ddp_recipes.resume import rng_state, set_rng_state
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.save(rng_state(device), tmp_path / "rng.pt")

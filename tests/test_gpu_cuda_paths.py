@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
+from ddp_recipes.config.world import check_bf16_device
+from ddp_recipes.ddp.failures import PEER_FAILURE_PREFIX
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.failures import PEER_FAILURE_PREFIX
-from ddp_recipes.world import check_bf16_device
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ def test_a_dead_nccl_peer_ends_the_other_rank_with_the_pack_message():
             "from datetime import timedelta\n"
             "from lightning.fabric.plugins.environments import LightningEnvironment\n"
             "from ddp_recipes import failures\n"
-            "from ddp_recipes.strategy import TunedDDPStrategy\n"
+            "from ddp_recipes.ddp.strategy import TunedDDPStrategy\n"
             "rank = int(sys.argv[1]); failures.HEARTBEAT_S = 0.5; torch.cuda.set_device(rank)\n"
             "dist.init_process_group('nccl', rank=rank, world_size=2, timeout=timedelta(seconds=600))\n"
             "env = LightningEnvironment(); env.set_world_size(2); env.set_global_rank(rank)\n"

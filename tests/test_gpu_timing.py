@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from ddp_recipes.perf import StepClock
-from ddp_recipes.runner import ThroughputMeter
+from ddp_recipes.train.callbacks import ThroughputMeter
+from ddp_recipes.train.perf import StepClock
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -60,7 +60,7 @@ def test_a_recipe_fit_on_cuda_reports_device_time_without_syncs(tmp_path):
 
     from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
     from ddp_recipes.modules.mnist import MNISTClassifier
-    from ddp_recipes.trainer import build_trainer
+    from ddp_recipes.train.trainer import build_trainer
 
     class SyncWatch(L.Callback):
         """Sync debug mode "warn" over steps 5..15 (steady state); records what it warned about."""

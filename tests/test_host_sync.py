@@ -21,11 +21,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from ddp_recipes.bench.overhead import _Tensors
-from ddp_recipes.config import RunConfig
+from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
 from ddp_recipes.modules.logging import SyncFreeMean
 from ddp_recipes.modules.mnist import MNISTClassifier
-from ddp_recipes.runner import checkpoint_callbacks, make_trainer, run_fit_test
+from ddp_recipes.train.checkpoints import checkpoint_callbacks
+from ddp_recipes.train.run import make_trainer, run_fit_test
 
 HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero")
 BATCH, START, WINDOW = 16, 12, 24  # steps 12..36 of a 200-step epoch: no epoch end, no first-step work

@@ -13,13 +13,9 @@ import torch
 from lightning import Callback, Trainer, seed_everything
 from torchvision import datasets
 
-from ddp_recipes.data import images
-from ddp_recipes.data.images import (
-    CIFAR10DataModule,
-    ImageFolderDataModule,
-    SyntheticImageDataModule,
-    default_num_workers,
-)
+from ddp_recipes.config import world
+from ddp_recipes.config.world import default_num_workers
+from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.modules.resnet import ResNetClassifier
 from tests.helpers import SHARED_DATA, cli_text, raises_cli
 
@@ -29,7 +25,7 @@ from tests.helpers import SHARED_DATA, cli_text, raises_cli
 @pytest.mark.parametrize("cpus, devices, expected", [(16, 1, 8), (16, 4, 3), (16, 16, 0), (2, 1, 1), (1, 1, 0),
                                                      (64, 2, 8)])
 def test_default_num_workers(monkeypatch, cpus, devices, expected):
-    monkeypatch.setattr(images.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(world.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     assert default_num_workers(devices) == expected
 
 

@@ -25,10 +25,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_recipes import build_trainer
+from ddp_recipes.checkpointing.preemption import LastCheckpoint
 from ddp_recipes.data.resumable import ResumableDataLoader
+from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.preemption import LastCheckpoint
-from ddp_recipes.strategy import TunedDDPStrategy
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

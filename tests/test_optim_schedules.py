@@ -20,11 +20,11 @@ from torch.optim.lr_scheduler import (
     StepLR,
 )
 
-from ddp_recipes.choices import LR_SCHEDULERS, OPTIMIZERS
+from ddp_recipes.config.choices import LR_SCHEDULERS, OPTIMIZERS
 from ddp_recipes.errors import ConfigError, flag
 from ddp_recipes.modules.resnet import ResNetClassifier
-from ddp_recipes.optim import build_optimizer, param_groups
-from ddp_recipes.schedules import (
+from ddp_recipes.optim.optimizers import build_optimizer, param_groups
+from ddp_recipes.optim.schedules import (
     check_reference_schedule,
     lightning_reference_scheduler,
     reference_scheduler,

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_recipes import perf
-from ddp_recipes.diagnostics import DDPDiagnostics
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.modules.resnet import ResNetClassifier
-from ddp_recipes.runner import ThroughputMeter
-from ddp_recipes.trainer import build_trainer
+from ddp_recipes.train import perf
+from ddp_recipes.train.callbacks import ThroughputMeter
+from ddp_recipes.train.diagnostics import DDPDiagnostics
+from ddp_recipes.train.trainer import build_trainer
 
 
 def test_tf32_switches_and_what_the_setup_print_says(monkeypatch, restore_tf32):
@@ -185,31 +185,6 @@ def test_compiled_two_ranks_train_like_one_eager_process_at_twice_the_batch(tmp_
         torch.testing.assert_close(a[key], b[key], rtol=tolerance, atol=tolerance)
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
     assert summary["compile_seconds"] > 0 and summary["world_size"] == 2
-
-
-def test_gpu_check_result_is_json_serialisable():
-    """The make gpu-check report's shape: no GPU needed to format a result."""
-    import json
-
-    from ddp_recipes.bench.gpucheck import format_result, rows_with_flops
-
-    rows = rows_with_flops([{"impl": "pack", "global_samples_per_s": 1000.0, "step_ms_median": 128.0,
-                             "first_step_s": 2.0}], flops_per_sample=12_000_000_000, peak=312_000_000_000_000)
-    assert rows[0]["achieved_tflops"] == 12.0 and rows[0]["mfu"] == pytest.approx(0.0385, abs=1e-4)
-    result = {"gpu": "X", "torch": "2", "config": {"batch_size": 128}, "rows": rows, "errors": [],
-              "published_one_gpu": {"source": "s", "rows": [{"gpu": "A100", "precision": "TF32", "images_per_s": 938.0}]}}
-    assert "| pack | 1000.0 |" in format_result(json.loads(json.dumps(result)))
-
-
-def test_gpu_check_without_a_gpu_fails_in_one_line(capsys):
-    from ddp_recipes.bench.gpucheck import main
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is visible: the GPU tier runs gpu-check instead")
-    with pytest.raises(SystemExit) as exit_info:
-        main([])
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and "needs a CUDA GPU" in err and err.count("\n") == 0
 
 
 def test_input_bound_is_summed_over_short_epochs(tmp_path):

@@ -10,28 +10,28 @@ from datetime import timedelta
 import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
-import ddp_recipes.config as config_module
 from ddp_recipes import TunedDDPStrategy, build_trainer
-from ddp_recipes.choices import ACCELERATORS, COMM_HOOKS, LR_SCALING_RULES, PRECISIONS, RESNET_DATA
-from ddp_recipes.config import RunConfig, build_parser, parse_config
+from ddp_recipes.config.choices import ACCELERATORS, COMM_HOOKS, LR_SCALING_RULES, PRECISIONS, RESNET_DATA
+from ddp_recipes.config.cli import build_parser, parse_config
+from ddp_recipes.config.plan import BatchPlan, DDPOptions, RunPlan
+from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.errors import CheckpointError, ConfigError, DataError, MissingDataError
-from ddp_recipes.plan import BatchPlan, DDPOptions, RunPlan
 from recipes.resnet import ResNetConfig
 
 
 def test_plan_is_resolved_once_and_frozen(monkeypatch):
     calls = []
-    real = config_module.RunPlan.resolve
+    real = RunPlan.resolve
 
     def counting(**kwargs):
         calls.append(kwargs)
         return real(**kwargs)
 
-    monkeypatch.setattr(config_module.RunPlan, "resolve", staticmethod(counting))
+    monkeypatch.setattr(RunPlan, "resolve", staticmethod(counting))
     cfg = RunConfig(devices=2, global_batch_size=256, accumulate_grad_batches=2, lr=0.1, lr_reference_batch=64,
                     comm_hook="bf16", num_workers=3)
     for _ in range(3):  # every derived value is read from the one plan
-        assert (cfg.world_size, cfg.per_device_batch_size, cfg.accumulation, cfg.resolved_global_batch_size) == \
+        assert (cfg.plan.world_size, cfg.plan.batch.per_device, cfg.plan.accumulation, cfg.plan.batch.global_batch) == \
             (2, 64, 2, 256)
         assert cfg.plan.lr == pytest.approx(0.4)  # linear: 0.1 x 256 / 64
     assert len(calls) == 1
@@ -52,12 +52,12 @@ def test_recipe_worker_default_lives_in_the_plan():
 def test_ddp_options_travel_as_one_object():
     cfg = parse_config(RunConfig, ["--devices", "2", "--comm-hook", "fp16", "--bucket-cap-mb", "10",
                                    "--find-unused-parameters", "--timeout-s", "60"])
-    trainer = build_trainer(**cfg.trainer_kwargs(), logger=False, enable_checkpointing=False)
+    trainer = build_trainer(plan=cfg.plan, logger=False, enable_checkpointing=False)
     strategy = trainer.strategy
     assert isinstance(strategy, TunedDDPStrategy) and strategy.comm_hook == "fp16"
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 10 and strategy._ddp_kwargs["find_unused_parameters"] is True
     assert strategy._timeout == timedelta(seconds=60)
-    # The same options as flat keywords (the 0.1 API) or as one DDPOptions give the same strategy.
+    # The same options as flat keywords or as one DDPOptions give the same strategy.
     options = DDPOptions(comm_hook="fp16", bucket_cap_mb=10, find_unused_parameters=True, timeout_s=60)
     for kwargs in ({"ddp": options}, {"comm_hook": "fp16", "bucket_cap_mb": 10, "find_unused_parameters": True,
                                       "timeout_s": 60}):
@@ -81,7 +81,7 @@ def test_plan_and_flat_keywords_do_not_mix():
 @pytest.mark.parametrize("field, choices", [("precision", PRECISIONS), ("comm_hook", COMM_HOOKS),
                                             ("lr_scaling", LR_SCALING_RULES), ("accelerator", ACCELERATORS)])
 def test_each_choice_list_is_defined_once(field, choices):
-    """The CLI's choices and the config's validation are the Literal of ddp_recipes.choices."""
+    """The CLI's choices and the config's validation are the Literal of ddp_recipes.config.choices."""
     action = next(a for a in build_parser(RunConfig)._actions if a.dest == field)
     assert tuple(action.choices) == choices
     with pytest.raises(ConfigError) as info:
@@ -108,7 +108,7 @@ def test_errors_name_parameters_and_the_cli_spells_flags():
     for error in (err, odd, CheckpointError("{resume} x: bad"), MissingDataError("{data_dir} y", "data_dir")):
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error) and back.param == error.param and back.cli() == error.cli()
-    assert isinstance(MissingDataError("x"), FileNotFoundError)  # 0.1 raised FileNotFoundError there
+    assert isinstance(MissingDataError("x"), FileNotFoundError)  # an `except FileNotFoundError` catches it
     assert issubclass(CheckpointError, ConfigError) and issubclass(DataError, ConfigError)
 
 
@@ -122,14 +122,8 @@ def test_library_error_names_the_keyword(capsys):
     assert capsys.readouterr().err.strip() == "prog: error: --devices must be >= 1 (got 0)"
 
 
-def test_plan_follows_a_changed_config_and_refuses_stray_keywords():
-    cfg = RunConfig(batch_size=4)
-    cfg.batch_size = 8  # a script that edits its config gets a plan that says so
-    assert cfg.per_device_batch_size == 8 and cfg.plan.batch.per_device == 8
-    flat = cfg.trainer_kwargs()  # 0.1's flat keywords still build the same trainer
-    assert flat["devices"] == 1 and flat["global_batch"] == 8
-    trainer = build_trainer(**{**flat, "max_epochs": 1}, logger=False, enable_checkpointing=False)
-    assert trainer.max_epochs == 1
+def test_plan_refuses_stray_keywords():
+    cfg = RunConfig(batch_size=8)
     with pytest.raises(ConfigError, match="plan already decides max_steps, precision"):
         build_trainer(plan=cfg.plan, max_steps=3, precision="bf16-mixed")
     # Options at their default leave the knob to the keyword; two different values are refused.

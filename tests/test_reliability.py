@@ -21,17 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_recipes import checkpoint as ckpt_io
 from ddp_recipes.bench import __main__ as bench
-from ddp_recipes.strategy import (
+from ddp_recipes.checkpointing import checkpoint as ckpt_io
+from ddp_recipes.ddp.failures import (
     CHILD_GRACE_S,
     PEER_FAILURE_PREFIX,
-    TunedDDPStrategy,
     init_failure_hint,
     is_peer_failure,
     restarts_share_store,
     stop_processes,
 )
+from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA, free_port, write_mnist_subset
 

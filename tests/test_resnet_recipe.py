@@ -162,7 +162,7 @@ def test_plain_data_hyperparameters_still_load(tmp_path, existing_run):
 
     import numpy as np
 
-    from ddp_recipes.checkpoint import read_checkpoint
+    from ddp_recipes.checkpointing.checkpoint import read_checkpoint
 
     state = torch.load(existing_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     state["hyper_parameters"] = {**state["hyper_parameters"], "root": Path("/data"), "args": argparse.Namespace(a=1),

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from ddp_recipes import runner
-from ddp_recipes.config import parse_config
-from ddp_recipes.ema import ModelEMA, adjusted_decay
+from ddp_recipes.config.cli import parse_config
 from ddp_recipes.modules.resnet import ResNetClassifier
+from ddp_recipes.optim.ema import ModelEMA, adjusted_decay
+from ddp_recipes.train import run as runner
 from recipes import mnist, resnet
 from recipes.resnet import ResNetConfig, build_datamodule, ema_callback
 from tests.helpers import SHARED_DATA, free_port

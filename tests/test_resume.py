@@ -254,7 +254,7 @@ TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--
 @pytest.mark.parametrize("val_samples", ["32", "0"])
 def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
     """last.ckpt at every epoch end (validation or not, improving or not) and every N steps, once per step."""
-    from ddp_recipes.preemption import LastCheckpoint
+    from ddp_recipes.checkpointing.preemption import LastCheckpoint
     from recipes import resnet
 
     saved: list[int] = []
@@ -274,7 +274,7 @@ def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path, capsys):
-    from ddp_recipes.checkpoint import newest_checkpoint
+    from ddp_recipes.checkpointing.checkpoint import newest_checkpoint
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -351,7 +351,7 @@ def four_gpus(monkeypatch):
 
 def test_only_the_own_cuda_generator_is_saved_and_restored(four_gpus, tmp_path):
     """Saved by rank 2 of a 4-GPU node (cuda:2), resumed as one SLURM task per GPU (the task sees cuda:0)."""
-    from ddp_recipes.resume import rng_state, set_rng_state
+    from ddp_recipes.checkpointing.resume import rng_state, set_rng_state
 
     visible, restored = four_gpus
     torch.save(rng_state(torch.device("cuda", 2)), tmp_path / "rng.pt")
@@ -367,7 +367,7 @@ def test_only_the_own_cuda_generator_is_saved_and_restored(four_gpus, tmp_path):
 def test_old_checkpoints_with_every_devices_state_still_load(four_gpus):
     """ddp-recipes <= 0.2 saved every visible device's state in a list: its own entry is restored when the
     process sees as many devices; otherwise a warning, not a crash."""
-    from ddp_recipes.resume import rng_state, set_rng_state
+    from ddp_recipes.checkpointing.resume import rng_state, set_rng_state
 
     visible, restored = four_gpus
     old = {**rng_state(), "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(4)]}

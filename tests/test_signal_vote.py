@@ -29,7 +29,7 @@ class _CountReads(TorchDispatchMode):
 
 
 def _rank(rank: int, port: int, out: str) -> None:
-    from ddp_recipes.preemption import _SignalVote
+    from ddp_recipes.checkpointing.preemption import _SignalVote
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

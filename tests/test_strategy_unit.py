@@ -10,7 +10,7 @@ from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy
 
 from ddp_recipes import TunedDDPStrategy, build_trainer
-from ddp_recipes.syncbn import SyncBatchNormPlugin
+from ddp_recipes.ddp.syncbn import SyncBatchNormPlugin
 from tests.helpers import raises_cli
 
 
@@ -55,7 +55,7 @@ def test_only_ranks_our_launcher_started_follow_it(monkeypatch):
     """Ranks 1..N-1 started by Lightning's launcher die with rank 0 during the fit; others never do."""
     import os
 
-    from ddp_recipes import preemption
+    from ddp_recipes.checkpointing import preemption
 
     monkeypatch.delenv(preemption.LAUNCHER_PID_VAR, raising=False)
     assert preemption.die_with_launcher() is False  # a shell's or torchrun's child: left alone
@@ -77,7 +77,7 @@ def test_only_ranks_our_launcher_started_follow_it(monkeypatch):
 def test_launcher_pid_reaches_children_only(monkeypatch):
     import os
 
-    from ddp_recipes import preemption
+    from ddp_recipes.checkpointing import preemption
 
     seen = {}
 

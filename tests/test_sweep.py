@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ddp_recipes.bench import workers
-from ddp_recipes.runner import _batch_len
-from ddp_recipes.schedules import lightning_scheduler
+from ddp_recipes.optim.schedules import lightning_scheduler
+from ddp_recipes.train.callbacks import _batch_len
 
 
 def test_schedule_of_an_unbounded_fit_is_warmup_then_constant():

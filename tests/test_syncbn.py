@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp_recipes.syncbn import (
+from ddp_recipes.ddp.syncbn import (
     CPUSyncBatchNorm,
     SyncBatchNormPlugin,
     convert_sync_batchnorm,
@@ -59,7 +59,7 @@ def test_no_collective_outside_training(monkeypatch):
     """With track_running_stats=False evaluation uses batch statistics, but this rank's own (as torch's
     SyncBatchNorm): evaluation shards differ in size per rank, so a collective there would hang or pair up
     mismatched batches. Training at world size 2 does reduce."""
-    from ddp_recipes import syncbn
+    from ddp_recipes.ddp import syncbn
 
     calls = []
     monkeypatch.setattr(CPUSyncBatchNorm, "_world", lambda self: 2)

@@ -25,11 +25,11 @@ from typing import Any
 from ddp_recipes.bench.commodel import LINKS, predict_main, predict_table, validate_against_pytorch_benchmark
 from ddp_recipes.bench.hostinfo import host_facts, parallel_ceiling, parallel_warning, usable_cpus
 from ddp_recipes.bench.report import markdown_report, summary_line, write_report
-from ddp_recipes.choices import ACCELERATORS, MNIST_ARCHS, check_choice
-from ddp_recipes.choices import PRECISIONS as RUN_PRECISIONS
-from ddp_recipes.config import fail, opt, writable_dir
+from ddp_recipes.config.choices import ACCELERATORS, MNIST_ARCHS, check_choice
+from ddp_recipes.config.choices import PRECISIONS as RUN_PRECISIONS
+from ddp_recipes.config.cli import fail, opt, writable_dir
+from ddp_recipes.config.world import cuda_devices, resolve_accelerator
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.world import cuda_devices, resolve_accelerator
 
 PROG = "python -m ddp_recipes.bench"
 PRECISIONS = ("auto", *RUN_PRECISIONS)  # auto: fitted to the host in BenchConfig.resolve
@@ -286,7 +286,7 @@ def _flops(results: dict[str, Any], settings: dict[str, Any]) -> None:
     import torch
 
     from ddp_recipes.bench.workers import Workload, build_module
-    from ddp_recipes.perf import peak_flops, training_flops_per_sample
+    from ddp_recipes.train.perf import peak_flops, training_flops_per_sample
 
     w = Workload(recipe=settings["recipe"], arch=settings["arch"], image_size=settings["image_size"])
     shape = (1, 28, 28) if w.recipe == "mnist" else (3, w.image_size, w.image_size)
@@ -350,7 +350,7 @@ def _count_params(config: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddp_recipes.config import build_parser
+    from ddp_recipes.config.cli import build_parser
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "predict":

@@ -41,7 +41,7 @@ def sync_debug(steps: int, warmup: int, batch: int) -> dict[str, Any]:
 
     from ddp_recipes.bench.workers import Workload, build_dataset, build_module
     from ddp_recipes.data.samplers import keep_batch
-    from ddp_recipes.trainer import build_trainer
+    from ddp_recipes.train.trainer import build_trainer
 
     counter = SyncCounter()
     total = warmup + steps

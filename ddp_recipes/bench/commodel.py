@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ddp_recipes.config import fail
+from ddp_recipes.config.cli import fail
 
 DEFAULT_DDP_OVERHEAD = 0.03  # 329/319 - 1 = 3.1%: PyTorch DDP benchmark, ResNet-50, 1 V100, with vs without DDP
 DEFAULT_OVERLAP = 2 / 3  # backward share of a step: ~2x forward FLOPs

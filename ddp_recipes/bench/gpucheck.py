@@ -11,7 +11,7 @@ a total budget (a check that would start with too little of it left is skipped, 
 * ``sync-debug``: pack training steps under ``torch.cuda.set_sync_debug_mode("warn")``; any host sync in
   the steady-state steps fails it (``ddp_recipes.bench._gpucheck_worker``).
 * ``resnet50-{pack,raw}[-compiled]``: ResNet-50, 224 px, bf16-mixed, channels-last, synthetic data, the pack
-  and the raw PyTorch loop, eager and compiled, with MFU (``ddp_recipes.perf.peak_flops``).
+  and the raw PyTorch loop, eager and compiled, with MFU (``ddp_recipes.train.perf.peak_flops``).
 * ``pack-vs-raw``: derived: the pack's images/s at least ``PACK_VS_RAW_MIN`` of the raw loop's.
 * ``bench-multi-gpu`` (2+ GPUs): ``python -m ddp_recipes.bench`` at 1, 2 and N GPUs.
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.cli import fail
+from ddp_recipes.config.cli import fail
 
 PROG = "python -m ddp_recipes.bench.gpucheck"
 TOTAL_BUDGET_S = 480.0  # 8 minutes: the slot issue #20 sizes this for (one H100/H200-class GPU)
@@ -289,7 +289,7 @@ def device_facts() -> dict[str, Any]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     facts: dict[str, Any] = {"gpus": gpus, "torch": torch.__version__, "gpu": None, "peak_flops_per_sec": None}
     if gpus:
-        from ddp_recipes.perf import peak_flops
+        from ddp_recipes.train.perf import peak_flops
 
         facts["gpu"] = torch.cuda.get_device_name(0)
         facts["peak_flops_per_sec"] = peak_flops(torch.device("cuda", 0), "bf16-mixed")
@@ -300,7 +300,7 @@ def resnet50_flops(batch_size: int) -> int | None:
     import torch
 
     from ddp_recipes.bench.workers import Workload, build_module
-    from ddp_recipes.perf import training_flops_per_sample
+    from ddp_recipes.train.perf import training_flops_per_sample
 
     w = Workload(recipe="resnet", arch="resnet50", image_size=224, channels_last=1)
     return training_flops_per_sample(lambda: build_module(w), torch.empty(batch_size, 3, 224, 224))

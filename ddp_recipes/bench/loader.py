@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_recipes.config import fail
+from ddp_recipes.config.cli import fail
 
 PROG = "python -m ddp_recipes.bench loader"
 DECODERS = ("pil", "tensor")

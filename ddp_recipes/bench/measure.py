@@ -83,7 +83,7 @@ def timed_diagnostics():
     Its cost is a few hooks against seconds-long steps: timing the hooks themselves is exact, where
     comparing two whole runs would drown it in run-to-run noise.
     """
-    from ddp_recipes.diagnostics import DDPDiagnostics
+    from ddp_recipes.train.diagnostics import DDPDiagnostics
 
     class TimedDDPDiagnostics(DDPDiagnostics):
         seconds = 0.0

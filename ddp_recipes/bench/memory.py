@@ -46,10 +46,10 @@ from typing import Any
 
 from ddp_recipes.bench.memory_report import markdown_table, summarize, summary_line
 from ddp_recipes.bench.memory_worker import METHOD, NUM_CLASSES, VARIANTS, measure_variant
-from ddp_recipes.choices import ACCELERATORS, check_choice
-from ddp_recipes.config import build_parser, fail, opt, writable_dir
+from ddp_recipes.config.choices import ACCELERATORS, check_choice
+from ddp_recipes.config.cli import build_parser, fail, opt, writable_dir
+from ddp_recipes.config.world import resolve_accelerator
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.world import resolve_accelerator
 
 PROG = "python -m ddp_recipes.bench.memory"
 ARCHS = ("resnet18", "resnet34", "resnet50")  # ResNetClassifier's; repeated so the parent skips importing it

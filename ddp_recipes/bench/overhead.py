@@ -34,12 +34,12 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from ddp_recipes.choices import MNIST_ARCHS
-from ddp_recipes.config import RunConfig
+from ddp_recipes.config.choices import MNIST_ARCHS
+from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.perf import InputWaitProfiler
+from ddp_recipes.train.perf import InputWaitProfiler
 
 PROG = "python -m ddp_recipes.bench overhead"
 LOG_EVERY_N_STEPS = 10  # make_trainer's cadence: both trainers log alike
@@ -111,7 +111,8 @@ def load_data(data_dir: str, val_size: int, samples: int, seed: int) -> tuple[Te
 def run_pack(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBatchDataset, out: Path) -> dict:
     """The MNIST recipe's fit (recipes.mnist.main without the flag parsing and the test pass)."""
     from ddp_recipes.modules.mnist import MNISTClassifier
-    from ddp_recipes.runner import checkpoint_callbacks, run_fit_test
+    from ddp_recipes.train.checkpoints import checkpoint_callbacks
+    from ddp_recipes.train.run import run_fit_test
 
     cfg = RunConfig(devices=1, accelerator=args.accelerator, max_steps=args.steps + args.warmup_steps,
                     batch_size=args.batch_size, seed=args.seed, output_dir=str(out), num_workers=0)
@@ -219,7 +220,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddp_recipes.config import fail
+    from ddp_recipes.config.cli import fail
 
     args = _parser().parse_args(argv)
     try:

@@ -15,9 +15,9 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from ddp_recipes.cli import fail
+from ddp_recipes.config.cli import fail
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.peaks import PEAK_PRECISIONS, format_table, peak
+from ddp_recipes.train.peaks import PEAK_PRECISIONS, format_table, peak
 
 PROG = "python -m ddp_recipes.bench peak"
 

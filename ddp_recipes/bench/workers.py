@@ -39,7 +39,7 @@ from ddp_recipes.bench.measure import (
 )
 from ddp_recipes.bench.synthetic import RankShard
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
-from ddp_recipes.perf import configure_tf32
+from ddp_recipes.train.perf import configure_tf32
 
 
 @dataclass
@@ -111,8 +111,8 @@ def _write(path: str, payload: dict) -> None:
 def run_pack(w: Workload, out: str) -> None:
     from lightning.pytorch.callbacks import Callback
 
-    from ddp_recipes.perf import input_wait
-    from ddp_recipes.trainer import build_trainer
+    from ddp_recipes.train.perf import input_wait
+    from ddp_recipes.train.trainer import build_trainer
 
     class StepTimer(Callback):
         def __init__(self) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torchvision.transforms import v2
 
-from ddp_recipes.choices import AUTO_AUGMENTS, INTERPOLATIONS, AutoAugment, Interpolation, check_choice
+from ddp_recipes.config.choices import AUTO_AUGMENTS, INTERPOLATIONS, AutoAugment, Interpolation, check_choice
 from ddp_recipes.errors import ConfigError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -57,7 +57,7 @@ def _check_interpolation(interpolation: str) -> None:
 
 def auto_augment_policy(name: AutoAugment, *, interpolation: Interpolation = "bilinear",
                         ra_magnitude: int = 9, augmix_severity: int = 3) -> v2.Transform:
-    """The automatic augmentation ``name`` (one of :data:`~ddp_recipes.choices.AUTO_AUGMENTS`).
+    """The automatic augmentation ``name`` (one of :data:`~ddp_recipes.config.choices.AUTO_AUGMENTS`).
 
     ``imagenet`` is AutoAugment's ImageNet policy whatever the images: the reference offers no other, and
     on CIFAR it is what ``--auto-augment imagenet`` runs there too (torchvision also has a CIFAR-10 policy,

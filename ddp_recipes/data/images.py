@@ -20,10 +20,9 @@ from torchvision import datasets
 from torchvision.transforms import v2
 from typing_extensions import override
 
-from ddp_recipes.choices import AutoAugment, Interpolation
+from ddp_recipes.config.choices import AutoAugment, Interpolation
+from ddp_recipes.config.world import default_num_workers
 from ddp_recipes.data import augment
-from ddp_recipes.data.augment import IMAGENET_MEAN as IMAGENET_MEAN  # public here before augment.py
-from ddp_recipes.data.augment import IMAGENET_STD as IMAGENET_STD
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
 from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
@@ -31,19 +30,6 @@ from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
 # Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied
 # 0.2023/0.1994/0.2010, which are a std of per-image means).
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-def default_num_workers(devices_per_node: int = 1) -> int:
-    """Loader workers per process: this process's share of the CPUs it may run on, minus its own, at most 8.
-
-    Every rank on a node starts its own workers, so the share divides by the devices per node; one core
-    stays with the training process itself. Beyond ~8 workers decoding rarely is the bottleneck.
-    """
-    try:
-        cpus = len(os.sched_getaffinity(0))  # honours taskset / cgroup cpusets, unlike os.cpu_count()
-    except AttributeError:  # macOS, Windows
-        cpus = os.cpu_count() or 1
-    return max(0, min(8, cpus // max(1, devices_per_node) - 1))
 
 
 class _ImageDataModule(SplitDataModule):

@@ -15,39 +15,3 @@ Modules: ``config`` (DoctorConfig: the flags, resolved against torchrun or for s
 rank checks; starting and waiting for this node's ranks), ``report`` (printing and the --json report),
 ``cli`` (``main``); ``__main__`` is the entry point.
 """
-
-from __future__ import annotations
-
-import torch  # noqa: F401 - ``doctor.torch`` stays reachable, as before the split
-
-from ddp_recipes.choices import BACKENDS
-from ddp_recipes.doctor.checks import (
-    COMM_VARS,
-    DEBUG_FIX,
-    Failure,
-    classify,
-    ifname_problem,
-    is_loopback,
-    port_in_use,
-    port_problem,
-    preflight,
-    versions,
-)
-from ddp_recipes.doctor.cli import main
-from ddp_recipes.doctor.config import TORCHRUN_FLAGS, TORCHRUN_VARS, DoctorConfig
-from ddp_recipes.doctor.ranks import launch, run_rank
-from ddp_recipes.doctor.report import json_report, print_outcome, print_preflight, verdict
-from ddp_recipes.doctor.sweep import (
-    CPU_BYTES_BUDGET,
-    MIN_BYTES,
-    UNITS,
-    bandwidth_sweep,
-    bus_bandwidth,
-    parse_bytes,
-    sweep_sizes,
-)
-
-__all__ = ["BACKENDS", "COMM_VARS", "CPU_BYTES_BUDGET", "DEBUG_FIX", "MIN_BYTES", "TORCHRUN_FLAGS", "TORCHRUN_VARS",
-           "UNITS", "DoctorConfig", "Failure", "bandwidth_sweep", "bus_bandwidth", "classify", "ifname_problem",
-           "is_loopback", "json_report", "launch", "main", "parse_bytes", "port_in_use", "port_problem", "preflight",
-           "print_outcome", "print_preflight", "run_rank", "sweep_sizes", "verdict", "versions"]

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from ddp_recipes.atomic import write_json_atomic
-from ddp_recipes.config import build_parser, fail
+from ddp_recipes.config.cli import build_parser, fail
 from ddp_recipes.doctor.checks import preflight
 from ddp_recipes.doctor.config import DoctorConfig
 from ddp_recipes.doctor.ranks import launch, run_rank

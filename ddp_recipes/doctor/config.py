@@ -7,14 +7,14 @@ with it; otherwise the doctor spawns this node's ranks itself and fills in what 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 
-from ddp_recipes.choices import ACCELERATORS, BACKENDS, check_choice
-from ddp_recipes.config import opt, writable_dir
-from ddp_recipes.doctor.sweep import MIN_BYTES, parse_bytes
+from ddp_recipes.config.choices import ACCELERATORS, BACKENDS, check_choice
+from ddp_recipes.config.cli import opt, writable_dir
+from ddp_recipes.config.world import cuda_devices, launched_by_torchrun, resolve_accelerator, resolve_world
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.world import cuda_devices, launched_by_torchrun, resolve_accelerator, resolve_world
 
 # What torchrun exports and the doctor reads: launched_by_torchrun decides on the first two, then the
 # others say where this process sits.
@@ -22,6 +22,15 @@ TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"
                  "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN_FLAGS = {"devices": "--nproc-per-node", "num_nodes": "--nnodes", "node_rank": "--node-rank",
                   "master_addr": "--master-addr", "master_port": "--master-port"}
+
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+MIN_BYTES = 4 << 10
+
+
+def parse_bytes(text: str) -> int | None:
+    """'64M' / '64MB' / '64MiB' -> 67108864 (binary units, as nccl-tests' -e); None for a non-size."""
+    match = re.fullmatch(r"(\d+)\s*([KMG]?)I?B?", text.strip().upper())
+    return int(match[1]) * UNITS[match[2]] if match else None
 
 
 @dataclass

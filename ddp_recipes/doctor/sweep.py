@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from ddp_recipes.doctor.config import DoctorConfig
+from ddp_recipes.doctor.config import MIN_BYTES, DoctorConfig, parse_bytes
 
-UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-MIN_BYTES = 4 << 10
 CPU_BYTES_BUDGET = 128 << 20  # bytes all-reduced per size on CPU: the default sweep stays at a few seconds
-
-
-def parse_bytes(text: str) -> int | None:
-    """'64M' / '64MB' / '64MiB' -> 67108864 (binary units, as nccl-tests' -e); None for a non-size."""
-    match = re.fullmatch(r"(\d+)\s*([KMG]?)I?B?", text.strip().upper())
-    return int(match[1]) * UNITS[match[2]] if match else None
 
 
 def sweep_sizes(max_bytes: int) -> list[int]:

@@ -17,7 +17,7 @@ and schedule, DDP-exact metrics, checkpoints, resume):
 ``build_metrics()``         evaluation metrics by name: ``{"acc": ...}`` is logged as ``val_acc``/``test_acc``
 ==========================  ==========================================================================
 
-With a :class:`~ddp_recipes.ema.ModelEMA` callback attached, validation and test also evaluate the averaged
+With a :class:`~ddp_recipes.optim.ema.ModelEMA` callback attached, validation and test also evaluate the averaged
 network on every batch and log each metric again with an ``_ema`` suffix (``val_acc_ema``, ``val_loss_ema``).
 """
 
@@ -35,11 +35,11 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from ddp_recipes.data.augment import batch_mixer
-from ddp_recipes.ema import ModelEMA
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.logging import SyncFreeMean, TrainLossLogging
-from ddp_recipes.optim import build_optimizer
-from ddp_recipes.schedules import lightning_reference_scheduler, lightning_scheduler
+from ddp_recipes.optim.ema import ModelEMA
+from ddp_recipes.optim.optimizers import build_optimizer
+from ddp_recipes.optim.schedules import lightning_reference_scheduler, lightning_scheduler
 
 STAGES = ("val", "test")
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from ddp_recipes.choices import MNIST_ARCHS
+from ddp_recipes.config.choices import MNIST_ARCHS
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
 
-ARCHS = MNIST_ARCHS  # the choice list lives in ddp_recipes.choices
+ARCHS = MNIST_ARCHS  # the choice list lives in ddp_recipes.config.choices
 
 
 class MNISTClassifier(ImageClassifier):

@@ -28,8 +28,8 @@ from typing_extensions import override
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
-from ddp_recipes.optim import param_groups
-from ddp_recipes.schedules import check_reference_schedule
+from ddp_recipes.optim.optimizers import param_groups
+from ddp_recipes.optim.schedules import check_reference_schedule
 
 # Every torchvision classification model (not detection/segmentation/video: those take other inputs).
 ARCHS = tuple(models.list_models(module=models))

@@ -10,14 +10,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ddp_recipes.choices import (  # noqa: F401 - re-exported: the config's choice lists
-    ACCELERATORS,
-    COMM_HOOKS,
-    LR_SCALING_RULES,
-    PRECISIONS,
+from ddp_recipes.config.choices import (
     Accelerator,
     CommHook,
     LRScaling,
@@ -25,16 +21,10 @@ from ddp_recipes.choices import (  # noqa: F401 - re-exported: the config's choi
     check_choice,
     check_choices,
 )
-from ddp_recipes.errors import CheckpointError, ConfigError, DataError, flag  # noqa: F401 - re-exported
-from ddp_recipes.plan import DDPOptions, RunPlan
-from ddp_recipes.world import launched_by_torchrun, resolve_world  # noqa: F401 - re-exported
-
-
-def opt(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors argparse's word
-    """A dataclass field with a one-line help text for its CLI flag."""
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
-    return field(default=default, metadata={"help": help, **kwargs})
+from ddp_recipes.config.cli import opt
+from ddp_recipes.config.plan import DDPOptions, RunPlan
+from ddp_recipes.config.world import default_num_workers
+from ddp_recipes.errors import ConfigError
 
 
 @dataclass
@@ -90,9 +80,6 @@ class RunConfig:
 
     DEFAULT_NUM_WORKERS: typing.ClassVar[int | None] = 0  # None: fitted to the cores per rank
 
-    # Fields of a recipe's own config that the plan also reads (ResNet: --data decides the default workers).
-    PLAN_FIELDS: typing.ClassVar[tuple[str, ...]] = ()
-
     def __post_init__(self) -> None:
         # What was asked, before a recipe fills in its resolved defaults (--print-config writes this).
         self.__dict__["_asked"] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -128,12 +115,10 @@ class RunConfig:
         the cores per rank)."""
         if self.DEFAULT_NUM_WORKERS is not None:
             return self.DEFAULT_NUM_WORKERS
-        from ddp_recipes.data.images import default_num_workers
-
         return default_num_workers(devices_per_node)
 
     def resolve(self) -> RunPlan:
-        """The frozen :class:`~ddp_recipes.plan.RunPlan` of this config (see :attr:`plan`)."""
+        """The frozen :class:`~ddp_recipes.config.plan.RunPlan` of this config (see :attr:`plan`)."""
         ddp = DDPOptions(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
                          comm_hook=self.comm_hook, bucket_cap_mb=self.bucket_cap_mb,
                          sync_batchnorm=self.sync_batchnorm, timeout_s=self.timeout_s)
@@ -157,77 +142,11 @@ class RunConfig:
         loader workers and DDP options. The runner, the trainer and the DataModules read this."""
         return self.__dict__["_plan"]
 
-    # ---- views of the plan, kept for scripts written against 0.1 ---------------------------------------
-
-    @property
-    def resolved_devices(self) -> int:
-        return self.plan.devices
-
-    @property
-    def resolved_num_nodes(self) -> int:
-        return self.plan.num_nodes
-
-    @property
-    def world_size(self) -> int:
-        return self.plan.world_size
-
-    def batch_plan(self) -> tuple[int, int, int]:
-        """(per-device batch, accumulation, global batch)."""
-        return self.plan.batch.astuple()
-
-    @property
-    def per_device_batch_size(self) -> int:
-        return self.plan.batch.per_device
-
-    @property
-    def accumulation(self) -> int:
-        return self.plan.accumulation
-
-    @property
-    def resolved_global_batch_size(self) -> int:
-        return self.plan.batch.global_batch
-
-    @property
-    def base_lr(self) -> float:
-        return self.plan.base_lr
-
-    @property
-    def reference_batch(self) -> int:
-        return self.plan.reference_batch
-
-    @property
-    def resolved_max_epochs(self) -> int | None:
-        return None if self.plan.max_epochs == -1 else self.plan.max_epochs
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        # A script that changes a field after construction gets a plan that says so (as 0.1's live views did).
-        if "_plan" in self.__dict__ and (name in _RUN_FIELDS or name in self.PLAN_FIELDS):
-            self.__dict__["_plan"] = self.resolve()
-
     @property
     def asked(self) -> dict[str, Any]:
         """The field values as given, before the recipe resolved its defaults (``--print-config`` writes them)."""
         return dict(self.__dict__.get("_asked") or self.to_dict())
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`ddp_recipes.build_trainer` that this config decides, as 0.1 gave
-        them (the recipes pass ``build_trainer(plan=cfg.plan)`` instead)."""
-        plan = self.plan
-        return dict(devices=plan.devices, num_nodes=plan.num_nodes, accelerator=self.accelerator,
-                    precision=plan.precision, sync_batchnorm=plan.ddp.sync_batchnorm,
-                    find_unused_parameters=plan.ddp.find_unused_parameters, static_graph=plan.ddp.static_graph,
-                    comm_hook=plan.ddp.comm_hook, bucket_cap_mb=plan.ddp.bucket_cap_mb, seed=plan.seed,
-                    accumulate_grad_batches=plan.accumulation, max_epochs=plan.max_epochs, max_steps=plan.max_steps,
-                    timeout_s=plan.ddp.timeout_s, diagnostics=plan.diagnostics, lr_scaling=plan.lr_scaling,
-                    warmup_epochs=plan.warmup_epochs, reference_batch=plan.reference_batch,
-                    global_batch=plan.batch.global_batch, tf32=plan.tf32)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-
-# The CLI lives in ddp_recipes.cli; re-exported here, where 0.1 defined it.
-from ddp_recipes.cli import build_parser, fail, parse_config, writable_dir  # noqa: E402, F401
-
-_RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(RunConfig))

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ddp_recipes.choices import ACCELERATORS, PRECISIONS, check_choice
+from ddp_recipes.config.choices import ACCELERATORS, PRECISIONS, check_choice
 from ddp_recipes.errors import ConfigError
 
 # Launchers that give every process node 0's address and its own ranks (SLURM, LSF, MPI).
@@ -122,3 +122,16 @@ def check_node_env(num_nodes: int) -> None:
     if not node_rank.isdigit() or int(node_rank) >= num_nodes:
         raise ConfigError(f"NODE_RANK={node_rank} does not fit {{num_nodes}} {num_nodes}; "
                           f"set NODE_RANK to 0..{num_nodes - 1}, a different one on each node")
+
+
+def default_num_workers(devices_per_node: int = 1) -> int:
+    """Loader workers per process: this process's share of the CPUs it may run on, minus its own, at most 8.
+
+    Every rank on a node starts its own workers, so the share divides by the devices per node; one core
+    stays with the training process itself. Beyond ~8 workers decoding rarely is the bottleneck.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))  # honours taskset / cgroup cpusets, unlike os.cpu_count()
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    return max(0, min(8, cpus // max(1, devices_per_node) - 1))

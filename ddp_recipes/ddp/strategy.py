@@ -11,7 +11,7 @@ unchanged. What it changes or adds, each for a reason:
 * ``seed=S``: when training starts (after every set-up hook, so a DataModule's ``random_split`` or
   ``configure_model`` sees the same RNG on every rank), rank r seeds random/numpy/torch with S + r so
   dropout, augmentation and noise differ per rank (``seed_everything`` gives every rank the same stream).
-  With :class:`~ddp_recipes.resume.ResumeState` among the callbacks (``build_trainer`` adds it), that
+  With :class:`~ddp_recipes.checkpointing.resume.ResumeState` among the callbacks (``build_trainer`` adds it), that
   callback does it, and a resumed run gets the checkpoint's streams instead.
   ``PL_GLOBAL_SEED`` is left alone on purpose: Lightning seeds the DistributedSampler from it, and a
   per-rank value there would break the disjointness of the shards.
@@ -19,7 +19,7 @@ unchanged. What it changes or adds, each for a reason:
 * NCCL settings from arguments, exported before the process group starts, never over a user's value.
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is left to torch (its default, 3, ends a rank whose collective outlived
   ``timeout``; 1 would also wait for ``ncclCommAbort``, which can itself hang); gloo honours ``timeout`` by itself.
-* On NCCL, a :class:`~ddp_recipes.failures.PeerWatch` heartbeat through the rendezvous store ends every rank
+* On NCCL, a :class:`~ddp_recipes.ddp.failures.PeerWatch` heartbeat through the rendezvous store ends every rank
   with the peer-failure line below when a peer dies: torch's watchdog would abort them from C++ with no
   Python message at all.
 * The "Expected to have finished reduction" error names the parameters without gradients and the flag.
@@ -53,12 +53,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_recipes.commhooks import ResumablePowerSGD
-from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported these from here
-    ASYNC_ERROR_HANDLING_VARS,
+from ddp_recipes.checkpointing.preemption import die_with_launcher, tag_children_with_launcher
+from ddp_recipes.checkpointing.resume import ResumeState, gather_to_rank0, seed_rank
+from ddp_recipes.config.plan import DDPOptions, check_ddp_values
+from ddp_recipes.config.world import check_bf16_device
+from ddp_recipes.ddp.commhooks import ResumablePowerSGD
+from ddp_recipes.ddp.failures import (
     CHILD_GRACE_S,
-    PEER_FAILURE_PATTERN,
     PEER_FAILURE_PREFIX,
     SHARED_STORE_FIX,
     PeerWatch,
@@ -68,11 +69,8 @@ from ddp_recipes.failures import (  # noqa: F401 - re-exported: 0.1 imported the
     stale_after,
     stop_processes,
 )
-from ddp_recipes.plan import DDPOptions, check_ddp_values
-from ddp_recipes.preemption import die_with_launcher, tag_children_with_launcher
-from ddp_recipes.resume import ResumeState, gather_to_rank0, seed_rank
-from ddp_recipes.syncbn import SyncBatchNormPlugin
-from ddp_recipes.world import check_bf16_device
+from ddp_recipes.ddp.syncbn import SyncBatchNormPlugin
+from ddp_recipes.errors import ConfigError, lit
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +130,7 @@ class TunedDDPStrategy(DDPStrategy):
 
     @classmethod
     def from_options(cls, options: DDPOptions, **kwargs: Any) -> TunedDDPStrategy:
-        """The strategy for one :class:`~ddp_recipes.plan.DDPOptions` (what ``build_trainer`` uses);
+        """The strategy for one :class:`~ddp_recipes.config.plan.DDPOptions` (what ``build_trainer`` uses);
         ``kwargs`` are any other constructor arguments. A DDP knob in both is fine when the options leave it
         at its default (``kwargs`` then decide) or both say the same; two different values are an error."""
         merged, defaults = options.strategy_kwargs(), DDPOptions().strategy_kwargs()

@@ -16,7 +16,7 @@ ends with the fix (:data:`FIXES`). Codes, what each measures, and when:
 * ``memory-imbalance``: CUDA peak memory, max > 1.5 x min and > 1 GiB apart (epoch end).
 * ``accum-remainder``: batches per epoch not a multiple of the accumulation (first batch).
 * ``input-bound``: on the rank that waited most, the loop waited for its next batch > 20% of the steady
-  step time, summed over the fit (timed by :class:`~ddp_recipes.perf.InputWaitProfiler`, which
+  step time, summed over the fit (timed by :class:`~ddp_recipes.train.perf.InputWaitProfiler`, which
   ``build_trainer`` installs; in the epoch-end gather).
 
 Cost: an all-gather of 8 numbers at the first batch and of 8 per epoch end, on every rank in the same
@@ -39,17 +39,15 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
-from ddp_recipes.choices import LR_SCALING_RULES, check_choice
-from ddp_recipes.diagnostic_rules import (  # noqa: F401 - re-exported: tests and users import them from here
+from ddp_recipes.config.choices import LR_SCALING_RULES, check_choice
+from ddp_recipes.ddp.syncbn import CPUSyncBatchNorm
+from ddp_recipes.train.diagnostic_rules import (
     batch_fingerprint,
     batch_size_of,
     describe_sampler,
     extremes,
-    far_apart,
     first_few,
-    first_tensor,
     gather_rows,
-    identical_ranks,
     loss_diverged,
     memory_imbalance,
     name_ranks,
@@ -61,8 +59,7 @@ from ddp_recipes.diagnostic_rules import (  # noqa: F401 - re-exported: tests an
     train_sampler,
     unsharded_ranks,
 )
-from ddp_recipes.perf import input_wait
-from ddp_recipes.syncbn import CPUSyncBatchNorm
+from ddp_recipes.train.perf import input_wait
 
 PREFIX = "DDPDiagnostics:"
 SMALL_BN_BATCH = 16

@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-from ddp_recipes.choices import PEAK_DTYPES, PRECISIONS, check_choice
+from ddp_recipes.config.choices import PEAK_DTYPES, PRECISIONS, check_choice
 
 T = 1e12
 # What each precision computes its matmuls/convolutions in; 32-true is TF32 where TF32 is on. The pack's

@@ -100,9 +100,9 @@ def training_flops_per_sample(build_model: Callable[[], L.LightningModule], exam
 
 def peak_flops(device: torch.device, precision: str) -> int | None:
     """The device's dense peak FLOP/s at the run's compute dtype (TF32 counted for 32-true when it is on),
-    from the pack's table (:mod:`ddp_recipes.peaks`), else Lightning's; None when neither knows the device
+    from the pack's table (:mod:`ddp_recipes.train.peaks`), else Lightning's; None when neither knows the device
     (and on every CPU)."""
-    from ddp_recipes.peaks import device_peak
+    from ddp_recipes.train.peaks import device_peak
 
     return device_peak(device, precision)
 
@@ -160,7 +160,7 @@ class InputWaitProfiler(Profiler):
     """Times only Lightning's ``train_dataloader_next`` action (the loop blocked on the next batch).
 
     Every other action costs one string test. ``last_wait`` is the latest fetch's seconds, read by
-    :class:`~ddp_recipes.runner.ThroughputMeter` and :class:`~ddp_recipes.diagnostics.DDPDiagnostics` at
+    :class:`~ddp_recipes.train.run.ThroughputMeter` and :class:`~ddp_recipes.train.diagnostics.DDPDiagnostics` at
     each batch end.
     """
 

@@ -72,6 +72,6 @@ def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
             return get_args(arg)
     return None
 
-# Compute dtypes a peak FLOP/s figure is for (ddp_recipes.peaks; `bench peak --precision` also takes these).
+# Compute dtypes a peak FLOP/s figure is for (ddp_recipes.train.peaks; `bench peak --precision` also takes these).
 PeakDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 PEAK_DTYPES: tuple[str, ...] = get_args(PeakDtype)

@@ -29,7 +29,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.schedules import _steps_per_epoch
+from ddp_recipes.optim.schedules import _steps_per_epoch
 
 
 def adjusted_decay(decay: float, world_size: int, per_device_batch: int, update_every: int, epochs: float) -> float:
@@ -86,7 +86,7 @@ class ModelEMA(Callback):
     After every ``update_every``-th optimizer step (``trainer.global_step`` a multiple of it, so gradient
     accumulation counts once per step): ``ema = decay * ema + (1 - decay) * weights``; the first update
     copies. While the LR warm-up lasts (the first ``round(warmup_epochs * steps_per_epoch)`` optimizer
-    steps, the rounding of :func:`~ddp_recipes.schedules.lightning_scheduler`), every update copies, and so
+    steps, the rounding of :func:`~ddp_recipes.optim.schedules.lightning_scheduler`), every update copies, and so
     does the first one after it, as in the reference. Pass the warm-up of the LR schedule; for the
     reference's decay use :func:`adjusted_decay`. (The reference counts batches from 0 in each epoch and
     updates after batches 0, k, 2k...; counting optimizer steps over the whole run instead keeps the

@@ -10,25 +10,16 @@ import lightning as L
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ddp_recipes.checkpoint import CHECKPOINT_DIR, AtomicCheckpointIO
-from ddp_recipes.choices import PRECISIONS  # noqa: F401 - re-exported: 0.1 defined it here
+from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpointIO
+from ddp_recipes.checkpointing.preemption import LIBRARY_RESUME, LastCheckpoint, find_last_checkpoint
+from ddp_recipes.checkpointing.resume import ResumeState
+from ddp_recipes.config.plan import DDPOptions, RunPlan
+from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun
 from ddp_recipes.data.adopt import adopt_user_loaders
-from ddp_recipes.diagnostics import DDPDiagnostics
+from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.perf import InputWaitProfiler, TF32Setting, configure_tf32
-from ddp_recipes.plan import DDPOptions, RunPlan
-from ddp_recipes.preemption import LIBRARY_RESUME, LastCheckpoint, find_last_checkpoint
-from ddp_recipes.resume import ResumeState
-from ddp_recipes.strategy import TunedDDPStrategy
-from ddp_recipes.world import (  # noqa: F401 - re-exported: 0.1 imported these from here
-    SCHEDULER_VARS,
-    check_node_env,
-    cuda_devices,
-    launched_by_torchrun,
-    resolve_accelerator,
-    resolve_precision,
-    resolve_world,
-)
+from ddp_recipes.train.diagnostics import DDPDiagnostics
+from ddp_recipes.train.perf import InputWaitProfiler, TF32Setting, configure_tf32
 
 
 def build_trainer(
@@ -71,12 +62,12 @@ def build_trainer(
     rank 0); ``lr_scaling``, ``warmup_epochs``, ``reference_batch`` and ``global_batch`` tell it the run's
     LR facts, so it can warn when the global batch left the reference batch without LR scaling or warm-up
     (left unset, that check is skipped). ``tf32`` runs FP32 matmuls and convolutions as TF32 on Ampere+
-    GPUs (no effect on CPU). Unless a ``profiler`` is given, :class:`~ddp_recipes.perf.InputWaitProfiler`
+    GPUs (no effect on CPU). Unless a ``profiler`` is given, :class:`~ddp_recipes.train.perf.InputWaitProfiler`
     times the loop's wait for each batch. Any other keyword goes to ``lightning.Trainer``;
     ``strategy_kwargs`` to TunedDDPStrategy.
 
-    The DDP knobs may come as one :class:`~ddp_recipes.plan.DDPOptions` (``ddp=``) instead of the flat
-    keywords, and everything a recipe resolved as one :class:`~ddp_recipes.plan.RunPlan` (``plan=``, what
+    The DDP knobs may come as one :class:`~ddp_recipes.config.plan.DDPOptions` (``ddp=``) instead of the flat
+    keywords, and everything a recipe resolved as one :class:`~ddp_recipes.config.plan.RunPlan` (``plan=``, what
     ``RunConfig.plan`` gives); then the run keywords above must stay unset.
 
     Lightning's own spellings are accepted with their meaning: ``devices`` as an int, ``"auto"``, ``"2"``,

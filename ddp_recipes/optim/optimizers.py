@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torchvision.ops._utils import split_normalization_params
 
-from ddp_recipes.choices import OPTIMIZERS, check_choice
+from ddp_recipes.config.choices import OPTIMIZERS, check_choice
 from ddp_recipes.errors import ConfigError
 
 __all__ = ["OPTIMIZERS", "build_optimizer", "param_groups"]

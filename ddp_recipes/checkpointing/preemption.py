@@ -328,7 +328,7 @@ class _LastAwareCheckpointConnector(_CheckpointConnector):
             return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from ddp_recipes.checkpoint import newest_of
+        from ddp_recipes.checkpointing.checkpoint import newest_of
 
         candidates: list[Path] = []
         folders = [c.dirpath for c in self.trainer.callbacks if isinstance(c, LastCheckpoint) and c.dirpath]

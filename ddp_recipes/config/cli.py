@@ -14,16 +14,21 @@ import math
 import sys
 import tempfile
 import typing
+from dataclasses import field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from ddp_recipes.choices import literal_choices
+from ddp_recipes.config.choices import literal_choices
 from ddp_recipes.errors import ConfigError, flag, lit
 
-if TYPE_CHECKING:
-    from ddp_recipes.config import RunConfig
+C = TypeVar("C")
 
-C = TypeVar("C", bound="RunConfig")
+
+def opt(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors argparse's word
+    """A dataclass field with a one-line help text for its CLI flag."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
 
 
 def _base_type(annotation: Any) -> tuple[type, bool]:
@@ -42,7 +47,7 @@ def _cli_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
 
 
-def build_parser(cls: type[RunConfig], prog: str | None = None, description: str | None = None,
+def build_parser(cls: type, prog: str | None = None, description: str | None = None,
                  config_flags: bool = False) -> argparse.ArgumentParser:
     """An argparse parser with one flat kebab-case flag per field of the config dataclass (plus the field's
     ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``); ``config_flags`` adds ``--config`` and
@@ -163,7 +168,7 @@ class _UniqueKeyLoader:
         return Loader(stream)
 
 
-def load_config_file(cls: type[RunConfig], path: str) -> dict[str, Any]:
+def load_config_file(cls: type, path: str) -> dict[str, Any]:
     """The field values a YAML file sets, checked against ``cls``: an unknown key, a wrong type or an
     unreadable file is a one-line error naming ``--config`` and the key."""
     import yaml
@@ -203,7 +208,7 @@ def load_config_file(cls: type[RunConfig], path: str) -> dict[str, Any]:
     return values
 
 
-def dump_config(config: RunConfig, prog: str | None = None) -> str:
+def dump_config(config: Any, prog: str | None = None) -> str:
     """The config as YAML that :func:`load_config_file` reads back to the same values, with what it resolves
     to (world, batch plan, LR) as comments."""
     import yaml

@@ -147,7 +147,7 @@ class ResumeState(Callback):
 
     ``seed`` is the run's base seed (None: leave the streams alone on a fresh run). Collectives: its
     ``state_dict`` gathers every rank's state to rank 0, so it runs where Lightning dumps checkpoints, on
-    every rank at the same point (never from a signal handler: see :mod:`ddp_recipes.preemption`).
+    every rank at the same point (never from a signal handler: see :mod:`ddp_recipes.checkpointing.preemption`).
     """
 
     def __init__(self, seed: int | None = None) -> None:
@@ -155,12 +155,6 @@ class ResumeState(Callback):
         self._trainer: L.Trainer | None = None
         self._pending: dict[str, Any] | None = None
         self._fresh_lrs: list[list[float]] = []
-
-    @property
-    @override
-    def _legacy_state_key(self) -> str:
-        # ddp-recipes 0.1 saved the RNG states under its RNGStateCheckpoint callback; read them from there.
-        return "RNGStateCheckpoint"
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -187,8 +181,6 @@ class ResumeState(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "ranks" in state_dict and "rng" not in state_dict:  # checkpoints of ddp-recipes 0.1
-            state_dict = {"rng": state_dict["ranks"], "world_size": len(state_dict["ranks"])}
         self._pending = state_dict
 
     # ---- restoring, at the training boundary ------------------------------------------------------------

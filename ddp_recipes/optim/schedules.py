@@ -12,24 +12,8 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddp_recipes.choices import LR_SCALING_RULES, LR_SCHEDULERS, WARMUP_METHODS, check_choice
+from ddp_recipes.config.choices import LR_SCHEDULERS, WARMUP_METHODS, check_choice
 from ddp_recipes.errors import ConfigError
-
-SCALING_RULES = LR_SCALING_RULES  # 0.1's name
-
-
-def scale_lr(base_lr: float, global_batch: int, reference_batch: int, rule: str = "none") -> float:
-    """The LR for ``global_batch`` given ``base_lr`` tuned at ``reference_batch``."""
-    if rule not in SCALING_RULES:
-        raise ConfigError(f"{{lr_scaling}} must be one of {', '.join(SCALING_RULES)} (got {rule!r})")
-    if global_batch < 1 or reference_batch < 1:
-        raise ConfigError(f"batch sizes must be >= 1 (global {global_batch}, reference {reference_batch})")
-    ratio = global_batch / reference_batch
-    if rule == "linear":
-        return base_lr * ratio
-    if rule == "sqrt":
-        return base_lr * math.sqrt(ratio)
-    return base_lr
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_factor: float = 0.0) -> float:

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ddp_recipes.atomic import atomic_write
-from ddp_recipes.errors import CheckpointError, ConfigError, lit  # noqa: F401 - 0.1 imported ConfigError from here
+from ddp_recipes.errors import CheckpointError, lit
 
 CHECKPOINT_DIR = "checkpoints"
 

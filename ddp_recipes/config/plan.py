@@ -1,5 +1,5 @@
 """The resolved run: every derived value computed once, frozen, and read by the runner, the trainer and the
-DataModules. A :class:`~ddp_recipes.config.RunConfig` says what was asked; a :class:`RunPlan` says what runs.
+DataModules. A :class:`~ddp_recipes.config.run_config.RunConfig` says what was asked; a :class:`RunPlan` says what runs.
 
 :class:`DDPOptions` are the DDP knobs as one object: config -> ``build_trainer`` -> ``TunedDDPStrategy``.
 """
@@ -13,15 +13,28 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddp_recipes.choices import COMM_HOOKS, LR_SCALING_RULES, START_METHODS, check_choice
-from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.schedules import scale_lr
-from ddp_recipes.world import (
+from ddp_recipes.config.choices import COMM_HOOKS, LR_SCALING_RULES, START_METHODS, check_choice
+from ddp_recipes.config.world import (
     check_devices,
     resolve_accelerator,
     resolve_precision,
     resolve_world,
 )
+from ddp_recipes.errors import ConfigError, lit
+
+
+def scale_lr(base_lr: float, global_batch: int, reference_batch: int, rule: str = "none") -> float:
+    """The LR for ``global_batch`` given ``base_lr`` tuned at ``reference_batch``."""
+    if rule not in LR_SCALING_RULES:
+        raise ConfigError(f"{{lr_scaling}} must be one of {', '.join(LR_SCALING_RULES)} (got {rule!r})")
+    if global_batch < 1 or reference_batch < 1:
+        raise ConfigError(f"batch sizes must be >= 1 (global {global_batch}, reference {reference_batch})")
+    ratio = global_batch / reference_batch
+    if rule == "linear":
+        return base_lr * ratio
+    if rule == "sqrt":
+        return base_lr * math.sqrt(ratio)
+    return base_lr
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -109,7 +122,7 @@ class DDPOptions:
             object.__setattr__(self, name, value)  # frozen; "30" -> 30.0 for timeout_s
 
     def strategy_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :class:`~ddp_recipes.strategy.TunedDDPStrategy` these options set."""
+        """The keyword arguments of :class:`~ddp_recipes.ddp.strategy.TunedDDPStrategy` these options set."""
         return dict(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
                     bucket_cap_mb=self.bucket_cap_mb, comm_hook=self.comm_hook,
                     timeout=timedelta(seconds=self.timeout_s) if self.timeout_s else None)
@@ -158,7 +171,7 @@ class BatchPlan:
 class RunPlan:
     """What runs: resolved world, hardware, batch arithmetic, learning rate, loader workers and DDP options.
 
-    Built by :meth:`RunConfig.plan <ddp_recipes.config.RunConfig.plan>` (every field known) or by
+    Built by :meth:`RunConfig.plan <ddp_recipes.config.run_config.RunConfig.plan>` (every field known) or by
     :func:`~ddp_recipes.build_trainer` from its keywords (the batch and LR facts then stay None: the
     trainer does not need them, and the diagnostics skip the checks that do).
     """

@@ -1,0 +1,1 @@
+"""Checkpoints and resume: atomic checkpoint IO, RNG and loader state, preemption."""

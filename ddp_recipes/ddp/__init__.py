@@ -1,0 +1,1 @@
+"""DistributedDataParallel: the tuned strategy, SyncBatchNorm on CPU and CUDA, comm hooks, failing ranks."""

@@ -1,0 +1,1 @@
+"""Optimizers, learning-rate scaling and schedules, and the EMA of the weights."""

@@ -1,0 +1,1 @@
+"""The training run: the Trainer factory, fit/test around it, its callbacks, diagnostics and user classes."""

@@ -1,0 +1,163 @@
+"""Callbacks every recipe run adds: steady-state throughput, and the check that a user's
+DataModule honours the planned batch."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from ddp_recipes.data.samplers import loader_batch_size
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.train.perf import StepClock, input_wait
+
+
+class ThroughputMeter(Callback):
+    """Steady-state training samples/s over all ranks, from rank-local time between optimizer steps, and
+    the fraction of that time the loop waited for its next batch.
+
+    DDP's gradient all-reduce makes every step a synchronisation point, so one rank's clock measures the
+    whole group. The first ``warmup_steps`` intervals (allocator, first all-reduce, bucket rebuild, loader
+    workers starting; at most half of a short run) and the time outside training batches (validation,
+    epoch ends) are excluded.
+
+    Step time is device time (:class:`~ddp_recipes.train.perf.StepClock`): CUDA events on CUDA, read once
+    the device has passed them (never a synchronize inside training; the figures' properties wait for the
+    last events, so read them after ``fit``), the host clock on CPU. The input wait is host time (the loop
+    blocked on the loader). Per step this costs a clock mark and a few list operations: no device read.
+    """
+
+    def __init__(self, warmup_steps: int = 5) -> None:
+        self.warmup_steps = warmup_steps
+        self.intervals: list[tuple[int, float, float | None]] = []  # (samples over all ranks, seconds, wait s)
+        self.example: torch.Tensor | None = None  # the first batch's input, for the FLOP count
+        self.clock: StepClock | None = None
+        self._first_step: float | None = None
+        self._first: tuple[Any, Any] | None = None  # marks around the fit's first batch, until read
+        self._pending: deque[tuple[int, Any, Any, float | None]] = deque()  # intervals the device has not reached
+        self._last: Any = None
+        self._first_start: Any = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.clock is None:
+            self.clock = StepClock(trainer.strategy.root_device)
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last = None  # do not count the gap across validation and the epoch boundary
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last = None  # validation inside an epoch (val_check_interval) is not step time either
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._first_start is None:
+            self._first_start = self._clock(trainer).mark()
+            first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+            if torch.is_tensor(first):
+                self.example = torch.empty(first.shape, dtype=first.dtype, device="meta")
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        clock = self._clock(trainer)
+        now = clock.mark()
+        if self._first is None and self._first_step is None and self._first_start is not None:
+            self._first = (self._first_start, now)
+        if self._last is not None:
+            self._pending.append((_batch_len(batch) * trainer.world_size, self._last, now, input_wait(trainer)))
+            self._collect(wait=False)
+        self._last = now
+
+    def _clock(self, trainer: L.Trainer) -> StepClock:
+        if self.clock is None:  # a batch hook before on_train_start (a subclass, or a test driving hooks)
+            self.clock = StepClock(trainer.strategy.root_device)
+        return self.clock
+
+    def _collect(self, wait: bool) -> None:
+        """Move the intervals whose end the device has reached (all of them with ``wait``) to ``intervals``."""
+        clock = self.clock
+        if clock is None:
+            return
+        while self._pending:
+            samples, start, end, waited = self._pending[0]
+            seconds = clock.seconds(start, end, wait=wait)
+            if seconds is None:
+                break  # later marks are later on the stream: not reached either
+            self._pending.popleft()
+            self.intervals.append((samples, seconds, waited))
+        if self._first is not None:
+            seconds = clock.seconds(*self._first, wait=wait)
+            if seconds is not None:
+                self._first_step, self._first = seconds, None
+
+    @property
+    def first_step_s(self) -> float | None:
+        """Seconds of the fit's first batch (with --compile, its compilation); device time on CUDA."""
+        self._collect(wait=True)
+        return self._first_step
+
+    def _steady(self) -> list[tuple[int, float, float | None]]:
+        self._collect(wait=True)
+        return self.intervals[min(self.warmup_steps, len(self.intervals) // 2):]
+
+    @property
+    def samples_per_sec(self) -> float | None:
+        steady = self._steady()
+        seconds = sum(t for _, t, _ in steady)
+        return sum(n for n, _, _ in steady) / seconds if seconds > 0 else None
+
+    @property
+    def step_s_median(self) -> float | None:
+        steady = sorted(t for _, t, _ in self._steady())
+        return steady[len(steady) // 2] if steady else None
+
+    @property
+    def input_wait_fraction(self) -> float | None:
+        """Share of the steady step time rank 0 spent waiting for the next batch (None: not measured)."""
+        steady = self._steady()
+        seconds = sum(t for _, t, _ in steady)
+        if not steady or seconds <= 0 or any(w is None for _, _, w in steady):
+            return None
+        return min(1.0, sum(w for _, _, w in steady) / seconds)
+
+
+
+def _batch_len(batch: Any) -> int:
+    """Samples in a batch, by Lightning's own rule (the first tensor's leading dimension, also inside dicts
+    and lists; a dict's keys are not samples); 1 when nothing in it has a length."""
+    if isinstance(batch, list | tuple) and batch and torch.is_tensor(batch[0]) and batch[0].ndim:
+        return int(batch[0].shape[0])  # the common (x, y) case, without Lightning's tree walk each step
+    try:
+        return int(extract_batch_size(batch))
+    except (MisconfigurationException, RecursionError, TypeError):
+        return 1
+
+
+
+class PlannedBatch(Callback):
+    """Fails every rank before the first step when the training loader's batch is not the run's plan.
+
+    A user's DataModule that ignores the ``batch_size`` it was given would make the printed global batch,
+    the LR scaling and the resume arithmetic silently wrong.
+    """
+
+    def __init__(self, per_device: int, source: str) -> None:
+        self.per_device, self.source = per_device, source
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        batch = loader_batch_size(trainer.train_dataloader)
+        if batch is not None and batch != self.per_device:
+            raise ConfigError(f"{{datamodule_class}} {self.source}: its training loader has batch_size {batch} but "
+                              f"the run plans {self.per_device} per device; build the loader with the batch_size given "
+                              "to __init__")

@@ -1,0 +1,155 @@
+"""What every recipe does around ``fit``: print the resolved setup once, measure steady-state throughput,
+log to CSV, and write ``summary.json`` on rank 0 (atomically)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
+
+from ddp_recipes.atomic import write_json_atomic
+from ddp_recipes.checkpointing.checkpoint import (
+    plain_data,
+)
+from ddp_recipes.config.cli import writable_dir
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.train.callbacks import PlannedBatch, ThroughputMeter
+from ddp_recipes.train.perf import (
+    flops_summary,
+    peak_flops,
+    tf32_state,
+    training_flops_per_sample,
+)
+from ddp_recipes.train.summary import scalar_metrics, summarize
+from ddp_recipes.train.trainer import build_trainer
+from ddp_recipes.train.userclass import RecipeClasses, RecordClasses, class_path
+
+
+def has_loader(datamodule: L.LightningDataModule, stage: str) -> bool:
+    """Whether a DataModule defines ``<stage>_dataloader`` (a user's may have no validation or test set)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return is_overridden(f"{stage}_dataloader", datamodule, L.LightningDataModule)
+
+
+def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwargs: Any) -> L.Trainer:
+    """build_trainer with the recipe's logging: CSV metrics under ``<output-dir>/logs``, a progress bar."""
+    kwargs.setdefault("logger", CSVLogger(cfg.output_dir, name="logs"))
+    kwargs.setdefault("default_root_dir", cfg.output_dir)
+    kwargs.setdefault("log_every_n_steps", 10)
+    # A bar redrawn every step costs more than an MLP step on MNIST; 20 steps is still live.
+    progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) else []
+    return build_trainer(plan=cfg.plan, callbacks=[*progress, *(callbacks or [])], **kwargs)
+
+
+def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
+    """The one block a run prints: world, batch arithmetic, precision, strategy."""
+    plan = cfg.plan
+    per_device, accum, global_batch = plan.batch.astuple()
+    strategy = type(trainer.strategy).__name__
+    hook = getattr(trainer.strategy, "comm_hook", None)
+    lines = [
+        f"world size       {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s), "
+        f"{trainer.strategy.root_device.type})",
+        f"batch            {per_device} per device x {trainer.world_size} x {accum} accumulation = "
+        f"{global_batch} global",
+        f"learning rate    {lr:g} (base {plan.base_lr:g} at batch {plan.reference_batch}, scaling {plan.lr_scaling}, "
+        f"warm-up {plan.warmup_epochs:g} epochs)",
+        f"precision        {trainer.precision}" + (f", torch.compile ({plan.compile_backend})"
+                                                  if plan.compile_backend else ""),
+        f"tf32             {tf32_state(trainer.strategy.root_device.type)}",
+        f"strategy         {strategy}" + (f" (comm hook {hook}, sync BN {plan.ddp.sync_batchnorm}, "
+                                          f"find unused {plan.ddp.find_unused_parameters})" if hook else ""),
+        f"output           {cfg.output_dir}",
+    ]
+    return "\n".join(lines)
+
+
+def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], datamodule: L.LightningDataModule,
+                 lr: float,
+                 callbacks: list[Callback] | None = None, ckpt_path: str | None = None, test: bool = True,
+                 extra: dict[str, Any] | None = None, save_final: bool = True,
+                 classes: RecipeClasses | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
+    """Fit, test, and write ``<output-dir>/summary.json`` on rank 0. Returns the summary (every rank).
+
+    ``build_model`` is called after the trainer has seeded every rank, so the initial weights depend on
+    ``--seed`` only (not on whatever drew random numbers earlier in the process).
+    """
+    out = writable_dir(cfg.output_dir, "output_dir")
+    meter = ThroughputMeter()
+    callbacks = [meter, *(callbacks or [])]
+    if classes is not None:
+        callbacks.append(RecordClasses(classes))
+        extra = {**classes.record(), **(extra or {})}
+        if classes.datamodule is not None:
+            callbacks.append(PlannedBatch(cfg.plan.batch.per_device, class_path(classes.datamodule)))
+    trainer = make_trainer(cfg, callbacks=callbacks, **trainer_kwargs)
+    model = build_model()
+    if cfg.plan.compile_backend:
+        # Lightning unwraps the compiled module and compiles its forward; called inside DDP's forward, dynamo
+        # applies DDPOptimizer (one graph per gradient bucket). Checkpoints keep the plain module's keys.
+        model = torch.compile(model, backend=cfg.plan.compile_backend)
+    if trainer.is_global_zero:
+        print(describe_setup(cfg, trainer, lr), flush=True)
+    start = time.perf_counter()
+    # weights_only: Lightning's restore must not unpickle code either (read_checkpoint already vetted it).
+    with plain_data():
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+    fit_seconds = time.perf_counter() - start
+    fit_metrics = scalar_metrics(trainer)  # before test(), which replaces the callback metrics
+    if save_final:
+        # Collective-safe: every rank calls it, rank 0 writes. The weights the test below evaluates.
+        trainer.save_checkpoint(out / "final.ckpt", weights_only=False)
+    test_metrics: dict[str, float] = {}
+    if test:
+        results = trainer.test(model, datamodule=datamodule, verbose=False)
+        test_metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
+    flops_per_sample = (training_flops_per_sample(build_model, meter.example) if meter.example is not None
+                        else None)
+    flops = flops_summary(flops_per_sample, meter.samples_per_sec, trainer.world_size,
+                          peak_flops(trainer.strategy.root_device, trainer.precision))
+    summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops)
+    if trainer.is_global_zero:
+        write_json_atomic(out / "summary.json", summary)
+        shown = {k: summary[k] for k in ("world_size", "global_batch_size", "epochs", "steps", "fit_seconds",
+                                         "train_samples_per_sec", "input_wait_fraction", "mfu") if k in summary}
+        shown.update({k: round(v, 4) for k, v in test_metrics.items()})
+        print("summary " + json.dumps(shown), flush=True)
+    return summary
+
+
+def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], datamodule: L.LightningDataModule,
+                  ckpt_path: str, checkpoint: dict[str, Any], classes: RecipeClasses | None = None) -> dict[str, Any]:
+    """Evaluate the checkpoint ``ckpt_path`` on the test set, no training: every rank loads it, the test set
+    is sharded exactly (no padded duplicates), and the metrics are the whole set's. When the checkpoint
+    holds EMA weights (``--model-ema``) they are evaluated too (``test_acc_ema``, ...). Writes
+    ``<output-dir>/test.json`` on rank 0 and returns the same dict on every rank."""
+    from ddp_recipes.optim.ema import ModelEMA, ema_state_dict
+
+    out = writable_dir(cfg.output_dir, "output_dir")
+    callbacks: list[Callback] = []
+    ema_state = next((state for key, state in (checkpoint.get("callbacks") or {}).items()
+                      if str(key).split("{")[0] == ModelEMA.__qualname__), None)
+    if ema_state and ema_state_dict(checkpoint) is not None:
+        ema = ModelEMA(decay=float(ema_state.get("decay", 0.99998)), update_every=int(ema_state.get("update_every", 1)))
+        ema.load_state_dict(ema_state)  # Lightning restores callback state for fit only
+        callbacks.append(ema)
+    trainer = make_trainer(cfg, callbacks=callbacks, logger=False, enable_checkpointing=False)
+    model = build_model()
+    with plain_data():
+        results = trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)
+    metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
+    summary = {"checkpoint": ckpt_path, "world_size": trainer.world_size, "precision": trainer.precision,
+               "ema": bool(callbacks), **metrics, "config": cfg.to_dict(),
+               **(classes.record() if classes is not None else {})}
+    if trainer.is_global_zero:
+        write_json_atomic(out / "test.json", summary)
+        print("test " + json.dumps({"checkpoint": ckpt_path, **{k: round(v, 4) for k, v in metrics.items()}}),
+              flush=True)
+    return summary

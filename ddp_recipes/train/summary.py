@@ -1,0 +1,62 @@
+"""``summary.json``: the fields a finished run reports, gathered over the ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.train.callbacks import ThroughputMeter
+
+
+def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
+    """The trainer's current logged scalars (epoch values are already synced across ranks)."""
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+
+
+
+def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_seconds: float,
+              metrics: dict[str, float], test_metrics: dict[str, float],
+              extra: dict[str, Any] | None = None, flops: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fields of summary.json (see the README for each one). Every rank calls it (one collective)."""
+    wait = worst_rank(trainer, meter.input_wait_fraction)
+    batch = cfg.plan.batch
+    return {
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "devices_per_node": trainer.num_devices,
+        "per_device_batch_size": batch.per_device,
+        "accumulate_grad_batches": batch.accumulation,
+        "global_batch_size": batch.global_batch,
+        "precision": trainer.precision,
+        "epochs": trainer.current_epoch,
+        "steps": trainer.global_step,
+        "fit_seconds": round(fit_seconds, 3),
+        "train_samples_per_sec": round(meter.samples_per_sec, 1) if meter.samples_per_sec else None,
+        "input_wait_fraction": round(wait, 4) if wait is not None else None,
+        "first_step_seconds": round(meter.first_step_s, 3) if meter.first_step_s is not None else None,
+        # The first step's excess over a steady one: tracing and code generation (recompiles for other
+        # shapes, e.g. a short last batch or evaluation, come on top and are not counted here).
+        "compile_seconds": (round(max(0.0, meter.first_step_s - (meter.step_s_median or 0.0)), 3)
+                            if cfg.plan.compile_backend and meter.first_step_s is not None else None),
+        **(flops or {}),
+        "final_train_loss": metrics.get("train_loss_epoch", metrics.get("train_loss")),
+        **{k: v for k, v in test_metrics.items()},
+        "metrics": metrics,
+        "config": cfg.to_dict(),
+        "torch_version": torch.__version__,
+        "lightning_version": L.__version__,
+        **(extra or {}),
+    }
+
+
+
+def worst_rank(trainer: L.Trainer, value: float | None) -> float | None:
+    """The largest of the ranks' ``value`` (None where a rank has none): a rank whose loader is slow shows
+    it in its own wait, while the others wait in the all-reduce. Every rank must call it."""
+    local = torch.tensor(-1.0 if value is None else float(value), dtype=torch.float64,
+                         device=trainer.strategy.root_device)
+    worst = float(trainer.strategy.reduce(local, reduce_op="max"))
+    return None if worst < 0 else worst
