@@ -152,7 +152,7 @@ def test_predict_main_lists_links(capsys):
 
 
 def test_published_scaling_table_is_pinned():
-    """Every published point the README cites beside the model (README "The scaling model" shows this table)."""
+    """Every published point docs/benchmark.md cites beside the model (its "The scaling model" section shows this table)."""
     from ddp_recipes.bench.commodel import format_scaling_table, published_scaling_table
 
     rows = published_scaling_table()

@@ -1,4 +1,4 @@
-"""The import layering docs/notes-layout.md draws is the one the code has: read from the source with ``ast``
+"""The import layering docs/architecture.md draws is the one the code has: read from the source with ``ast``
 (nothing is imported), so it runs in well under a second."""
 
 from __future__ import annotations

@@ -491,7 +491,7 @@ def _output_dir(tmp_path: Path, inputs: dict[str, str]) -> tuple[Path, dict[Path
 
 
 def _table_row(program: str, template: str, line: str, names: dict[str, str]) -> None:
-    # RELIABILITY_TABLE=path pytest ... writes the README's table from what the CLIs really print.
+    # RELIABILITY_TABLE=path pytest ... writes docs/multi-node-and-failures.md's bad-input table from what the CLIs really print.
     table = os.environ.get("RELIABILITY_TABLE")
     if table:
         command = {"doctor": "python -m ddp_recipes.doctor", "bench": "python -m ddp_recipes.bench"}.get(

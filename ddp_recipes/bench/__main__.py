@@ -1,6 +1,6 @@
 """``python -m ddp_recipes.bench``: single- vs multi-device speedup, the pack beside a raw DDP loop.
 
-    python -m ddp_recipes.bench                                   # defaults fitted to the host (see README)
+    python -m ddp_recipes.bench                                   # defaults fitted to the host (see docs/benchmark.md)
     python -m ddp_recipes.bench --devices 1,2,4 --recipe resnet --arch resnet50 --image-size 224
     python -m ddp_recipes.bench predict --step-ms 97 --params 25.6e6 --devices 8 --link nvlink2
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8

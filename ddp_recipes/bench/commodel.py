@@ -27,7 +27,7 @@ synchronisation and stragglers (a step waits for the slowest rank), the input pi
 times the decoded images per second from the host), and hierarchical or in-network (SHARP/NVLS)
 all-reduce. :func:`validate_against_pytorch_benchmark` checks it against PyTorch's published DDP benchmark
 (the 8-GPU point is not used to set any default); :func:`published_scaling_table` holds it against every
-published point the README cites. The faster the step, the more those left-out costs weigh: on NVIDIA's
+published point docs/benchmark.md cites. The faster the step, the more those left-out costs weigh: on NVIDIA's
 A100 AMP point the whole gradient all-reduce takes ~1 ms of a 104 ms step, yet the measured 8-GPU step is
 ~19 ms longer than the 1-GPU one.
 
@@ -252,7 +252,7 @@ IB100_SHARED_BY_2 = LinkPreset("ib100 (2 GPUs per NIC)", LINKS["ib100"].bandwidt
 
 
 def published_scaling_table() -> list[dict[str, Any]]:
-    """Every published multi-GPU point the README cites beside the model's figure from the 1-GPU step.
+    """Every published multi-GPU point docs/benchmark.md cites beside the model's figure from the 1-GPU step.
 
     ``gap_ms`` is how much longer the published N-GPU step is than the predicted one: the cost the model
     leaves out (see :data:`LEAVES_OUT`).
@@ -284,7 +284,7 @@ def _table_row(source: str, precision: str, gpu: str, params: int, batch: int, o
 
 
 def format_scaling_table(rows: list[dict[str, Any]] | None = None) -> str:
-    """:func:`published_scaling_table` as the README's markdown table."""
+    """:func:`published_scaling_table` as docs/benchmark.md's markdown table."""
     lines = ["| published point | GPUs | link | 1-GPU step ms | published | model | model - published | "
              "all-reduce ms | step gap ms |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows if rows is not None else published_scaling_table():
