@@ -12,7 +12,7 @@ help:  ## list the targets
 install:  ## create .venv and install the package with its dev extras
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	# Plain pip: torch/torchvision come as ordinary wheels (never uv/poetry, see README).
+	# Plain pip: torch/torchvision come as ordinary wheels (never uv or poetry: torch must resolve through plain pip).
 	$(BIN)/pip install -e '.[dev]'
 
 test:  ## the fast CPU suite (gloo, 2 processes); < 10 min on 2 cores

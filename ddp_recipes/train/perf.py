@@ -4,8 +4,9 @@
   are TF32; PyTorch leaves matmuls in full FP32 and Lightning only warns). ``--no-tf32`` turns it off.
 * **FLOPs per sample** of a training step (forward + backward), counted once with Lightning's
   ``measure_flops`` on a meta-device copy of the model (no memory, no compute); achieved FLOP/s follow
-  from the measured samples/s, and MFU from the device's peak where Lightning's ``get_available_flops``
-  knows it (unknown peak, e.g. any CPU: MFU is None, never a guess).
+  from the measured samples/s, and MFU from the device's dense peak in the pack's own table
+  (:mod:`ddp_recipes.train.peaks`; Lightning's ``get_available_flops`` only for a GPU the table lacks;
+  unknown peak, e.g. any CPU: MFU is None, never a guess).
 * **Input wait**: the time the training loop blocks on the next batch (Lightning's
   ``train_dataloader_next``: the loader, and its prefetch of the following batch), per step, from a
   profiler that times that one action.
