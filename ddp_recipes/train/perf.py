@@ -28,7 +28,6 @@ from lightning.pytorch.profilers import Profiler
 from typing_extensions import override
 
 FETCH_ACTION = "train_dataloader_next"
-COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 # ---- TF32 ----------------------------------------------------------------------------------------------
