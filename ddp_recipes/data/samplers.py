@@ -99,6 +99,9 @@ class TensorBatchDataset(TensorDataset):
     :func:`keep_batch` then passes the ready batch through instead of collating it.
     """
 
+    #: ``__getitems__`` takes a LongTensor of indices too (the resumable loader's in-process fast path).
+    fetches_index_tensors = True
+
     @property
     def draws_random_numbers(self) -> bool:
         """Whether a fetch may draw random numbers (read by the resumable loader, which then seeds it): not
@@ -108,7 +111,9 @@ class TensorBatchDataset(TensorDataset):
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         index = torch.as_tensor(indices, dtype=torch.long)
-        return tuple(t[index] for t in self.tensors)
+        # index_select, not t[index]: the same rows, but advanced indexing takes 3-5x longer on an image
+        # batch (a strided gather kernel instead of one row copy per index).
+        return tuple(torch.index_select(t, 0, index) for t in self.tensors)
 
 
 def keep_batch(batch):

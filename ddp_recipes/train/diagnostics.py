@@ -244,8 +244,11 @@ class DDPDiagnostics(Callback):
                            batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, Tensor) and loss.numel() == 1:
-            value = loss.detach().to(torch.float64).reshape(())  # stays on the device: no sync per step
-            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+            value = loss.detach()
+            if self._loss_sum is None:  # stays on the device: no sync per step
+                self._loss_sum = value.to(torch.float64, copy=True).reshape(())
+            else:  # one in-place op per step (computed in float64, as the sum's dtype)
+                self._loss_sum.add_(value.reshape(()) if value.ndim else value)
             self._loss_count += 1
         self._time_input_wait(trainer)
 
