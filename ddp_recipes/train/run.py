@@ -27,7 +27,7 @@ from ddp_recipes.train.perf import (
     training_flops_per_sample,
 )
 from ddp_recipes.train.summary import scalar_metrics, summarize
-from ddp_recipes.train.trainer import build_trainer
+from ddp_recipes.train.trainer import Lifecycle, trainer_for
 from ddp_recipes.train.userclass import RecipeClasses, RecordClasses, class_path
 
 
@@ -39,13 +39,14 @@ def has_loader(datamodule: L.LightningDataModule, stage: str) -> bool:
 
 
 def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwargs: Any) -> L.Trainer:
-    """build_trainer with the recipe's logging: CSV metrics under ``<output-dir>/logs``, a progress bar."""
+    """The Trainer of ``cfg.plan`` (:func:`~ddp_recipes.train.trainer.trainer_for`, what ``build_trainer`` ends
+    in) with the recipe's logging: CSV metrics under ``<output-dir>/logs``, a progress bar."""
     kwargs.setdefault("logger", CSVLogger(cfg.output_dir, name="logs"))
     kwargs.setdefault("default_root_dir", cfg.output_dir)
     kwargs.setdefault("log_every_n_steps", 10)
     # A bar redrawn every step costs more than an MLP step on MNIST; 20 steps is still live.
     progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) else []
-    return build_trainer(plan=cfg.plan, callbacks=[*progress, *(callbacks or [])], **kwargs)
+    return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=[*progress, *(callbacks or [])], **kwargs)
 
 
 def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
