@@ -34,8 +34,8 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
-from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, check_ema, ema_state_dict
-from ddp_recipes.optim.schedules import check_reference_schedule
+from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_dict
+from ddp_recipes.optim.schedules import ReferenceSchedule
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
 from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
 from ddp_recipes.train.userclass import (
@@ -93,8 +93,8 @@ class ResNetConfig(RunConfig):
                                    "the two per batch)")
     model_ema: bool = opt(False, "keep an exponential moving average of the weights; evaluated as val_acc_ema / "
                                  "test_acc_ema and saved in checkpoints")
-    model_ema_steps: int = opt(32, "optimizer steps between EMA updates")
-    model_ema_decay: float = opt(0.99998, "EMA decay per update, adjusted for world size x batch x --model-ema-steps "
+    model_ema_steps: int = opt(EMAArgs.update_every, "optimizer steps between EMA updates")
+    model_ema_decay: float = opt(EMAArgs.decay, "EMA decay per update, adjusted for world size x batch x --model-ema-steps "
                                           "over --max-epochs as torchvision's reference does (unadjusted when only "
                                           "--max-steps is given)")
     clip_grad_norm: float | None = opt(None, "clip the global gradient norm to this (after the all-reduce)")
@@ -103,12 +103,12 @@ class ResNetConfig(RunConfig):
     bias_weight_decay: float = opt(0.0, "weight decay of biases (torchvision's default: --weight-decay)")
     lr_scheduler: LRScheduler | None = opt(None, "torchvision's schedule after the warm-up: cosineannealinglr, steplr "
                                                  "or exponentiallr (default: --cosine)")
-    lr_step_size: int = opt(30, "epochs between --lr-scheduler steplr decays")
-    lr_gamma: float = opt(0.1, "decay factor of steplr (per step) and exponentiallr (per epoch)")
-    lr_min: float = opt(0.0, "cosineannealinglr's final LR")
-    lr_warmup_method: WarmupMethod = opt("constant", "--lr-scheduler warm-up: linear (from --lr-warmup-decay x lr) "
+    lr_step_size: int = opt(ReferenceSchedule.lr_step_size, "epochs between --lr-scheduler steplr decays")
+    lr_gamma: float = opt(ReferenceSchedule.lr_gamma, "decay factor of steplr (per step) and exponentiallr (per epoch)")
+    lr_min: float = opt(ReferenceSchedule.lr_min, "cosineannealinglr's final LR")
+    lr_warmup_method: WarmupMethod = opt(ReferenceSchedule.lr_warmup_method, "--lr-scheduler warm-up: linear (from --lr-warmup-decay x lr) "
                                                      "or constant (--lr-warmup-decay x lr)")
-    lr_warmup_decay: float = opt(0.01, "--lr-scheduler warm-up's starting factor")
+    lr_warmup_decay: float = opt(ReferenceSchedule.lr_warmup_decay, "--lr-scheduler warm-up's starting factor")
     test_only: bool = opt(False, "evaluate the --resume checkpoint (and its EMA weights) on the test set; no training")
 
     DEFAULT_BATCH_SIZE = 128
@@ -138,7 +138,7 @@ class ResNetConfig(RunConfig):
             raise ConfigError(f"{{dropout}} must be in [0, 1) (got {self.dropout})")
         arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
         try:
-            check_ema(self.model_ema_decay, self.model_ema_steps, self.warmup_epochs)
+            EMAArgs(self.model_ema_decay, self.model_ema_steps, self.warmup_epochs)
         except ConfigError as err:
             raise err.renamed(decay="model_ema_decay", update_every="model_ema_steps") from None
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -199,8 +199,7 @@ class ResNetConfig(RunConfig):
                 bound = f">= {low}" if high == math.inf else f"in [{low}, {high}{']' if closed else ')'}"
                 raise ConfigError(f"{{{name}}} must be {bound} (got {value})", name)
         if self.lr_scheduler is not None:
-            check_reference_schedule(self.lr_scheduler, self.lr_step_size, self.lr_gamma, self.lr_min,
-                                     self.warmup_epochs, self.lr_warmup_method, self.lr_warmup_decay)
+            ReferenceSchedule.of(vars(self), self.warmup_epochs)  # checks them
         for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -29,7 +29,7 @@ from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
 from ddp_recipes.optim.optimizers import param_groups
-from ddp_recipes.optim.schedules import check_reference_schedule
+from ddp_recipes.optim.schedules import ReferenceSchedule
 
 # Every torchvision classification model (not detection/segmentation/video: those take other inputs).
 ARCHS = tuple(models.list_models(module=models))
@@ -90,8 +90,10 @@ class ResNetClassifier(ImageClassifier):
                  label_smoothing: float = 0.0, warmup_epochs: float = 0.0, cosine: bool = True,
                  channels_last: bool = False, grad_checkpointing: bool = False, dropout: float = 0.0,
                  optimizer: str | None = None, norm_weight_decay: float = 0.0, bias_weight_decay: float = 0.0,
-                 lr_scheduler: str | None = None, lr_step_size: int = 30, lr_gamma: float = 0.1, lr_min: float = 0.0,
-                 lr_warmup_method: str = "constant", lr_warmup_decay: float = 0.01, mixup_alpha: float = 0.0,
+                 lr_scheduler: str | None = None, lr_step_size: int = ReferenceSchedule.lr_step_size,
+                 lr_gamma: float = ReferenceSchedule.lr_gamma, lr_min: float = ReferenceSchedule.lr_min,
+                 lr_warmup_method: str = ReferenceSchedule.lr_warmup_method,
+                 lr_warmup_decay: float = ReferenceSchedule.lr_warmup_decay, mixup_alpha: float = 0.0,
                  cutmix_alpha: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -130,8 +132,7 @@ class ResNetClassifier(ImageClassifier):
         if hp.get("optimizer") not in (None, "sgd", "sgd_nesterov") and hp.nesterov:
             raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {hp.optimizer} has none (drop {{nesterov}})")
         if hp.get("lr_scheduler"):
-            check_reference_schedule(hp.lr_scheduler, hp.lr_step_size, hp.lr_gamma, hp.lr_min, hp.warmup_epochs,
-                                     hp.lr_warmup_method, hp.lr_warmup_decay)
+            ReferenceSchedule.of(hp, hp.warmup_epochs)  # checks them
         if hp.get("mixup_alpha", 0.0) or hp.get("cutmix_alpha", 0.0):
             batch_mixer(hp.num_classes, hp.get("mixup_alpha", 0.0), hp.get("cutmix_alpha", 0.0))  # checks them
 

@@ -131,14 +131,15 @@ def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], 
     is sharded exactly (no padded duplicates), and the metrics are the whole set's. When the checkpoint
     holds EMA weights (``--model-ema``) they are evaluated too (``test_acc_ema``, ...). Writes
     ``<output-dir>/test.json`` on rank 0 and returns the same dict on every rank."""
-    from ddp_recipes.optim.ema import ModelEMA, ema_state_dict
+    from ddp_recipes.optim.ema import EMAArgs, ModelEMA, ema_state_dict
 
     out = writable_dir(cfg.output_dir, "output_dir")
     callbacks: list[Callback] = []
     ema_state = next((state for key, state in (checkpoint.get("callbacks") or {}).items()
                       if str(key).split("{")[0] == ModelEMA.__qualname__), None)
     if ema_state and ema_state_dict(checkpoint) is not None:
-        ema = ModelEMA(decay=float(ema_state.get("decay", 0.99998)), update_every=int(ema_state.get("update_every", 1)))
+        ema = ModelEMA(decay=float(ema_state.get("decay", EMAArgs.decay)),
+                       update_every=int(ema_state.get("update_every", 1)))
         ema.load_state_dict(ema_state)  # Lightning restores callback state for fit only
         callbacks.append(ema)
     trainer = make_trainer(cfg, callbacks=callbacks, logger=False, enable_checkpointing=False)
