@@ -33,7 +33,14 @@ from ddp_recipes.config.cli import fail, opt, parse_config
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
+from ddp_recipes.modules.resnet import (
+    ARCHS,
+    RESNET_FAMILY,
+    ResNetClassifier,
+    arch_features,
+    check_arch_input,
+    check_training_hparams,
+)
 from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_dict
 from ddp_recipes.optim.schedules import ReferenceSchedule
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
@@ -134,8 +141,6 @@ class ResNetConfig(RunConfig):
             raise ConfigError(f"{{num_classes}} must be >= 1 (got {self.num_classes})")
         if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
             raise ConfigError("{synthetic_samples} must be >= 1 and {synthetic_val_samples} >= 0")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"{{dropout}} must be in [0, 1) (got {self.dropout})")
         arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
         try:
             EMAArgs(self.model_ema_decay, self.model_ema_steps, self.warmup_epochs)
@@ -182,13 +187,8 @@ class ResNetConfig(RunConfig):
         self._refuse_unused(needs)
         if self.cosine and self.lr_scheduler is not None:
             raise ConfigError("{cosine} and {lr_scheduler} are two schedules; give one")
-        if self.nesterov and self.optimizer not in ("sgd", "sgd_nesterov"):
-            raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {self.optimizer} has none (drop {{nesterov}})")
-        if self.nesterov and not self.momentum > 0:
-            raise ConfigError("{nesterov} needs {momentum} > 0")
-        ranges = [("momentum", self.momentum, 0, 1, False), ("label_smoothing", self.label_smoothing, 0, 1, False),
-                  ("weight_decay", self.weight_decay, 0, math.inf, True),
-                  ("norm_weight_decay", self.norm_weight_decay, 0, math.inf, True),
+        check_training_hparams(vars(self))  # the module's own check: momentum, nesterov, schedule, ...
+        ranges = [("norm_weight_decay", self.norm_weight_decay, 0, math.inf, True),
                   ("bias_weight_decay", self.bias_weight_decay, 0, math.inf, True),
                   ("mixup_alpha", self.mixup_alpha, 0, math.inf, True),
                   ("cutmix_alpha", self.cutmix_alpha, 0, math.inf, True),
@@ -198,8 +198,6 @@ class ResNetConfig(RunConfig):
             if not (inside and math.isfinite(value)):
                 bound = f">= {low}" if high == math.inf else f"in [{low}, {high}{']' if closed else ')'}"
                 raise ConfigError(f"{{{name}}} must be {bound} (got {value})", name)
-        if self.lr_scheduler is not None:
-            ReferenceSchedule.of(vars(self), self.warmup_epochs)  # checks them
         for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
             value = getattr(self, name)
             if value is not None and value < 1:

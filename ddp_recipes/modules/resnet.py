@@ -16,6 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,6 +81,26 @@ def _keep_batchnorm_stats(stage: nn.Module) -> tuple[contextlib.nullcontext, _Ke
     return contextlib.nullcontext(), _KeepBatchNormStats(stage)
 
 
+def check_training_hparams(hp: Mapping[str, Any]) -> None:
+    """The one check of :class:`ResNetClassifier`'s training settings, whoever holds them (its hparams, the
+    ResNet recipe's config): a :class:`ConfigError` naming the first bad one. Missing keys take the defaults."""
+    momentum, nesterov = hp.get("momentum", 0.9), hp.get("nesterov", False)
+    ranges = [("momentum", momentum, 1, False), ("label_smoothing", hp.get("label_smoothing", 0.0), 1, False),
+              ("dropout", hp.get("dropout", 0.0), 1, False), ("weight_decay", hp.get("weight_decay", 0.0), math.inf, True),
+              ("warmup_epochs", hp.get("warmup_epochs", 0.0), math.inf, True)]
+    for name, value, high, closed in ranges:
+        if not (0 <= value and (value <= high if closed else value < high) and math.isfinite(value)):
+            bound = ">= 0" if high == math.inf else f"in [0, {high})"
+            raise ConfigError(f"{{{name}}} must be {bound} (got {value})", name)
+    optimizer = hp.get("optimizer")
+    if nesterov and optimizer not in (None, "sgd", "sgd_nesterov"):
+        raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {optimizer} has none (drop {{nesterov}})")
+    if nesterov and not momentum > 0:
+        raise ConfigError("{nesterov} needs {momentum} > 0")
+    if hp.get("lr_scheduler"):
+        ReferenceSchedule.of(hp, hp.get("warmup_epochs", 0.0))  # checks them
+
+
 class ResNetClassifier(ImageClassifier):
     """A torchvision image classifier (ResNet family by default) trained with SGD; override
     :meth:`build_model` for another network, or ``loss``/``param_groups``/``build_optimizer``/``build_metrics``.
@@ -117,22 +140,7 @@ class ResNetClassifier(ImageClassifier):
             raise ConfigError(f"{{num_classes}} must be >= 1 (got {hp.num_classes})")
         if hp.lr <= 0:
             raise ConfigError(f"{{lr}} must be > 0 (got {hp.lr})")
-        if not 0 <= hp.momentum < 1:
-            raise ConfigError(f"{{momentum}} must be in [0, 1) (got {hp.momentum})")
-        if hp.nesterov and hp.momentum == 0:
-            raise ConfigError("{nesterov} needs {momentum} > 0")
-        if hp.weight_decay < 0:
-            raise ConfigError(f"{{weight_decay}} must be >= 0 (got {hp.weight_decay})")
-        if not 0 <= hp.label_smoothing < 1:
-            raise ConfigError(f"{{label_smoothing}} must be in [0, 1) (got {hp.label_smoothing})")
-        if hp.warmup_epochs < 0:
-            raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {hp.warmup_epochs})")
-        if not 0 <= hp.get("dropout", 0.0) < 1:
-            raise ConfigError(f"{{dropout}} must be in [0, 1) (got {hp.dropout})")
-        if hp.get("optimizer") not in (None, "sgd", "sgd_nesterov") and hp.nesterov:
-            raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {hp.optimizer} has none (drop {{nesterov}})")
-        if hp.get("lr_scheduler"):
-            ReferenceSchedule.of(hp, hp.warmup_epochs)  # checks them
+        check_training_hparams(hp)
         if hp.get("mixup_alpha", 0.0) or hp.get("cutmix_alpha", 0.0):
             batch_mixer(hp.num_classes, hp.get("mixup_alpha", 0.0), hp.get("cutmix_alpha", 0.0))  # checks them
 
