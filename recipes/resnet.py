@@ -33,9 +33,16 @@ from ddp_recipes.config.cli import fail, opt, parse_config
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, arch_features, check_arch_input
-from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, check_ema, ema_state_dict
-from ddp_recipes.optim.schedules import check_reference_schedule
+from ddp_recipes.modules.resnet import (
+    ARCHS,
+    RESNET_FAMILY,
+    ResNetClassifier,
+    arch_features,
+    check_arch_input,
+    check_training_hparams,
+)
+from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_dict
+from ddp_recipes.optim.schedules import ReferenceSchedule
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
 from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
 from ddp_recipes.train.userclass import (
@@ -93,8 +100,8 @@ class ResNetConfig(RunConfig):
                                    "the two per batch)")
     model_ema: bool = opt(False, "keep an exponential moving average of the weights; evaluated as val_acc_ema / "
                                  "test_acc_ema and saved in checkpoints")
-    model_ema_steps: int = opt(32, "optimizer steps between EMA updates")
-    model_ema_decay: float = opt(0.99998, "EMA decay per update, adjusted for world size x batch x --model-ema-steps "
+    model_ema_steps: int = opt(EMAArgs.update_every, "optimizer steps between EMA updates")
+    model_ema_decay: float = opt(EMAArgs.decay, "EMA decay per update, adjusted for world size x batch x --model-ema-steps "
                                           "over --max-epochs as torchvision's reference does (unadjusted when only "
                                           "--max-steps is given)")
     clip_grad_norm: float | None = opt(None, "clip the global gradient norm to this (after the all-reduce)")
@@ -103,12 +110,12 @@ class ResNetConfig(RunConfig):
     bias_weight_decay: float = opt(0.0, "weight decay of biases (torchvision's default: --weight-decay)")
     lr_scheduler: LRScheduler | None = opt(None, "torchvision's schedule after the warm-up: cosineannealinglr, steplr "
                                                  "or exponentiallr (default: --cosine)")
-    lr_step_size: int = opt(30, "epochs between --lr-scheduler steplr decays")
-    lr_gamma: float = opt(0.1, "decay factor of steplr (per step) and exponentiallr (per epoch)")
-    lr_min: float = opt(0.0, "cosineannealinglr's final LR")
-    lr_warmup_method: WarmupMethod = opt("constant", "--lr-scheduler warm-up: linear (from --lr-warmup-decay x lr) "
+    lr_step_size: int = opt(ReferenceSchedule.lr_step_size, "epochs between --lr-scheduler steplr decays")
+    lr_gamma: float = opt(ReferenceSchedule.lr_gamma, "decay factor of steplr (per step) and exponentiallr (per epoch)")
+    lr_min: float = opt(ReferenceSchedule.lr_min, "cosineannealinglr's final LR")
+    lr_warmup_method: WarmupMethod = opt(ReferenceSchedule.lr_warmup_method, "--lr-scheduler warm-up: linear (from --lr-warmup-decay x lr) "
                                                      "or constant (--lr-warmup-decay x lr)")
-    lr_warmup_decay: float = opt(0.01, "--lr-scheduler warm-up's starting factor")
+    lr_warmup_decay: float = opt(ReferenceSchedule.lr_warmup_decay, "--lr-scheduler warm-up's starting factor")
     test_only: bool = opt(False, "evaluate the --resume checkpoint (and its EMA weights) on the test set; no training")
 
     DEFAULT_BATCH_SIZE = 128
@@ -134,11 +141,9 @@ class ResNetConfig(RunConfig):
             raise ConfigError(f"{{num_classes}} must be >= 1 (got {self.num_classes})")
         if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
             raise ConfigError("{synthetic_samples} must be >= 1 and {synthetic_val_samples} >= 0")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"{{dropout}} must be in [0, 1) (got {self.dropout})")
         arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
         try:
-            check_ema(self.model_ema_decay, self.model_ema_steps, self.warmup_epochs)
+            EMAArgs(self.model_ema_decay, self.model_ema_steps, self.warmup_epochs)
         except ConfigError as err:
             raise err.renamed(decay="model_ema_decay", update_every="model_ema_steps") from None
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -182,13 +187,8 @@ class ResNetConfig(RunConfig):
         self._refuse_unused(needs)
         if self.cosine and self.lr_scheduler is not None:
             raise ConfigError("{cosine} and {lr_scheduler} are two schedules; give one")
-        if self.nesterov and self.optimizer not in ("sgd", "sgd_nesterov"):
-            raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {self.optimizer} has none (drop {{nesterov}})")
-        if self.nesterov and not self.momentum > 0:
-            raise ConfigError("{nesterov} needs {momentum} > 0")
-        ranges = [("momentum", self.momentum, 0, 1, False), ("label_smoothing", self.label_smoothing, 0, 1, False),
-                  ("weight_decay", self.weight_decay, 0, math.inf, True),
-                  ("norm_weight_decay", self.norm_weight_decay, 0, math.inf, True),
+        check_training_hparams(vars(self))  # the module's own check: momentum, nesterov, schedule, ...
+        ranges = [("norm_weight_decay", self.norm_weight_decay, 0, math.inf, True),
                   ("bias_weight_decay", self.bias_weight_decay, 0, math.inf, True),
                   ("mixup_alpha", self.mixup_alpha, 0, math.inf, True),
                   ("cutmix_alpha", self.cutmix_alpha, 0, math.inf, True),
@@ -198,9 +198,6 @@ class ResNetConfig(RunConfig):
             if not (inside and math.isfinite(value)):
                 bound = f">= {low}" if high == math.inf else f"in [{low}, {high}{']' if closed else ')'}"
                 raise ConfigError(f"{{{name}}} must be {bound} (got {value})", name)
-        if self.lr_scheduler is not None:
-            check_reference_schedule(self.lr_scheduler, self.lr_step_size, self.lr_gamma, self.lr_min,
-                                     self.warmup_epochs, self.lr_warmup_method, self.lr_warmup_decay)
         for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -32,6 +32,7 @@ from ddp_recipes.train.diagnostic_rules import (
     unsharded_ranks,
 )
 from ddp_recipes.train.diagnostics import DDPDiagnostics, DDPDiagnosticWarning
+from ddp_recipes.train.trainer import trainer_for
 from tests.diag_scenarios import FrozenEpochSampler, Net, dataset
 from tests.helpers import free_port
 
@@ -162,14 +163,14 @@ def test_sharding_verdict():
 
 def test_build_trainer_and_cli_wiring():
     cfg = parse_config(RunConfig, ["--devices", "1", "--batch-size", "32", "--lr-scaling", "sqrt"])
-    plan = cfg.plan  # resolved once, frozen; build_trainer reads it whole
+    plan = cfg.plan  # resolved once, frozen; trainer_for reads it whole
     assert plan.diagnostics is True
     assert (plan.lr_scaling, plan.reference_batch, plan.batch.global_batch) == ("sqrt", 64, 32)
-    trainer = build_trainer(plan=cfg.plan, logger=False, enable_checkpointing=False)
+    trainer = trainer_for(cfg.plan, logger=False, enable_checkpointing=False)
     diag = [c for c in trainer.callbacks if isinstance(c, DDPDiagnostics)]
     assert len(diag) == 1 and (diag[0].lr_scaling, diag[0].global_batch) == ("sqrt", 32)
     off = parse_config(RunConfig, ["--devices", "1", "--no-diagnostics"]).plan
-    trainer = build_trainer(plan=off, logger=False, enable_checkpointing=False)
+    trainer = trainer_for(off, logger=False, enable_checkpointing=False)
     assert not any(isinstance(c, DDPDiagnostics) for c in trainer.callbacks)
 
 

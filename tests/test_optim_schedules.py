@@ -25,7 +25,7 @@ from ddp_recipes.errors import ConfigError, flag
 from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.optim.optimizers import build_optimizer, param_groups
 from ddp_recipes.optim.schedules import (
-    check_reference_schedule,
+    ReferenceSchedule,
     lightning_reference_scheduler,
     reference_scheduler,
 )
@@ -128,7 +128,7 @@ def test_group_errors_name_the_parameter():
 def lrs(steps: int, spe: int, total: int, bases: tuple[float, ...] = (1.0,), **kwargs) -> list[list[float]]:
     """The LR of every group at optimizer steps 0..steps, stepping the scheduler once per step."""
     opt = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(1))], "lr": b} for b in bases], lr=bases[0])
-    sched = reference_scheduler(opt, spe, total, **kwargs)
+    sched = reference_scheduler(opt, spe, total, ReferenceSchedule(**kwargs))
     out = []
     for _ in range(steps + 1):
         out.append([g["lr"] for g in opt.param_groups])
@@ -218,8 +218,8 @@ def test_matches_the_reference_at_every_epoch_boundary(name, warmup, method):
 def test_scheduler_state_resumes_exactly():
     def build():
         opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.4)
-        return opt, reference_scheduler(opt, 10, 100, lr_scheduler="cosineannealinglr", lr_min=0.01,
-                                        lr_warmup_epochs=1.5, lr_warmup_method="linear")
+        return opt, reference_scheduler(opt, 10, 100, ReferenceSchedule(
+            lr_scheduler="cosineannealinglr", lr_min=0.01, lr_warmup_epochs=1.5, lr_warmup_method="linear"))
 
     opt, sched = build()
     for _ in range(23):
@@ -252,27 +252,27 @@ def test_scheduler_state_resumes_exactly():
 ])
 def test_schedule_errors_name_the_parameter(kwargs, param):
     with pytest.raises(ConfigError) as err:
-        check_reference_schedule(**kwargs)
+        ReferenceSchedule(**kwargs)
     assert err.value.param == param
     assert err.value.cli().startswith(flag(param))
 
 
 def test_gamma_message():
     with pytest.raises(ConfigError) as err:
-        check_reference_schedule(lr_gamma=2.0)
+        ReferenceSchedule(lr_gamma=2.0)
     assert err.value.cli() == "--lr-gamma must be in (0, 1] (got 2.0)"
 
 
 def test_schedules_that_cannot_be_sized():
     opt = torch.optim.SGD(params(), lr=0.1)
     with pytest.raises(ConfigError) as err:
-        reference_scheduler(opt, 10, 0, lr_scheduler="cosineannealinglr")
+        reference_scheduler(opt, 10, 0, ReferenceSchedule(lr_scheduler="cosineannealinglr"))
     assert "--max-epochs" in err.value.cli()
     with pytest.raises(ConfigError) as err:
-        reference_scheduler(opt, 0, 100, lr_scheduler="steplr")
+        reference_scheduler(opt, 0, 100, ReferenceSchedule(lr_scheduler="steplr"))
     assert err.value.param == "lr_scheduler"
     with pytest.raises(ConfigError) as err:
-        reference_scheduler(opt, 0, 100, lr_scheduler="cosineannealinglr", lr_warmup_epochs=1)
+        reference_scheduler(opt, 0, 100, ReferenceSchedule(lr_scheduler="cosineannealinglr", lr_warmup_epochs=1))
     assert err.value.param == "lr_warmup_epochs"
 
 
@@ -282,8 +282,8 @@ class ReferenceRecipe(TinyClassifier):
     def configure_optimizers(self):
         opt = build_optimizer("sgd", param_groups(self, 1e-4, norm_weight_decay=0.0), lr=self.hparams.lr)
         return {"optimizer": opt, "lr_scheduler": lightning_reference_scheduler(
-            opt, self.trainer, lr_scheduler="exponentiallr", lr_gamma=0.5, lr_warmup_epochs=1,
-            lr_warmup_method="linear", lr_warmup_decay=0.25)}
+            opt, self.trainer, ReferenceSchedule(lr_scheduler="exponentiallr", lr_gamma=0.5, lr_warmup_epochs=1,
+                                                 lr_warmup_method="linear", lr_warmup_decay=0.25))}
 
 
 class StepLRs(Callback):

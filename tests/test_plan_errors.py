@@ -4,18 +4,21 @@ errors that name parameters (only the CLI spells them as flags)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import pickle
 from datetime import timedelta
 
 import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
+import ddp_recipes.train.trainer as trainer_module
 from ddp_recipes import TunedDDPStrategy, build_trainer
 from ddp_recipes.config.choices import ACCELERATORS, COMM_HOOKS, LR_SCALING_RULES, PRECISIONS, RESNET_DATA
 from ddp_recipes.config.cli import build_parser, parse_config
 from ddp_recipes.config.plan import BatchPlan, DDPOptions, RunPlan
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.errors import CheckpointError, ConfigError, DataError, MissingDataError
+from ddp_recipes.train.trainer import trainer_for
 from recipes.resnet import ResNetConfig
 
 
@@ -52,27 +55,28 @@ def test_recipe_worker_default_lives_in_the_plan():
 def test_ddp_options_travel_as_one_object():
     cfg = parse_config(RunConfig, ["--devices", "2", "--comm-hook", "fp16", "--bucket-cap-mb", "10",
                                    "--find-unused-parameters", "--timeout-s", "60"])
-    trainer = build_trainer(plan=cfg.plan, logger=False, enable_checkpointing=False)
+    trainer = trainer_for(cfg.plan, logger=False, enable_checkpointing=False)
     strategy = trainer.strategy
     assert isinstance(strategy, TunedDDPStrategy) and strategy.comm_hook == "fp16"
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 10 and strategy._ddp_kwargs["find_unused_parameters"] is True
     assert strategy._timeout == timedelta(seconds=60)
-    # The same options as flat keywords or as one DDPOptions give the same strategy.
+    # The same options as build_trainer's flat keywords or as one DDPOptions in a plan give the same strategy.
     options = DDPOptions(comm_hook="fp16", bucket_cap_mb=10, find_unused_parameters=True, timeout_s=60)
-    for kwargs in ({"ddp": options}, {"comm_hook": "fp16", "bucket_cap_mb": 10, "find_unused_parameters": True,
-                                      "timeout_s": 60}):
-        other = build_trainer(devices=2, logger=False, enable_checkpointing=False, **kwargs).strategy
+    for other in (trainer_for(RunPlan.resolve(devices=2, accelerator="cpu", ddp=options), logger=False,
+                              enable_checkpointing=False).strategy,
+                  build_trainer(devices=2, comm_hook="fp16", bucket_cap_mb=10, find_unused_parameters=True,
+                                timeout_s=60, logger=False, enable_checkpointing=False).strategy):
         assert (other.comm_hook, other._ddp_kwargs, other._timeout) == \
             (strategy.comm_hook, strategy._ddp_kwargs, strategy._timeout)
     direct = TunedDDPStrategy.from_options(options, seed=3)
     assert isinstance(direct, DDPStrategy) and direct.seed == 3 and direct._ddp_kwargs["bucket_cap_mb"] == 10
 
 
-def test_plan_and_flat_keywords_do_not_mix():
-    with pytest.raises(ConfigError, match="plan already decides devices"):
-        build_trainer(plan=RunConfig().plan, devices=2)
-    with pytest.raises(ConfigError, match="not both"):
-        build_trainer(ddp=DDPOptions(), comm_hook="fp16", devices=2)
+def test_build_trainer_has_one_way_in():
+    """build_trainer takes the flat keywords only; a resolved plan goes to trainer_for, which it ends in."""
+    params = inspect.signature(build_trainer).parameters
+    assert "plan" not in params and "ddp" not in params
+    assert "_RUN_DEFAULTS" not in vars(trainer_module)
     with pytest.raises(ConfigError) as info:
         DDPOptions(comm_hook="int8")
     assert info.value.param == "comm_hook" and info.value.cli().startswith("--comm-hook must be one of none,")
@@ -124,8 +128,11 @@ def test_library_error_names_the_keyword(capsys):
 
 def test_plan_refuses_stray_keywords():
     cfg = RunConfig(batch_size=8)
-    with pytest.raises(ConfigError, match="plan already decides max_steps, precision"):
-        build_trainer(plan=cfg.plan, max_steps=3, precision="bf16-mixed")
+    # The plan decides the limits and the precision: a stray keyword is refused, never silently preferred.
+    with pytest.raises(TypeError, match="max_steps"):
+        trainer_for(cfg.plan, max_steps=3, logger=False)
+    with pytest.raises(TypeError, match="precision"):
+        trainer_for(cfg.plan, precision="bf16-mixed", logger=False)
     # Options at their default leave the knob to the keyword; two different values are refused.
     assert TunedDDPStrategy.from_options(DDPOptions(), comm_hook="fp16").comm_hook == "fp16"
     with pytest.raises(ConfigError, match="comm_hook is set twice with different values"):

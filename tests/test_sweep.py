@@ -9,7 +9,7 @@ from torch import nn
 
 from ddp_recipes.bench import workers
 from ddp_recipes.optim.schedules import lightning_scheduler
-from ddp_recipes.train.callbacks import _batch_len
+from ddp_recipes.train.diagnostic_rules import batch_size_of
 
 
 def test_schedule_of_an_unbounded_fit_is_warmup_then_constant():
@@ -33,7 +33,7 @@ def test_schedule_of_an_unbounded_fit_is_warmup_then_constant():
     ((["a", "bb", "ccc", "dddd"], torch.zeros(4)), 4),  # not len("a")
 ])
 def test_throughput_counts_samples_not_keys(batch, size):
-    assert _batch_len(batch) == size
+    assert batch_size_of(batch) == size
 
 
 def test_bench_baselines_run_the_packs_precision():

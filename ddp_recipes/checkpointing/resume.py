@@ -19,7 +19,6 @@ after every set-up hook, after Lightning restored the checkpoint, before the fir
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any
 
@@ -32,18 +31,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
+from ddp_recipes.data.resumable import seed_all
 from ddp_recipes.data.samplers import loader_batch_size
+from ddp_recipes.optim.schedules import steps_per_epoch
 
 _STEP_SPAN = 1_000_003  # separates the per-rank seeds of different resume steps
 
 
 def seed_rank(seed: int, rank: int, step: int = 0) -> int:
-    """Seed python, numpy and torch (all devices) with ``seed + rank`` (``+ step * 1000003`` when resuming
+    """Seed python, numpy and torch (all devices, :func:`~ddp_recipes.data.resumable.seed_all`) with ``seed + rank`` (``+ step * 1000003`` when resuming
     at another world size, so the streams are not the run's first ones again); returns the value."""
     value = (seed + rank + step * _STEP_SPAN) % 2**32
-    random.seed(value)
-    np.random.seed(value)
-    torch.manual_seed(value)  # also seeds every CUDA device
+    seed_all(value, devices=True)
     return value
 
 
@@ -99,14 +98,6 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
-
-
-def steps_per_epoch(trainer: L.Trainer) -> int:
-    """Optimizer steps in one epoch of this run, once its training loader is sized (else 0)."""
-    batches = trainer.num_training_batches
-    if not isinstance(batches, int) or batches <= 0:
-        return 0
-    return math.ceil(batches / max(1, trainer.accumulate_grad_batches))
 
 
 def reposition_train_loader(trainer: L.Trainer) -> None:
@@ -173,7 +164,7 @@ class ResumeState(Callback):
         per_device = loader_batch_size(trainer.train_dataloader)
         state["global_batch_size"] = (per_device * trainer.world_size * trainer.accumulate_grad_batches
                                       if isinstance(per_device, int) else None)
-        state["steps_per_epoch"] = steps_per_epoch(trainer)
+        state["steps_per_epoch"] = steps_per_epoch(trainer, size_loader=False)
         hook_state = getattr(trainer.strategy, "comm_hook_state_dict", None)
         if callable(hook_state):
             state["comm_hook"] = hook_state()
@@ -226,7 +217,7 @@ class ResumeState(Callback):
 
     def _reapply_lrs(self, trainer: L.Trainer, pending: dict[str, Any]) -> str:
         """Put this run's LRs back over the checkpoint's and re-index step schedules; returns a summary."""
-        old_spe, new_spe = int(pending.get("steps_per_epoch") or 0), steps_per_epoch(trainer)
+        old_spe, new_spe = int(pending.get("steps_per_epoch") or 0), steps_per_epoch(trainer, size_loader=False)
         reindex = old_spe > 0 and new_spe > 0 and old_spe != new_spe and trainer.max_steps == -1
         scheduled: set[int] = set()
         notes = []

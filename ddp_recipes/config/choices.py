@@ -53,12 +53,14 @@ AUTO_AUGMENTS: tuple[str, ...] = get_args(AutoAugment)
 INTERPOLATIONS: tuple[str, ...] = get_args(Interpolation)
 
 
-def check_choices(config: Any) -> None:
-    """Every field annotated with a ``Literal`` holds one of its values (the CLI checks them too; a config
-    built in Python is checked here)."""
+def check_choices(config: Any, owned_elsewhere: Iterable[str] = ()) -> None:
+    """Every field annotated with a ``Literal`` holds one of its values (a config built in Python is checked
+    here; the CLI's ``choices`` are the same tuples). ``owned_elsewhere``: fields whose one check is made where
+    the value is resolved (the run's precision, accelerator, comm hook and LR scaling: in the plan)."""
     hints = typing.get_type_hints(type(config))
+    skip = set(owned_elsewhere)
     for f in dataclasses.fields(config):
-        choices = literal_choices(hints[f.name])
+        choices = literal_choices(hints[f.name]) if f.name not in skip else None
         if choices and getattr(config, f.name) is not None:
             check_choice(f.name, getattr(config, f.name), choices)
 

@@ -26,6 +26,10 @@ from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.world import default_num_workers
 from ddp_recipes.errors import ConfigError
 
+# Checked once, where the plan resolves them (resolve_precision, resolve_accelerator, check_ddp_values,
+# RunPlan.resolve), not a second time by the generic Literal check.
+_PLAN_OWNED = ("precision", "accelerator", "comm_hook", "lr_scaling")
+
 
 @dataclass
 class RunConfig:
@@ -87,7 +91,7 @@ class RunConfig:
                              "lr_reference_batch", "max_epochs")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"{{max_steps}} must be a positive step count or -1 for no limit (got {self.max_steps})")
-        check_choices(self)
+        check_choices(self, owned_elsewhere=_PLAN_OWNED)
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"{{lr}} must be a positive number (got {self.lr})")
         if self.warmup_epochs < 0:

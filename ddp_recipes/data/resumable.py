@@ -62,12 +62,16 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * _EPOCH_SPAN + epoch) * _INDEX_SPAN + index) & _MASK64
 
 
-def seed_all(value: int) -> None:
-    """Seed python, numpy and torch's CPU generator (not CUDA: a loader never draws there)."""
+def seed_all(value: int, devices: bool = False) -> None:
+    """Seed python, numpy and torch's CPU generator with ``value`` (up to 64 bits): the pack's one per-process
+    seeding. ``devices``: every accelerator's generator too (a rank's streams); a loader never draws there."""
     random.seed(value)
     np.random.seed([value & 0xFFFFFFFF, value >> 32])
-    # torch.manual_seed would also walk every accelerator (~160 us); the CPU generator alone takes ~2 us.
-    torch.default_generator.manual_seed(value)
+    if devices:
+        torch.manual_seed(value)  # also seeds every CUDA device
+    else:
+        # torch.manual_seed would also walk every accelerator (~160 us); the CPU generator alone takes ~2 us.
+        torch.default_generator.manual_seed(value)
 
 
 def draws_random_numbers(dataset: Dataset) -> bool:

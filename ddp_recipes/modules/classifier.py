@@ -39,7 +39,7 @@ from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.logging import SyncFreeMean, TrainLossLogging
 from ddp_recipes.optim.ema import ModelEMA
 from ddp_recipes.optim.optimizers import build_optimizer
-from ddp_recipes.optim.schedules import lightning_reference_scheduler, lightning_scheduler
+from ddp_recipes.optim.schedules import ReferenceSchedule, lightning_reference_scheduler, lightning_scheduler
 
 STAGES = ("val", "test")
 
@@ -93,10 +93,7 @@ class ImageClassifier(TrainLossLogging):
         sized from the trainer, so it is right at any world size, accumulation and run length."""
         hp = self.hparams
         if hp.get("lr_scheduler"):
-            return lightning_reference_scheduler(
-                optimizer, self.trainer, hp.lr_scheduler, lr_step_size=hp.get("lr_step_size", 30),
-                lr_gamma=hp.get("lr_gamma", 0.1), lr_min=hp.get("lr_min", 0.0), lr_warmup_epochs=hp.warmup_epochs,
-                lr_warmup_method=hp.get("lr_warmup_method", "constant"), lr_warmup_decay=hp.get("lr_warmup_decay", 0.01))
+            return lightning_reference_scheduler(optimizer, self.trainer, ReferenceSchedule.of(hp, hp.warmup_epochs))
         return lightning_scheduler(optimizer, self.trainer, hp.warmup_epochs, cosine=hp.cosine)
 
     def mix_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +32,7 @@ from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
 from ddp_recipes.optim.optimizers import param_groups
-from ddp_recipes.optim.schedules import check_reference_schedule
+from ddp_recipes.optim.schedules import ReferenceSchedule
 
 # Every torchvision classification model (not detection/segmentation/video: those take other inputs).
 ARCHS = tuple(models.list_models(module=models))
@@ -78,6 +81,26 @@ def _keep_batchnorm_stats(stage: nn.Module) -> tuple[contextlib.nullcontext, _Ke
     return contextlib.nullcontext(), _KeepBatchNormStats(stage)
 
 
+def check_training_hparams(hp: Mapping[str, Any]) -> None:
+    """The one check of :class:`ResNetClassifier`'s training settings, whoever holds them (its hparams, the
+    ResNet recipe's config): a :class:`ConfigError` naming the first bad one. Missing keys take the defaults."""
+    momentum, nesterov = hp.get("momentum", 0.9), hp.get("nesterov", False)
+    ranges = [("momentum", momentum, 1, False), ("label_smoothing", hp.get("label_smoothing", 0.0), 1, False),
+              ("dropout", hp.get("dropout", 0.0), 1, False), ("weight_decay", hp.get("weight_decay", 0.0), math.inf, True),
+              ("warmup_epochs", hp.get("warmup_epochs", 0.0), math.inf, True)]
+    for name, value, high, closed in ranges:
+        if not (0 <= value and (value <= high if closed else value < high) and math.isfinite(value)):
+            bound = ">= 0" if high == math.inf else f"in [0, {high})"
+            raise ConfigError(f"{{{name}}} must be {bound} (got {value})", name)
+    optimizer = hp.get("optimizer")
+    if nesterov and optimizer not in (None, "sgd", "sgd_nesterov"):
+        raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {optimizer} has none (drop {{nesterov}})")
+    if nesterov and not momentum > 0:
+        raise ConfigError("{nesterov} needs {momentum} > 0")
+    if hp.get("lr_scheduler"):
+        ReferenceSchedule.of(hp, hp.get("warmup_epochs", 0.0))  # checks them
+
+
 class ResNetClassifier(ImageClassifier):
     """A torchvision image classifier (ResNet family by default) trained with SGD; override
     :meth:`build_model` for another network, or ``loss``/``param_groups``/``build_optimizer``/``build_metrics``.
@@ -90,8 +113,10 @@ class ResNetClassifier(ImageClassifier):
                  label_smoothing: float = 0.0, warmup_epochs: float = 0.0, cosine: bool = True,
                  channels_last: bool = False, grad_checkpointing: bool = False, dropout: float = 0.0,
                  optimizer: str | None = None, norm_weight_decay: float = 0.0, bias_weight_decay: float = 0.0,
-                 lr_scheduler: str | None = None, lr_step_size: int = 30, lr_gamma: float = 0.1, lr_min: float = 0.0,
-                 lr_warmup_method: str = "constant", lr_warmup_decay: float = 0.01, mixup_alpha: float = 0.0,
+                 lr_scheduler: str | None = None, lr_step_size: int = ReferenceSchedule.lr_step_size,
+                 lr_gamma: float = ReferenceSchedule.lr_gamma, lr_min: float = ReferenceSchedule.lr_min,
+                 lr_warmup_method: str = ReferenceSchedule.lr_warmup_method,
+                 lr_warmup_decay: float = ReferenceSchedule.lr_warmup_decay, mixup_alpha: float = 0.0,
                  cutmix_alpha: float = 0.0) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -115,23 +140,7 @@ class ResNetClassifier(ImageClassifier):
             raise ConfigError(f"{{num_classes}} must be >= 1 (got {hp.num_classes})")
         if hp.lr <= 0:
             raise ConfigError(f"{{lr}} must be > 0 (got {hp.lr})")
-        if not 0 <= hp.momentum < 1:
-            raise ConfigError(f"{{momentum}} must be in [0, 1) (got {hp.momentum})")
-        if hp.nesterov and hp.momentum == 0:
-            raise ConfigError("{nesterov} needs {momentum} > 0")
-        if hp.weight_decay < 0:
-            raise ConfigError(f"{{weight_decay}} must be >= 0 (got {hp.weight_decay})")
-        if not 0 <= hp.label_smoothing < 1:
-            raise ConfigError(f"{{label_smoothing}} must be in [0, 1) (got {hp.label_smoothing})")
-        if hp.warmup_epochs < 0:
-            raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {hp.warmup_epochs})")
-        if not 0 <= hp.get("dropout", 0.0) < 1:
-            raise ConfigError(f"{{dropout}} must be in [0, 1) (got {hp.dropout})")
-        if hp.get("optimizer") not in (None, "sgd", "sgd_nesterov") and hp.nesterov:
-            raise ConfigError(f"{{nesterov}} is SGD's; {{optimizer}} {hp.optimizer} has none (drop {{nesterov}})")
-        if hp.get("lr_scheduler"):
-            check_reference_schedule(hp.lr_scheduler, hp.lr_step_size, hp.lr_gamma, hp.lr_min, hp.warmup_epochs,
-                                     hp.lr_warmup_method, hp.lr_warmup_decay)
+        check_training_hparams(hp)
         if hp.get("mixup_alpha", 0.0) or hp.get("cutmix_alpha", 0.0):
             batch_mixer(hp.num_classes, hp.get("mixup_alpha", 0.0), hp.get("cutmix_alpha", 0.0))  # checks them
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -29,7 +30,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.optim.schedules import _steps_per_epoch
+from ddp_recipes.optim.schedules import steps_per_epoch
 
 
 def adjusted_decay(decay: float, world_size: int, per_device_batch: int, update_every: int, epochs: float) -> float:
@@ -49,7 +50,7 @@ def adjusted_decay(decay: float, world_size: int, per_device_batch: int, update_
     optimizer steps, so with gradient accumulation pass the batch of one optimizer step on one device
     (per-device batch x accumulation); the reference has no accumulation.
     """
-    check_ema(decay, update_every)
+    EMAArgs(decay, update_every)  # checks them
     if world_size < 1 or per_device_batch < 1:
         raise ConfigError(f"adjusted_decay needs world_size >= 1 and per_device_batch >= 1 "
                           f"(got {world_size}, {per_device_batch})")
@@ -60,14 +61,26 @@ def adjusted_decay(decay: float, world_size: int, per_device_batch: int, update_
     return 1.0 - alpha
 
 
-def check_ema(decay: float, update_every: int, warmup_epochs: float = 0.0) -> None:
-    """A :class:`ConfigError` naming the parameter unless the EMA settings make sense."""
-    if not 0.0 <= decay <= 1.0:
-        raise ConfigError(f"{{decay}} must be in [0, 1] (got {decay})")
-    if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
-        raise ConfigError(f"{{update_every}} must be a whole number of optimizer steps >= 1 (got {update_every!r})")
-    if not (math.isfinite(warmup_epochs) and warmup_epochs >= 0):
-        raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {warmup_epochs})")
+@dataclass(frozen=True)
+class EMAArgs:
+    """The EMA's settings: each default here, once, and each value checked once, in ``__post_init__``
+    (a :class:`ConfigError` naming it; a recipe renames the parameters to its flags)."""
+
+    decay: float = 0.99998
+    """Weight of the average per update, in [0, 1] (torchvision's reference value, before :func:`adjusted_decay`)."""
+    update_every: int = 32
+    """Optimizer steps between two updates (the reference's ``--model-ema-steps``)."""
+    warmup_epochs: float = 0.0
+    """The LR warm-up's length in epochs: the average copies the weights while it lasts."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay <= 1.0:
+            raise ConfigError(f"{{decay}} must be in [0, 1] (got {self.decay})")
+        every = self.update_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"{{update_every}} must be a whole number of optimizer steps >= 1 (got {every!r})")
+        if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
+            raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {self.warmup_epochs})")
 
 
 def network_of(pl_module: L.LightningModule) -> nn.Module:
@@ -100,8 +113,9 @@ class ModelEMA(Callback):
     network (None before the fit, validation or test starts).
     """
 
-    def __init__(self, decay: float = 0.99998, update_every: int = 32, warmup_epochs: float = 0.0) -> None:
-        check_ema(decay, update_every, warmup_epochs)
+    def __init__(self, decay: float = EMAArgs.decay, update_every: int = EMAArgs.update_every,
+                 warmup_epochs: float = EMAArgs.warmup_epochs) -> None:
+        EMAArgs(decay, update_every, warmup_epochs)  # checks them
         self.decay = float(decay)
         self.update_every = int(update_every)
         self.warmup_epochs = float(warmup_epochs)
@@ -145,7 +159,7 @@ class ModelEMA(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        steps = _steps_per_epoch(trainer)
+        steps = steps_per_epoch(trainer)
         self._warmup_steps = int(round(self.warmup_epochs * steps)) if self.warmup_epochs > 0 else 0
         self._seen_step = trainer.global_step
 

@@ -7,7 +7,11 @@ tuned for, and warm up for a few epochs so the large early steps do not blow up 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -48,21 +52,22 @@ def lightning_scheduler(optimizer: torch.optim.Optimizer, trainer, warmup_epochs
     estimate = trainer.estimated_stepping_batches if trainer is not None else 0
     # inf when neither max_steps nor max_epochs bounds the fit (max_epochs=-1): nothing to decay over.
     total = int(estimate) if math.isfinite(estimate) and 0 < estimate < 2**62 else 0
-    steps_per_epoch = _steps_per_epoch(trainer)
-    warmup_steps = int(round(warmup_epochs * steps_per_epoch)) if warmup_epochs > 0 else 0
+    per_epoch = steps_per_epoch(trainer)
+    warmup_steps = int(round(warmup_epochs * per_epoch)) if warmup_epochs > 0 else 0
     if warmup_steps == 0 and not (cosine and total):
         return None
     scheduler = warmup_cosine(optimizer, warmup_steps, total if cosine else 0, min_factor)
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}
 
 
-def _steps_per_epoch(trainer) -> int:
-    """Optimizer steps in one epoch on this rank (the dataloader is already sharded when this runs)."""
+def steps_per_epoch(trainer, size_loader: bool = True) -> int:
+    """Optimizer steps in one epoch on this rank (the dataloader is already sharded when this runs); 0 when
+    unknown. ``size_loader``: size a training loader not sized yet through the fit loop (``configure_optimizers``
+    runs before Lightning sizes it); False: 0 then (a checkpoint's state, which must not set up data)."""
     if trainer is None:
         return 0
     batches = trainer.num_training_batches
-    if not isinstance(batches, int) or batches <= 0:
-        # configure_optimizers runs before the train dataloader is sized; size it through the fit loop.
+    if size_loader and (not isinstance(batches, int) or batches <= 0):
         trainer.fit_loop.setup_data()
         batches = trainer.num_training_batches
     if not isinstance(batches, int | float) or not math.isfinite(batches) or batches <= 0:
@@ -72,29 +77,53 @@ def _steps_per_epoch(trainer) -> int:
 
 # ---- torchvision's classification reference: --lr-scheduler, --lr-warmup-*, per optimizer step ---------
 
-def check_reference_schedule(lr_scheduler: str = "steplr", lr_step_size: int = 30, lr_gamma: float = 0.1,
-                             lr_min: float = 0.0, lr_warmup_epochs: float = 0.0, lr_warmup_method: str = "constant",
-                             lr_warmup_decay: float = 0.01) -> None:
-    """A :class:`~ddp_recipes.errors.ConfigError` naming the parameter unless the reference schedule's
-    settings make sense (needs no trainer: call it where the config is validated)."""
-    check_choice("lr_scheduler", lr_scheduler, LR_SCHEDULERS)
-    check_choice("lr_warmup_method", lr_warmup_method, WARMUP_METHODS)
-    if isinstance(lr_step_size, bool) or not isinstance(lr_step_size, int) or lr_step_size < 1:
-        raise ConfigError(f"{{lr_step_size}} must be a whole number of epochs >= 1 (got {lr_step_size!r})")
-    if not 0 < lr_gamma <= 1:
-        raise ConfigError(f"{{lr_gamma}} must be in (0, 1] (got {lr_gamma})")
-    if not (math.isfinite(lr_min) and lr_min >= 0):
-        raise ConfigError(f"{{lr_min}} must be >= 0 (got {lr_min})")
-    if not (math.isfinite(lr_warmup_epochs) and lr_warmup_epochs >= 0):
-        raise ConfigError(f"{{lr_warmup_epochs}} must be >= 0 (got {lr_warmup_epochs})")
-    if not 0 < lr_warmup_decay <= 1:
-        raise ConfigError(f"{{lr_warmup_decay}} must be in (0, 1] (got {lr_warmup_decay})")
+@dataclass(frozen=True)
+class ReferenceSchedule:
+    """torchvision's classification reference schedule (``--lr-scheduler`` and its flags): each default
+    here, once, and each value checked once, in ``__post_init__`` (a :class:`ConfigError` naming it)."""
+
+    lr_scheduler: str = "steplr"
+    """cosineannealinglr, steplr or exponentiallr: the main schedule after the warm-up."""
+    lr_step_size: int = 30
+    """Epochs between steplr decays."""
+    lr_gamma: float = 0.1
+    """Decay factor of steplr (per step) and exponentiallr (per epoch), in (0, 1]."""
+    lr_min: float = 0.0
+    """cosineannealinglr's final LR (absolute, as the reference's ``eta_min``)."""
+    lr_warmup_epochs: float = 0.0
+    """Warm-up length in epochs (fractions allowed; the run's ``--warmup-epochs``)."""
+    lr_warmup_method: str = "constant"
+    """linear (from ``lr_warmup_decay`` x lr to lr) or constant (``lr_warmup_decay`` x lr)."""
+    lr_warmup_decay: float = 0.01
+    """The warm-up's starting factor, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        check_choice("lr_warmup_method", self.lr_warmup_method, WARMUP_METHODS)
+        step = self.lr_step_size
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ConfigError(f"{{lr_step_size}} must be a whole number of epochs >= 1 (got {step!r})")
+        if not 0 < self.lr_gamma <= 1:
+            raise ConfigError(f"{{lr_gamma}} must be in (0, 1] (got {self.lr_gamma})")
+        if not (math.isfinite(self.lr_min) and self.lr_min >= 0):
+            raise ConfigError(f"{{lr_min}} must be >= 0 (got {self.lr_min})")
+        if not (math.isfinite(self.lr_warmup_epochs) and self.lr_warmup_epochs >= 0):
+            raise ConfigError(f"{{lr_warmup_epochs}} must be >= 0 (got {self.lr_warmup_epochs})")
+        if not 0 < self.lr_warmup_decay <= 1:
+            raise ConfigError(f"{{lr_warmup_decay}} must be in (0, 1] (got {self.lr_warmup_decay})")
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any], warmup_epochs: float = 0.0) -> ReferenceSchedule:
+        """The schedule of a mapping holding some of the fields (a module's hparams, a config's ``vars``);
+        the missing ones take their default here. ``warmup_epochs``: the run's warm-up."""
+        given = {f.name: settings[f.name] for f in dataclasses.fields(cls)
+                 if f.name != "lr_warmup_epochs" and settings.get(f.name) is not None}
+        return cls(**given, lr_warmup_epochs=warmup_epochs)
 
 
-def reference_factor(step: int, lr_scheduler: str, steps_per_epoch: int, total_steps: int, warmup_steps: int = 0,
-                     lr_step_size: int = 30, lr_gamma: float = 0.1, min_factor: float = 0.0,
-                     lr_warmup_method: str = "constant", lr_warmup_decay: float = 0.01) -> float:
-    """Multiplier of the base LR at optimizer step ``step`` (0-based) under the reference's schedule.
+def reference_factor(step: int, schedule: ReferenceSchedule, steps_per_epoch: int, total_steps: int,
+                     warmup_steps: int = 0, min_factor: float = 0.0) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based) under the reference's ``schedule``.
 
     Warm-up, the first ``warmup_steps`` steps: ``linear`` ramps per step from ``lr_warmup_decay`` towards 1
     (the reference's per-epoch ``LinearLR``, met exactly at every epoch boundary); ``constant`` holds
@@ -108,27 +137,25 @@ def reference_factor(step: int, lr_scheduler: str, steps_per_epoch: int, total_s
       warm-up's end to ``total_steps`` (held there after it, where the reference's would rise again).
     """
     if step < warmup_steps:
-        if lr_warmup_method == "linear":
-            return lr_warmup_decay + (1.0 - lr_warmup_decay) * step / warmup_steps
-        return lr_warmup_decay
-    if lr_scheduler == "cosineannealinglr":
+        if schedule.lr_warmup_method == "linear":
+            return schedule.lr_warmup_decay + (1.0 - schedule.lr_warmup_decay) * step / warmup_steps
+        return schedule.lr_warmup_decay
+    if schedule.lr_scheduler == "cosineannealinglr":
         span = total_steps - warmup_steps
         if span <= 0:
             return 1.0
         progress = min(1.0, (step - warmup_steps) / span)
         return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     epochs = step // steps_per_epoch - warmup_steps // steps_per_epoch
-    if lr_scheduler == "steplr":
-        return lr_gamma ** (epochs // lr_step_size)
-    return lr_gamma ** epochs  # exponentiallr
+    if schedule.lr_scheduler == "steplr":
+        return schedule.lr_gamma ** (epochs // schedule.lr_step_size)
+    return schedule.lr_gamma ** epochs  # exponentiallr
 
 
 def reference_scheduler(optimizer: torch.optim.Optimizer, steps_per_epoch: int, total_steps: int,
-                        lr_scheduler: str = "steplr", lr_step_size: int = 30, lr_gamma: float = 0.1,
-                        lr_min: float = 0.0, lr_warmup_epochs: float = 0.0, lr_warmup_method: str = "constant",
-                        lr_warmup_decay: float = 0.01) -> LambdaLR:
+                        schedule: ReferenceSchedule) -> LambdaLR:
     """The reference's ``--lr-scheduler`` (with its ``SequentialLR`` warm-up) as one LambdaLR to be stepped
-    once per optimizer step (Lightning: ``interval="step"``). Defaults are the reference's.
+    once per optimizer step (Lightning: ``interval="step"``).
 
     Epochs become optimizer steps with ``steps_per_epoch`` (``lr_warmup_epochs`` may be fractional:
     ``round(lr_warmup_epochs * steps_per_epoch)`` steps); ``total_steps`` is the whole run's (cosine decays
@@ -136,39 +163,31 @@ def reference_scheduler(optimizer: torch.optim.Optimizer, steps_per_epoch: int, 
     floor factor from its initial LR. The factors are pure functions of the step, so a resumed run continues
     exactly from the scheduler's saved step count.
     """
-    check_reference_schedule(lr_scheduler, lr_step_size, lr_gamma, lr_min, lr_warmup_epochs, lr_warmup_method,
-                             lr_warmup_decay)
+    name, warmup_epochs = schedule.lr_scheduler, schedule.lr_warmup_epochs
     unknown = "but the training loader's length is unknown (an iterable dataset?)"
-    if steps_per_epoch < 1 and lr_scheduler != "cosineannealinglr":
-        raise ConfigError(f"{{lr_scheduler}} {lr_scheduler} counts epochs, {unknown}: use cosineannealinglr")
-    if steps_per_epoch < 1 and lr_warmup_epochs > 0:
+    if steps_per_epoch < 1 and name != "cosineannealinglr":
+        raise ConfigError(f"{{lr_scheduler}} {name} counts epochs, {unknown}: use cosineannealinglr")
+    if steps_per_epoch < 1 and warmup_epochs > 0:
         raise ConfigError(f"{{lr_warmup_epochs}} counts epochs, {unknown}")
-    if lr_scheduler == "cosineannealinglr" and total_steps < 1:
+    if name == "cosineannealinglr" and total_steps < 1:
         raise ConfigError("{lr_scheduler} cosineannealinglr decays over the whole run, which has no end here: "
                           "bound it with {max_epochs} or {max_steps}")
-    warmup_steps = int(round(lr_warmup_epochs * steps_per_epoch)) if lr_warmup_epochs > 0 else 0
-    settings = dict(lr_scheduler=lr_scheduler, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                    warmup_steps=warmup_steps, lr_step_size=lr_step_size, lr_gamma=lr_gamma,
-                    lr_warmup_method=lr_warmup_method, lr_warmup_decay=lr_warmup_decay)
+    warmup_steps = int(round(warmup_epochs * steps_per_epoch)) if warmup_epochs > 0 else 0
 
     def factor_fn(base_lr: float):
         # A plain closure: LambdaLR saves no state for functions, so a resume rebuilds it from this run's LR.
-        min_factor = lr_min / base_lr if base_lr > 0 else 0.0
-        return lambda step: reference_factor(step, min_factor=min_factor, **settings)
+        min_factor = schedule.lr_min / base_lr if base_lr > 0 else 0.0
+        return lambda step: reference_factor(step, schedule, steps_per_epoch, total_steps, warmup_steps, min_factor)
 
     bases = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
     return LambdaLR(optimizer, [factor_fn(base) for base in bases])
 
 
-def lightning_reference_scheduler(optimizer: torch.optim.Optimizer, trainer, lr_scheduler: str = "steplr",
-                                  lr_step_size: int = 30, lr_gamma: float = 0.1, lr_min: float = 0.0,
-                                  lr_warmup_epochs: float = 0.0, lr_warmup_method: str = "constant",
-                                  lr_warmup_decay: float = 0.01) -> dict:
+def lightning_reference_scheduler(optimizer: torch.optim.Optimizer, trainer, schedule: ReferenceSchedule) -> dict:
     """The ``lr_scheduler`` entry for ``configure_optimizers``: :func:`reference_scheduler` per optimizer step,
     with the epoch length and the run's length from the trainer (any world size, accumulation,
     ``--max-steps``/``--max-epochs``)."""
     estimate = trainer.estimated_stepping_batches if trainer is not None else 0
     total = int(estimate) if math.isfinite(estimate) and 0 < estimate < 2**62 else 0
-    scheduler = reference_scheduler(optimizer, _steps_per_epoch(trainer), total, lr_scheduler, lr_step_size,
-                                    lr_gamma, lr_min, lr_warmup_epochs, lr_warmup_method, lr_warmup_decay)
+    scheduler = reference_scheduler(optimizer, steps_per_epoch(trainer), total, schedule)
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}

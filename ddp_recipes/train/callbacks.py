@@ -9,12 +9,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.train.diagnostic_rules import batch_size_of
 from ddp_recipes.train.perf import StepClock, input_wait
 
 
@@ -74,7 +73,7 @@ class ThroughputMeter(Callback):
         if self._first is None and self._first_step is None and self._first_start is not None:
             self._first = (self._first_start, now)
         if self._last is not None:
-            self._pending.append((_batch_len(batch) * trainer.world_size, self._last, now, input_wait(trainer)))
+            self._pending.append(((batch_size_of(batch) or 1) * trainer.world_size, self._last, now, input_wait(trainer)))
             self._collect(wait=False)
         self._last = now
 
@@ -129,18 +128,6 @@ class ThroughputMeter(Callback):
         if not steady or seconds <= 0 or any(w is None for _, _, w in steady):
             return None
         return min(1.0, sum(w for _, _, w in steady) / seconds)
-
-
-
-def _batch_len(batch: Any) -> int:
-    """Samples in a batch, by Lightning's own rule (the first tensor's leading dimension, also inside dicts
-    and lists; a dict's keys are not samples); 1 when nothing in it has a length."""
-    if isinstance(batch, list | tuple) and batch and torch.is_tensor(batch[0]) and batch[0].ndim:
-        return int(batch[0].shape[0])  # the common (x, y) case, without Lightning's tree walk each step
-    try:
-        return int(extract_batch_size(batch))
-    except (MisconfigurationException, RecursionError, TypeError):
-        return 1
 
 
 

@@ -28,7 +28,10 @@ def first_tensor(batch: Any) -> Tensor | None:
 
 
 def batch_size_of(batch: Any) -> int | None:
-    """Samples in a batch: the first tensor's leading dimension (None without one)."""
+    """Samples in a batch: the first tensor's leading dimension, also inside mappings and lists (a dict's
+    keys and a list of strings are not samples); None without one."""
+    if isinstance(batch, list | tuple) and batch and isinstance(batch[0], Tensor) and batch[0].dim():
+        return int(batch[0].shape[0])  # the common (x, y) case, without the tree walk each step
     t = first_tensor(batch)
     return int(t.shape[0]) if t is not None and t.dim() > 0 else None
 

@@ -27,7 +27,7 @@ from ddp_recipes.train.perf import (
     training_flops_per_sample,
 )
 from ddp_recipes.train.summary import scalar_metrics, summarize
-from ddp_recipes.train.trainer import build_trainer
+from ddp_recipes.train.trainer import Lifecycle, trainer_for
 from ddp_recipes.train.userclass import RecipeClasses, RecordClasses, class_path
 
 
@@ -39,13 +39,14 @@ def has_loader(datamodule: L.LightningDataModule, stage: str) -> bool:
 
 
 def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwargs: Any) -> L.Trainer:
-    """build_trainer with the recipe's logging: CSV metrics under ``<output-dir>/logs``, a progress bar."""
+    """The Trainer of ``cfg.plan`` (:func:`~ddp_recipes.train.trainer.trainer_for`, what ``build_trainer`` ends
+    in) with the recipe's logging: CSV metrics under ``<output-dir>/logs``, a progress bar."""
     kwargs.setdefault("logger", CSVLogger(cfg.output_dir, name="logs"))
     kwargs.setdefault("default_root_dir", cfg.output_dir)
     kwargs.setdefault("log_every_n_steps", 10)
     # A bar redrawn every step costs more than an MLP step on MNIST; 20 steps is still live.
     progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) else []
-    return build_trainer(plan=cfg.plan, callbacks=[*progress, *(callbacks or [])], **kwargs)
+    return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=[*progress, *(callbacks or [])], **kwargs)
 
 
 def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
@@ -130,14 +131,15 @@ def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], 
     is sharded exactly (no padded duplicates), and the metrics are the whole set's. When the checkpoint
     holds EMA weights (``--model-ema``) they are evaluated too (``test_acc_ema``, ...). Writes
     ``<output-dir>/test.json`` on rank 0 and returns the same dict on every rank."""
-    from ddp_recipes.optim.ema import ModelEMA, ema_state_dict
+    from ddp_recipes.optim.ema import EMAArgs, ModelEMA, ema_state_dict
 
     out = writable_dir(cfg.output_dir, "output_dir")
     callbacks: list[Callback] = []
     ema_state = next((state for key, state in (checkpoint.get("callbacks") or {}).items()
                       if str(key).split("{")[0] == ModelEMA.__qualname__), None)
     if ema_state and ema_state_dict(checkpoint) is not None:
-        ema = ModelEMA(decay=float(ema_state.get("decay", 0.99998)), update_every=int(ema_state.get("update_every", 1)))
+        ema = ModelEMA(decay=float(ema_state.get("decay", EMAArgs.decay)),
+                       update_every=int(ema_state.get("update_every", 1)))
         ema.load_state_dict(ema_state)  # Lightning restores callback state for fit only
         callbacks.append(ema)
     trainer = make_trainer(cfg, callbacks=callbacks, logger=False, enable_checkpointing=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ from ddp_recipes.train.perf import InputWaitProfiler, TF32Setting, configure_tf3
 
 def build_trainer(
     *,
-    plan: RunPlan | None = None,
     devices: int | str | list[int] | None = None,
     num_nodes: int | None = None,
     accelerator: str | None = "auto",
@@ -45,7 +43,6 @@ def build_trainer(
     reference_batch: int | None = None,
     global_batch: int | None = None,
     tf32: bool = True,
-    ddp: DDPOptions | None = None,
     strategy_kwargs: dict[str, Any] | None = None,
     preemption: bool = True,
     checkpoint_dir: str | None = None,
@@ -66,9 +63,9 @@ def build_trainer(
     times the loop's wait for each batch. Any other keyword goes to ``lightning.Trainer``;
     ``strategy_kwargs`` to TunedDDPStrategy.
 
-    The DDP knobs may come as one :class:`~ddp_recipes.config.plan.DDPOptions` (``ddp=``) instead of the flat
-    keywords, and everything a recipe resolved as one :class:`~ddp_recipes.config.plan.RunPlan` (``plan=``, what
-    ``RunConfig.plan`` gives); then the run keywords above must stay unset.
+    The keywords resolve one :class:`~ddp_recipes.config.plan.RunPlan` (each value checked once, where the
+    plan owns it), and the Trainer is built from it by :func:`trainer_for`, the function a recipe's
+    resolved config goes to as well.
 
     Lightning's own spellings are accepted with their meaning: ``devices`` as an int, ``"auto"``, ``"2"``,
     ``"0,1"`` or a list of indices; ``accelerator=None``; ``precision`` 32/16/"bf16"/"bf16-true"...;
@@ -83,57 +80,42 @@ def build_trainer(
     Training loaders Lightning re-creates get the pack's resumable order and per-sample augmentation
     seeding; evaluation loaders an unpadded shard (:mod:`ddp_recipes.data.adopt`).
     """
-    devices, device_ids = _devices(devices, accelerator, plan)
+    devices, device_ids = _devices(devices, accelerator)
     accelerator = _accelerator(accelerator)
     precision, lightning_precision = _precision(precision)
     strategy_kwargs = dict(strategy_kwargs or {})
     if "seed" in strategy_kwargs:  # one seed for the run: the strategy's is build_trainer's
         given = strategy_kwargs.pop("seed")
-        current = plan.seed if plan is not None else seed
-        if current is not None and given is not None and current != given:
-            raise ConfigError(f"{{seed}} is set twice with different values ({current} and {given} in "
+        if seed is not None and given is not None and seed != given:
+            raise ConfigError(f"{{seed}} is set twice with different values ({seed} and {given} in "
                               "strategy_kwargs); set it once")
-        if plan is not None and plan.seed is None:
-            plan = plan.replace(seed=given)
-        elif plan is None and seed is None:
-            seed = given
-    if plan is None:
-        flat_ddp = DDPOptions(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                              comm_hook=comm_hook, bucket_cap_mb=bucket_cap_mb, sync_batchnorm=sync_batchnorm,
-                              timeout_s=timeout_s)
-        if ddp is not None and flat_ddp != DDPOptions():
-            raise ConfigError("pass the DDP options either as {ddp} or as keywords (find_unused_parameters, "
-                              "comm_hook, ...), not both")
-        plan = RunPlan.resolve(devices=devices, num_nodes=num_nodes, accelerator=accelerator, precision=precision,
-                               ddp=ddp or flat_ddp, accumulate_grad_batches=accumulate_grad_batches,
-                               lr_scaling=lr_scaling, max_epochs=max_epochs, max_steps=max_steps, seed=seed,
-                               tf32=tf32, diagnostics=diagnostics, warmup_epochs=warmup_epochs,
-                               reference_batch=reference_batch)
-    else:
-        given = {name: value for name, value in locals().items() if name in _RUN_DEFAULTS}
-        decided = sorted(name for name, value in given.items() if value != _RUN_DEFAULTS[name])
-        if decided:
-            raise ConfigError(f"{{plan}} already decides {', '.join(decided)}; pass the plan alone, or "
-                              "plan.replace(...) to change it")
-        global_batch = plan.batch.global_batch if plan.batch else None
+        seed = given if seed is None else seed
+    ddp = DDPOptions(find_unused_parameters=find_unused_parameters, static_graph=static_graph, comm_hook=comm_hook,
+                     bucket_cap_mb=bucket_cap_mb, sync_batchnorm=sync_batchnorm, timeout_s=timeout_s)
+    plan = RunPlan.resolve(devices=devices, num_nodes=num_nodes, accelerator=accelerator, precision=precision,
+                           ddp=ddp, accumulate_grad_batches=accumulate_grad_batches, lr_scaling=lr_scaling,
+                           max_epochs=max_epochs, max_steps=max_steps, seed=seed, tf32=tf32,
+                           diagnostics=diagnostics, warmup_epochs=warmup_epochs, reference_batch=reference_batch)
     if lightning_precision is not None:
         plan = plan.replace(precision=lightning_precision)
     if device_ids is not None:
         trainer_kwargs["devices"] = device_ids if plan.accelerator == "cuda" else len(device_ids)
-    lifecycle = _Lifecycle(preemption, checkpoint_dir, checkpoint_every_n_steps)
-    return _trainer_for(plan, global_batch, strategy_kwargs, trainer_kwargs, lifecycle)
+    lifecycle = Lifecycle(preemption, checkpoint_dir, checkpoint_every_n_steps)
+    return trainer_for(plan, lifecycle=lifecycle, global_batch=global_batch, strategy_kwargs=strategy_kwargs,
+                       **trainer_kwargs)
 
 
-_LIFECYCLE = ("preemption", "checkpoint_dir", "checkpoint_every_n_steps")  # allowed with a plan too
-# build_trainer's run keywords and their defaults: with a plan, each must stay at its default.
-_RUN_DEFAULTS = {name: p.default for name, p in inspect.signature(build_trainer).parameters.items()
-                 if p.kind is p.KEYWORD_ONLY and name not in ("plan", "strategy_kwargs", *_LIFECYCLE)}
-
-
-def _trainer_for(plan: RunPlan, global_batch: int | None, strategy_kwargs: dict[str, Any] | None,
-                 trainer_kwargs: dict[str, Any], lifecycle: _Lifecycle | None = None) -> L.Trainer:
+def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_batch: int | None = None,
+                strategy_kwargs: dict[str, Any] | None = None, **trainer_kwargs: Any) -> L.Trainer:
+    """The Trainer of a resolved :class:`~ddp_recipes.config.plan.RunPlan`: what :func:`build_trainer` ends in
+    and what a recipe's ``cfg.plan`` goes to (``ddp_recipes.train.run.make_trainer``). The plan decides the
+    world, precision, accumulation and limits: a ``trainer_kwargs`` entry for one of those is Lightning's
+    "multiple values" TypeError. ``global_batch`` (for the diagnostics) is the plan's batch plan's when it has one.
+    """
     check_node_env(plan.num_nodes)  # here, not in the plan: a config may be made on any machine
     configure_tf32(plan.tf32, plan.accelerator)
+    if plan.batch is not None:
+        global_batch = plan.batch.global_batch
     trainer_kwargs.setdefault("profiler", InputWaitProfiler())
     if plan.seed is not None:
         # Same seed on every rank before the model is built: identical initial weights everywhere.
@@ -185,10 +167,11 @@ def _trainer_for(plan: RunPlan, global_batch: int | None, strategy_kwargs: dict[
     return trainer
 
 
-class _Lifecycle:
-    """build_trainer's ``preemption``, ``checkpoint_dir`` and ``checkpoint_every_n_steps``."""
+class Lifecycle:
+    """build_trainer's ``preemption``, ``checkpoint_dir`` and ``checkpoint_every_n_steps`` (a recipe's run: the
+    defaults, with its own :class:`LastCheckpoint` among the callbacks)."""
 
-    def __init__(self, preemption: bool, checkpoint_dir: str | None, every_n_steps: int) -> None:
+    def __init__(self, preemption: bool = True, checkpoint_dir: str | None = None, every_n_steps: int = 0) -> None:
         if not isinstance(preemption, bool):
             raise ConfigError(f"{{preemption}} must be True or False (got {lit(repr(preemption))})")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
@@ -218,9 +201,9 @@ def _as_list(value: Any, name: str) -> list[Any]:
     return [value]
 
 
-def _devices(devices: Any, accelerator: Any, plan: RunPlan | None) -> tuple[int | None, list[int] | None]:
+def _devices(devices: Any, accelerator: Any) -> tuple[int | None, list[int] | None]:
     """Lightning's ``devices`` spellings as (count for the plan, indices for the Trainer or None)."""
-    if devices is None or plan is not None:
+    if devices is None:
         return devices, None
     if isinstance(devices, str):
         text = devices.strip()
