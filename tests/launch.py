@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TAIL = 3000  # characters of output a failure message shows
 
 
-def launch_env(*, port: int | bool = True, threads: int | None = 1, quiet: bool = True, pythonpath: bool = True,
+def launch_env(*, port: int | bool = True, threads: int | None = 1, quiet: bool | None = True, pythonpath: bool = True,
                drop: Iterable[str] = (), drop_prefixes: tuple[str, ...] = (),
                extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment for a child: ``port`` sets MASTER_PORT (True: a free one; False: unset,
     what the test's own environment has); ``threads`` sets OMP_NUM_THREADS (None: left alone), the cores are
     shared; ``quiet`` sets PYTHONWARNINGS=ignore, ``quiet=False`` removes it (for tests that look for
-    warnings); ``pythonpath`` puts the repository root first on PYTHONPATH, so the checkout under test wins
+    warnings), ``None`` leaves it; ``pythonpath`` puts the repository root first on PYTHONPATH, so the checkout under test wins
     (False: removed, only what a user has); ``drop``/``drop_prefixes`` remove inherited variables (launcher
     variables, injected faults); ``extra`` is set last."""
     dropped = set(drop)
@@ -45,7 +45,7 @@ def launch_env(*, port: int | bool = True, threads: int | None = 1, quiet: bool 
         env["OMP_NUM_THREADS"] = str(threads)
     if quiet:
         env["PYTHONWARNINGS"] = "ignore"
-    else:
+    elif quiet is False:
         env.pop("PYTHONWARNINGS", None)
     if pythonpath:
         rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
