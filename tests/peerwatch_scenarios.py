@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from ddp_recipes import failures
+from ddp_recipes.ddp import failures
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 
 

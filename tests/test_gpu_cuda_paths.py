@@ -31,7 +31,7 @@ def test_a_dead_nccl_peer_ends_the_other_rank_with_the_pack_message():
     code = ("import os, sys, time, torch, torch.distributed as dist\n"
             "from datetime import timedelta\n"
             "from lightning.fabric.plugins.environments import LightningEnvironment\n"
-            "from ddp_recipes import failures\n"
+            "from ddp_recipes.ddp import failures\n"
             "from ddp_recipes.ddp.strategy import TunedDDPStrategy\n"
             "rank = int(sys.argv[1]); failures.HEARTBEAT_S = 0.5; torch.cuda.set_device(rank)\n"
             "dist.init_process_group('nccl', rank=rank, world_size=2, timeout=timedelta(seconds=600))\n"
