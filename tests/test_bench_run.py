@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ddp_recipes.bench.__main__ import BenchConfig, main
+from tests import launch
 
 
 def test_tiny_end_to_end_writes_all_outputs(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddp_recipes.bench", "--recipe", "mnist", "--devices", "1,2", "--steps", "2",
-         "--warmup-steps", "1", "--repeats", "1", "--accelerator", "cpu", "--out", str(out)],
-        capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # threads=None: the bench sets each run's thread budget itself, from what it finds
+    proc = launch.run(["-m", "ddp_recipes.bench", "--recipe", "mnist", "--devices", "1,2", "--steps", "2",
+                       "--warmup-steps", "1", "--repeats", "1", "--accelerator", "cpu", "--out", str(out)],
+                      timeout=400, port=False, threads=None, check=True)
     assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "speedup.png", "runs"}
     results = json.loads((out / "results.json").read_text())
     measured = {(r["impl"], r["devices"]) for r in results["runs"]}

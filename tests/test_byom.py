@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +16,8 @@ from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.train.userclass import follow_checkpoint, resolve_classes, same_class, source_file
 from recipes import mnist, resnet
-from tests.helpers import SHARED_DATA, free_port, raises_cli
+from tests.helpers import SHARED_DATA, raises_cli
+from tests.launch import run
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
@@ -27,15 +25,9 @@ TINY_RESNET = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "1
                "--synthetic-val-samples", "32", "--batch-size", "16"]
 
 
-def run(args: list[str], cwd: Path = EXAMPLES, warnings: bool = False) -> subprocess.CompletedProcess:
-    """A user's command, from the examples folder (the user's project), on a free port."""
-    env = {**os.environ, "MASTER_PORT": str(free_port())}
-    env.pop("PYTHONPATH", None)  # only what a user has: the installed pack and the working directory
-    if not warnings:
-        env["PYTHONWARNINGS"] = "ignore"
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+# A user's command, from the examples folder (the user's project), on a free port; no PYTHONPATH: only what
+# a user has, the installed pack and the working directory. It must exit 0.
+USER = dict(cwd=EXAMPLES, pythonpath=False, check=True)
 
 
 def mnist_flags(out: Path, *extra: str) -> list[str]:
@@ -59,7 +51,7 @@ def examples_on_path(monkeypatch):
 def test_script_subclass_two_ranks_every_feature_then_resume(tmp_path, capsys):
     out = tmp_path / "out"
     first = run(["my_model.py", *mnist_flags(out, "--devices", "2", "--max-steps", "12", "--lr-scaling", "none",
-                                             "--batch-size", "64")], warnings=True)
+                                             "--batch-size", "64")], quiet=False, **USER)
     assert first.stdout.count("world size") == 1, "the set-up block prints once, on rank 0"
     assert "world size       2" in first.stdout and "128 global" in first.stdout
     # DDPDiagnostics ran on the user's module: global batch 128, LR tuned for 64, no scaling, no warm-up.
@@ -81,7 +73,7 @@ def test_script_subclass_two_ranks_every_feature_then_resume(tmp_path, capsys):
 
     # Running the script again resumes the same class, at 2 ranks, from step 12.
     run(["my_model.py", *mnist_flags(out, "--devices", "2", "--max-steps", "20", "--lr-scaling", "none",
-                                     "--batch-size", "64", "--resume", "auto")])
+                                     "--batch-size", "64", "--resume", "auto")], **USER)
     resumed = summary_of(out)
     assert resumed["steps"] == 20 and resumed["resumed_from"].endswith("last.ckpt")
     assert resumed["model_class"] == "__main__:DropoutCNN"
@@ -93,8 +85,7 @@ def test_script_subclass_two_ranks_every_feature_then_resume(tmp_path, capsys):
 @needs_mnist
 def test_script_subclass_under_torchrun(tmp_path):
     out = tmp_path / "out"
-    run(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "my_model.py",
-         *mnist_flags(out, "--max-steps", "6")])
+    run(["my_model.py", *mnist_flags(out, "--max-steps", "6")], torchrun=2, **USER)
     summary = summary_of(out)
     assert summary["model_class"] == "__main__:DropoutCNN" and summary["world_size"] == 2 and summary["steps"] == 6
 
@@ -119,7 +110,7 @@ def test_import_paths_two_ranks_then_resume_rebuilds_both_classes(tmp_path, monk
     common = ["--accelerator", "cpu", "--data-dir", str(data), "--output-dir", str(out), "--global-batch-size", "32",
               "--checkpoint-every-n-steps", "5"]
     run(["-m", "recipes.mnist", *common, "--devices", "2", "--model-class", "my_model:DropoutCNN",
-         "--datamodule-class", "my_data:NpzDataModule", "--max-steps", "14"])
+         "--datamodule-class", "my_data:NpzDataModule", "--max-steps", "14"], **USER)
     summary = summary_of(out)
     assert summary["model_class"] == "my_model:DropoutCNN"
     assert summary["datamodule_class"] == "my_data:NpzDataModule"

@@ -4,9 +4,7 @@ runs them on real GPUs."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from ddp_recipes.ddp.failures import PEER_FAILURE_PREFIX, stale_after
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError
 from tests.helpers import free_port
+from tests.launch import start
 
 
 def _fake_gpu(monkeypatch: pytest.MonkeyPatch, name: str, capability: tuple[int, int]) -> None:
@@ -76,10 +75,11 @@ def test_strategy_checks_bf16_first_thing_in_the_rank(monkeypatch):
 # ---- item 6: a lost peer on NCCL ends every rank with the pack's line ------------------------------------
 
 def _run_pair(case: str) -> list[subprocess.CompletedProcess]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.peerwatch_scenarios", case, str(rank)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs]
+    """Rank 0 and rank 1 of tests/peerwatch_scenarios.py ``case``, each its own process, on one port."""
+    port = free_port()
+    procs = [start(["-m", "tests.peerwatch_scenarios", case, rank], port=port,
+                   env={"MASTER_ADDR": "127.0.0.1"}) for rank in (0, 1)]
+    return [p.finish(timeout=120) for p in procs]
 
 
 @pytest.mark.slow  # two processes importing Lightning: about a minute on a loaded machine

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import free_port
+from tests.launch import run
 
 SCRIPT = Path(__file__).with_name("ddp_scenarios.py")
 _CACHE: dict[tuple, dict[int, dict]] = {}
@@ -23,17 +20,10 @@ def run_scenario(tmp_root: Path, *args: str, torchrun: bool = False, expect_ok: 
     if key in _CACHE:
         return _CACHE[key]
     out = tmp_root / f"run{len(_CACHE)}"
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    env.pop("MASTER_ADDR", None)
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", env["MASTER_PORT"], str(SCRIPT), args[0], str(out), *args[1:]]
-    else:
-        cmd = [sys.executable, str(SCRIPT), args[0], str(out), *args[1:]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run([SCRIPT, args[0], out, *args[1:]], torchrun=2 if torchrun else None, timeout=240,
+               drop=["MASTER_ADDR"], check=expect_ok)
     if not expect_ok:
         return proc
-    assert proc.returncode == 0, proc.stderr[-4000:]
     result = {int(p.stem[4:]): torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
     _CACHE[key] = result
     return result

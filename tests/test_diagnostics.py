@@ -7,9 +7,7 @@ run in this process, and the decision functions with made-up numbers (the CUDA m
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,7 +32,7 @@ from ddp_recipes.train.diagnostic_rules import (
 from ddp_recipes.train.diagnostics import DDPDiagnostics, DDPDiagnosticWarning
 from ddp_recipes.train.trainer import trainer_for
 from tests.diag_scenarios import FrozenEpochSampler, Net, dataset
-from tests.helpers import free_port
+from tests.launch import run
 
 SCRIPT = Path(__file__).with_name("diag_scenarios.py")
 CPU_CODES = {"unsharded-data", "sampler-epoch", "param-drift", "loss-divergence", "unused-params",
@@ -42,12 +40,8 @@ CPU_CODES = {"unsharded-data", "sampler-epoch", "param-drift", "loss-divergence"
 
 
 def run_scenario(out: Path, scenario: str) -> tuple[subprocess.CompletedProcess, dict[int, dict]]:
-    env = {**os.environ, "MASTER_PORT": str(free_port())}
-    env.pop("MASTER_ADDR", None)
-    env.pop("PYTHONWARNINGS", None)  # the warnings are what we look for
-    proc = subprocess.run([sys.executable, str(SCRIPT), scenario, str(out)], env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # quiet=False: the warnings are what we look for
+    proc = run([SCRIPT, scenario, out], timeout=240, drop=["MASTER_ADDR"], quiet=False, check=True)
     return proc, {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
 
 

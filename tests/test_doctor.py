@@ -4,10 +4,7 @@ failure stops before any process starts, with its cause and fix. No timing is as
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,21 +14,12 @@ from ddp_recipes.doctor.checks import COMM_VARS, classify, ifname_problem, is_lo
 from ddp_recipes.doctor.cli import main
 from ddp_recipes.doctor.config import TORCHRUN_VARS, DoctorConfig, parse_bytes
 from ddp_recipes.doctor.sweep import bus_bandwidth, sweep_sizes
+from tests import launch
+from tests.helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    """The test's environment minus anything that would make the doctor think torchrun started it."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS + COMM_VARS}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # the cores are shared: stay small
-    return env
+# The test's environment minus anything that would make the doctor think torchrun started it; its own
+# warnings settings; one thread per rank (the cores are shared: stay small).
+PLAIN = dict(drop=TORCHRUN_VARS + COMM_VARS, port=False, quiet=None)
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +85,7 @@ def test_port_in_use_fails_before_spawning(capsys: pytest.CaptureFixture) -> Non
 @pytest.mark.parametrize("node_rank", ["0", "1"])
 def test_loopback_master_with_two_nodes_fails_without_waiting(node_rank: str, capsys: pytest.CaptureFixture) -> None:
     code = main(["--num-nodes", "2", "--node-rank", node_rank, "--master-addr", "127.0.0.1",
-                        "--master-port", str(_free_port()), "--accelerator", "cpu", "--timeout-s", "600"])
+                        "--master-port", str(free_port()), "--accelerator", "cpu", "--timeout-s", "600"])
     out = capsys.readouterr().out
     assert code == 1
     assert "FAIL: MASTER_ADDR=127.0.0.1 with --num-nodes 2: other nodes cannot reach loopback" in out
@@ -131,9 +119,8 @@ def test_init_errors_map_to_causes() -> None:
 @pytest.mark.timeout(240)
 def test_two_cpu_processes_pass_and_write_json(tmp_path: Path) -> None:
     report_path = tmp_path / "doctor.json"
-    run = subprocess.run([sys.executable, "-m", "ddp_recipes.doctor", "--devices", "2", "--accelerator", "cpu",
-                          "--max-bytes", "1M", "--json", str(report_path)],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=200)
+    run = launch.run(["-m", "ddp_recipes.doctor", "--devices", "2", "--accelerator", "cpu", "--max-bytes", "1M",
+                      "--json", str(report_path)], timeout=200, **PLAIN)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip().splitlines()[-1] == "PASS"
     report = json.loads(report_path.read_text())
@@ -150,10 +137,8 @@ def test_two_cpu_processes_pass_and_write_json(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_passes_under_torchrun() -> None:
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(_free_port()), "-m", "ddp_recipes.doctor", "--accelerator", "cpu",
-                          "--max-bytes", "64K"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=200)
+    run = launch.run(["-m", "ddp_recipes.doctor", "--accelerator", "cpu", "--max-bytes", "64K"], timeout=200,
+                     torchrun=2, **{**PLAIN, "port": free_port()})
     assert run.returncode == 0, run.stdout + run.stderr
     assert "PASS" in run.stdout.splitlines()
     assert "(torchrun)" in run.stdout and run.stdout.count("\n   1     1     2  gloo") == 1

@@ -4,9 +4,6 @@ ImageClassifier evaluates it (``val_acc_ema``...)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -20,7 +17,7 @@ from torch.optim.swa_utils import AveragedModel
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, ema_state_dict
 from tests.ema_scenarios import FEATURES, TinyClassifier, data, loader
-from tests.helpers import free_port
+from tests.launch import run
 
 SCRIPT = Path(__file__).with_name("ema_scenarios.py")
 
@@ -250,11 +247,7 @@ def test_old_checkpoint_without_ema_then_validated_with_ema(tmp_path):
 
 def test_two_ranks_agree_and_log_exact_ema_metrics(tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    env.pop("MASTER_ADDR", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run([SCRIPT, out], timeout=240, drop=["MASTER_ADDR"], check=True)
     ranks = {int(p.stem[4:]): torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
     assert set(ranks) == {0, 1}
     r0, r1 = ranks[0], ranks[1]

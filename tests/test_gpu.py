@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from tests.helpers import SHARED_DATA, free_port
+from tests.helpers import SHARED_DATA
+from tests.launch import run, start
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.cuda.is_available()
@@ -264,39 +262,28 @@ def test_bench_raw_path_on_one_gpu(tmp_path):
 @one_gpu
 def test_doctor_on_one_gpu_passes_over_nccl(tmp_path):
     report = tmp_path / "doctor.json"
-    proc = subprocess.run([sys.executable, "-m", "ddp_recipes.doctor", "--devices", "1", "--accelerator", "cuda",
-                           "--max-bytes", "1M", "--json", str(report)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    run(["-m", "ddp_recipes.doctor", "--devices", "1", "--accelerator", "cuda", "--max-bytes", "1M",
+         "--json", report], port=False, check=True)
     found = json.loads(report.read_text())
     assert found["result"] == "PASS" and found["config"]["backend"] == "nccl" and found["world_size"] == 1
 
 
 # ---- SIGKILL + --resume auto on CUDA, through the recipe's main([...]) --------------------------------
 
-def _recipe(argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen([sys.executable, str(SCENARIOS), "recipe", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen) -> None:
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-
-
 def _kill_resume_matches_straight(tmp_path, argv: list[str], steps: int, kill_from: int) -> Path:
-    from tests.test_resume import assert_same_weights, saved_step, wait_for_step
+    from tests.launch import saved_step
+    from tests.test_resume import CAPTURED_STEP_LIMIT_S, assert_same_weights
 
-    _finish(_recipe([*argv, "--output-dir", str(tmp_path / "straight")]))
+    recipe = [SCENARIOS, "recipe", *argv]  # the recipe's main([...]) under gpu_scenarios.py's spies
+    run([*recipe, "--output-dir", tmp_path / "straight"], timeout=600, check=True)
     last = tmp_path / "split" / "checkpoints" / "last.ckpt"
-    split = [*argv, "--output-dir", str(tmp_path / "split"), "--checkpoint-every-n-steps", "1"]
-    proc = _recipe(split)
-    seen = wait_for_step(proc, last, random.Random(os.getpid()).randint(kill_from, steps - 2))
-    os.killpg(proc.pid, signal.SIGKILL)  # no grace: the ranks and the loader workers
-    proc.communicate()
+    split = [*recipe, "--output-dir", tmp_path / "split", "--checkpoint-every-n-steps", "1"]
+    proc = start(split)
+    seen = proc.wait_for_step(last, random.Random(os.getpid()).randint(kill_from, steps - 2),
+                              timeout=CAPTURED_STEP_LIMIT_S)
+    proc.kill()  # no grace: the ranks and the loader workers
     assert seen < steps, "the run finished before it could be killed"
-    _finish(_recipe([*split, "--resume", "auto"]))
+    run([*split, "--resume", "auto"], timeout=600, check=True)
     assert saved_step(last) == steps
     assert_same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", last)
     return last
@@ -318,10 +305,7 @@ def _scenario(tmp_path, *args: str) -> dict[int, dict]:
     """tests/ddp_scenarios.py on GPUs (NCCL), through gpu_scenarios.py's all-reduce spy."""
     out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
     script = SCENARIOS
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, str(script), args[0], str(out), *args[1:], "--accelerator", "gpu",
-                           "--no-tf32"], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run([script, args[0], out, *args[1:], "--accelerator", "gpu", "--no-tf32"], check=True)
     return {int(p.stem.removeprefix("rank")): torch.load(p, weights_only=False) for p in out.glob("rank*.pt")}
 
 
@@ -383,7 +367,7 @@ def test_ddp_and_compile_on_nccl_train_like_eager(tmp_path):
     common = [*CUDA_RESUME, "--devices", "2", "--no-tf32", "--max-epochs", "1"]
     summaries = []
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
-        _finish(_recipe([*common, *extra, "--output-dir", str(tmp_path / name)]))
+        run([SCENARIOS, "recipe", *common, *extra, "--output-dir", tmp_path / name], timeout=600, check=True)
         summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
     eager, compiled = summaries
     assert compiled["world_size"] == 2 and compiled["compile_seconds"] > 0

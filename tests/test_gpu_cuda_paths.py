@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -13,6 +9,7 @@ from ddp_recipes.config.world import check_bf16_device
 from ddp_recipes.ddp.failures import PEER_FAILURE_PREFIX
 from ddp_recipes.errors import ConfigError
 from tests.helpers import free_port
+from tests.launch import start
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -44,10 +41,9 @@ def test_a_dead_nccl_peer_ends_the_other_rank_with_the_pack_message():
             "s.start_peer_watch(); x = torch.ones(1, device='cuda'); dist.all_reduce(x); torch.cuda.synchronize()\n"
             "if rank == 1: os._exit(3)\n"
             "dist.all_reduce(x); x.item()  # never completes: the peer is gone\n")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    port = free_port()
+    procs = [start(["-c", code, r], port=port, quiet=None, env={"MASTER_ADDR": "127.0.0.1"}) for r in (0, 1)]
+    outs = [(done.returncode, done.stdout, done.stderr) for done in (p.finish(timeout=120) for p in procs)]
     assert outs[1][0] == 3, outs[1][2][-2000:]
     assert outs[0][0] == 1, outs[0][2][-3000:]  # the watch's exit, long before the 600 s NCCL timeout
     assert PEER_FAILURE_PREFIX in outs[0][2] and "rank 1 silent" in outs[0][2]

@@ -6,8 +6,6 @@ The GPU checks themselves run only on a GPU (``make gpu-check``); here fake chec
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddp_recipes.bench import gpucheck as gc
+from tests.launch import run
 
 PY = sys.executable
 
@@ -145,10 +144,8 @@ def test_unknown_only_name_is_refused(capsys):
 
 def test_gpu_check_without_cuda_skips_every_check_and_exits_0(tmp_path):
     """The real command with no visible GPU, as on a CPU machine: a report, every check skipped, exit 0."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([PY, "-m", "ddp_recipes.bench.gpucheck", "--out-dir", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run(["-m", "ddp_recipes.bench.gpucheck", "--out-dir", tmp_path], env={"CUDA_VISIBLE_DEVICES": ""},
+               port=False, threads=None, quiet=None, check=True)
     report = json.loads((tmp_path / "gpu-report.json").read_text())
     names = [c["name"] for c in report["checks"]]
     assert {"gpu-tests", "cuda-kill-resume", "sync-debug", "resnet50-pack", "resnet50-raw-compiled",

@@ -8,15 +8,11 @@ checkpoint's running statistics are compared too: a double momentum step would s
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.helpers import free_port
-from tests.test_resnet_recipe import TINY, run_cli, weights
+from tests.launch import run
+from tests.test_resnet_recipe import TINY, weights
 
 STEPS = ["--devices", "2", "--max-steps", "2", "--synthetic-val-samples", "0", "--grad-checkpointing"]
 # Compiled kernels reorder float sums; two SGD steps keep the drift at this order.
@@ -26,8 +22,7 @@ RTOL, ATOL = 1e-4, 1e-5
 @pytest.fixture(scope="module")
 def eager_weights(tmp_path_factory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("eager")
-    proc = run_cli(*TINY, *STEPS, "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["-m", "recipes.resnet", *TINY, *STEPS, "--output-dir", str(out)], check=True)
     return weights(out / "checkpoints" / "last.ckpt")
 
 
@@ -35,11 +30,8 @@ def eager_weights(tmp_path_factory) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_grad_checkpointing_trains_like_eager(backend, eager_weights, tmp_path):
     # inductor compiles C++ kernels for forward and backward in each rank: minutes on a loaded 2-core machine.
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "recipes.resnet", *TINY, *STEPS, "--compile", "--compile-backend",
-                           backend, "--output-dir", str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["-m", "recipes.resnet", *TINY, *STEPS, "--compile", "--compile-backend", backend,
+         "--output-dir", str(tmp_path)], timeout=1800, check=True)
     compiled = weights(tmp_path / "checkpoints" / "last.ckpt")
     assert compiled.keys() == eager_weights.keys()  # plain keys: no _orig_mod. prefix
     moved = 0

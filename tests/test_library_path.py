@@ -10,11 +10,7 @@ RandomCrop drawn from the global RNG, BatchNorm and dropout; their end weights a
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,7 +25,7 @@ from ddp_recipes.checkpointing.preemption import LastCheckpoint
 from ddp_recipes.data.resumable import ResumableDataLoader
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError
-from tests.helpers import free_port
+from tests.launch import Background, saved_step, start
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "tests" / "library_scenario.py"
@@ -37,34 +33,13 @@ EPOCHS, STEPS = 2, 12  # 6 steps per epoch at 2 ranks
 WAIT_S = 300
 
 
-def start(out: Path, every_n_steps: int, step_s: float = 0.0) -> subprocess.Popen:
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT), "SCENARIO_STEP_S": str(step_s)}
-    return subprocess.Popen([sys.executable, str(SCENARIO), str(out), str(EPOCHS), str(every_n_steps)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def scenario(out: Path, every_n_steps: int, step_s: float = 0.0) -> Background:
+    return start([SCENARIO, out, EPOCHS, every_n_steps], env={"SCENARIO_STEP_S": str(step_s)})
 
 
-def finish(proc: subprocess.Popen) -> tuple[int, str]:
-    _, err = proc.communicate(timeout=WAIT_S)
-    return proc.returncode, err
-
-
-def saved_step(path: Path) -> int:
-    try:
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
-    except Exception:  # not there yet
-        return -1
-
-
-def wait_for_step(proc: subprocess.Popen, last: Path, step: int) -> int:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        seen = saved_step(last)
-        if seen >= step:
-            return seen
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"run ended or stalled before step {step}: {proc.communicate()[1][-2000:]}")
+def finish(proc: Background) -> tuple[int, str]:
+    done = proc.finish(timeout=WAIT_S)
+    return done.returncode, done.stderr
 
 
 def assert_same_weights(a: Path, b: Path) -> None:
@@ -84,7 +59,7 @@ def last_of(out: Path) -> Path:
 def straight(tmp_path_factory) -> Path:
     """The uninterrupted run's last.ckpt (step 12)."""
     out = tmp_path_factory.mktemp("straight")
-    rc, err = finish(start(out, every_n_steps=1))
+    rc, err = finish(scenario(out, every_n_steps=1))
     assert rc == 0, err[-3000:]
     assert saved_step(last_of(out)) == STEPS
     assert json.loads((out / "result.json").read_text())["val_seen"] == 15  # every sample once, not 16
@@ -92,9 +67,9 @@ def straight(tmp_path_factory) -> Path:
 
 
 def test_sigterm_to_the_launcher_saves_exits_143_and_ckpt_path_last_is_exact(straight, tmp_path):
-    proc = start(tmp_path, every_n_steps=1, step_s=0.3)
-    seen = wait_for_step(proc, last_of(tmp_path), 2)
-    os.kill(proc.pid, signal.SIGTERM)  # the process Lightning launched the other rank from, as a job controller does
+    proc = scenario(tmp_path, every_n_steps=1, step_s=0.3)
+    seen = proc.wait_for_step(last_of(tmp_path), 2, timeout=WAIT_S)
+    proc.signal(signal.SIGTERM)  # the process Lightning launched the other rank from, as a job controller does
     rc, err = finish(proc)
     assert rc == 128 + signal.SIGTERM, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("preempted by")]
@@ -102,7 +77,7 @@ def test_sigterm_to_the_launcher_saves_exits_143_and_ckpt_path_last_is_exact(str
     assert "--resume auto" not in lines[0] and "Traceback" not in err
     step = saved_step(last_of(tmp_path))
     assert seen <= step < STEPS and f"at step {step} " in lines[0]
-    rc, err = finish(start(tmp_path, every_n_steps=1))  # the same command: fit(ckpt_path="last") continues
+    rc, err = finish(scenario(tmp_path, every_n_steps=1))  # the same command: fit(ckpt_path="last") continues
     assert rc == 0, err[-3000:]
     assert_same_weights(last_of(tmp_path), straight)
     assert json.loads((tmp_path / "result.json").read_text()) == {"val_seen": 15.0, "global_step": STEPS}
@@ -114,12 +89,11 @@ def test_sigkill_then_ckpt_path_last_is_exact(where, straight, tmp_path):
     """Epoch end: only epoch-end checkpoints, killed during epoch 1 (the augmentation-in-workers case);
     mid-epoch: a checkpoint every step, killed in epoch 0."""
     every, at = (0, 6) if where == "epoch-end" else (1, 3)
-    proc = start(tmp_path, every_n_steps=every, step_s=0.3)
-    seen = wait_for_step(proc, last_of(tmp_path), at)
-    os.killpg(proc.pid, signal.SIGKILL)  # the ranks and their loader workers, no grace
-    proc.communicate()
+    proc = scenario(tmp_path, every_n_steps=every, step_s=0.3)
+    seen = proc.wait_for_step(last_of(tmp_path), at, timeout=WAIT_S)
+    proc.kill()  # the ranks and their loader workers, no grace
     assert seen < STEPS
-    rc, err = finish(start(tmp_path, every_n_steps=every))
+    rc, err = finish(scenario(tmp_path, every_n_steps=every))
     assert rc == 0, err[-3000:]
     assert_same_weights(last_of(tmp_path), straight)
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,18 +10,13 @@ import torch
 from ddp_recipes.data.mnist import load_split
 from ddp_recipes.modules.mnist import MNISTClassifier
 from recipes import mnist
-from tests.helpers import SHARED_DATA, free_port, write_mnist_subset
+from tests.helpers import SHARED_DATA, write_mnist_subset
+from tests.launch import run
 
 pytestmark = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 
 SUMMARY_KEYS = {"world_size", "global_batch_size", "epochs", "steps", "fit_seconds", "train_samples_per_sec",
                 "test_acc", "final_train_loss", "torch_version", "lightning_version"}
-
-
-def run_recipe(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "recipes.mnist", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_one_device_smoke(tmp_path):
@@ -44,9 +36,8 @@ def test_two_devices_exact_evaluation_on_odd_test_set(tmp_path):
     """2 ranks, 1,001 test images: every image counts once, so DDP accuracy == 1-process accuracy."""
     data = write_mnist_subset(tmp_path / "data", n_train=2000, n_test=1001)
     out = tmp_path / "out"
-    proc = run_recipe("--devices", "2", "--accelerator", "cpu", "--data-dir", str(data), "--output-dir", str(out),
-                      "--max-steps", "30", "--batch-size", "32", "--no-download")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run(["-m", "recipes.mnist", "--devices", "2", "--accelerator", "cpu", "--data-dir", str(data),
+                "--output-dir", str(out), "--max-steps", "30", "--batch-size", "32", "--no-download"], check=True)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 64 and summary["steps"] == 30
     assert proc.stdout.count("world size") == 1, "the setup block must print once, on rank 0"
@@ -110,9 +101,8 @@ def test_same_seed_same_weights(tmp_path):
 
 def _five_epoch_default(tmp_path, devices: int) -> dict:
     out = tmp_path / f"d{devices}"
-    proc = run_recipe("--devices", str(devices), "--accelerator", "cpu", "--data-dir", str(SHARED_DATA),
-                      "--output-dir", str(out), "--no-download", timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["-m", "recipes.mnist", "--devices", str(devices), "--accelerator", "cpu", "--data-dir", str(SHARED_DATA),
+         "--output-dir", str(out), "--no-download"], timeout=900, check=True)
     return json.loads((out / "summary.json").read_text())
 
 
@@ -137,9 +127,9 @@ def test_validation_set_smaller_than_the_world_stops_every_rank(tmp_path):
     """1 validation sample, 2 ranks: exact sharding leaves rank 1 empty. Every rank stops with one line at
     once, instead of Lightning failing rank 1 alone and rank 0 waiting out --timeout-s for it."""
     data = write_mnist_subset(tmp_path / "data", 256, 16)
-    proc = run_recipe("--accelerator", "cpu", "--devices", "2", "--data-dir", str(data), "--no-download",
-                      "--val-size", "1", "--max-epochs", "1", "--timeout-s", "120", "--output-dir", str(tmp_path / "o"),
-                      timeout=100)
+    proc = run(["-m", "recipes.mnist", "--accelerator", "cpu", "--devices", "2", "--data-dir", str(data),
+                "--no-download", "--val-size", "1", "--max-epochs", "1", "--timeout-s", "120",
+                "--output-dir", str(tmp_path / "o")], timeout=100)
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = "error: the validation set has 1 sample(s) for 2 ranks"
     assert proc.stderr.count(line) == 2 and "Traceback" not in proc.stderr  # both ranks, one line each

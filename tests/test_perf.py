@@ -167,18 +167,12 @@ def test_compiled_two_ranks_train_like_one_eager_process_at_twice_the_batch(tmp_
     """2 ranks x batch 32 compiled (DDPOptimizer inside DDP) == 1 eager process x batch 64, to ``tolerance``
     (inductor fuses and reorders float arithmetic; aot_eager runs the same kernels)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from recipes import mnist
-    from tests.helpers import free_port
+    from tests.launch import run
 
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "recipes.mnist", *_mnist(tmp_path / "ddp", "--devices", "2",
-                          "--batch-size", "32", "--compile", "--compile-backend", backend)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["-m", "recipes.mnist", *_mnist(tmp_path / "ddp", "--devices", "2", "--batch-size", "32", "--compile",
+                                         "--compile-backend", backend)], timeout=900, check=True)
     mnist.main(_mnist(tmp_path / "one", "--batch-size", "64"))
     a, b = _weights(tmp_path / "one" / "final.ckpt"), _weights(tmp_path / "ddp" / "final.ckpt")
     for key in a:

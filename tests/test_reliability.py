@@ -34,6 +34,7 @@ from ddp_recipes.ddp.failures import (
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA, free_port, write_mnist_subset
+from tests.launch import run, start
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "tests" / "reliability_scenarios.py"
@@ -50,28 +51,15 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
                "MASTER_PORT")
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment minus launcher and fault variables, one thread per rank (identical math everywhere)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "REL_", "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), **extra)
-    return env
+# This environment minus launcher and fault variables (MASTER_PORT only where a test asks for a free one),
+# one thread per rank (identical math everywhere); stdout+stderr go to one log file.
+CLEAN = dict(drop=LAUNCH_VARS, drop_prefixes=("TORCHELASTIC_", "REL_", "SLURM_"), threads=1, port=False)
 
 
-def start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
-    """Start a command with stdout+stderr going to ``log`` (a pipe could fill up and block the run)."""
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(**env), stdout=out, stderr=subprocess.STDOUT)
-
-
-def run(cmd: list[str], log: Path, timeout: float = 300, **env: str) -> tuple[int, str]:
-    proc = start(cmd, log, **env)
-    try:
-        code = proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return code, log.read_text()
+def run_logged(args: list[str], log: Path, timeout: float = 300, port: bool = False, **env: str) -> tuple[int, str]:
+    """``python <args>`` to the end, output in ``log``: (exit code, the log's text)."""
+    done = run(args, log=log, timeout=timeout, env=env, **{**CLEAN, "port": port})
+    return done.returncode, done.stdout
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -85,18 +73,6 @@ def assert_same_weights(a: Path, b: Path) -> None:
         assert torch.equal(wa[key], wb[key]), key
 
 
-def wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 240) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            pytest.fail(f"exited {proc.returncode} before {path.name} appeared:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{path.name} did not appear in {timeout} s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    return path.read_text()
-
-
 def gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"  # a zombie counts as gone
@@ -108,8 +84,8 @@ def gone(pid: int) -> bool:
 def straight_run(tmp_path_factory) -> Path:
     """The uninterrupted 4-step run on 2 Lightning-launched ranks: what every interrupted run must end at."""
     out = tmp_path_factory.mktemp("straight")
-    code, log = run([sys.executable, "-m", "recipes.resnet", *RESNET, "--devices", "2", "--output-dir", str(out)],
-                    out / "log.txt", MASTER_PORT=str(free_port()))
+    code, log = run_logged(["-m", "recipes.resnet", *RESNET, "--devices", "2", "--output-dir", str(out)],
+                           out / "log.txt", port=True)
     assert code == 0, log[-3000:]
     return out / "checkpoints" / "last.ckpt"
 
@@ -121,20 +97,17 @@ def test_killed_rank_ends_the_run_and_resume_auto_matches(straight_run, tmp_path
     """SIGKILL rank 1 during step 3 (last checkpoint: step 2): rank 0 exits non-zero within the timeout
     saying a peer was lost; the rerun with --resume auto ends with the uninterrupted run's weights."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(SCENARIO), "resnet", *RESNET, "--devices", "2", "--output-dir", str(out)]
+    cmd = [SCENARIO, "resnet", *RESNET, "--devices", "2", "--output-dir", str(out)]
     log = tmp_path / "killed.txt"
-    proc = start(cmd, log, MASTER_PORT=str(free_port()), REL_FAULT="stop", REL_STEP="3", REL_DIR=str(tmp_path))
-    pid = int(wait_for(tmp_path / "rank1.pid", proc, log).split()[0])
+    proc = start(cmd, log=log, env=dict(REL_FAULT="stop", REL_STEP="3", REL_DIR=str(tmp_path)),
+                 **{**CLEAN, "port": True})
+    pid = int(proc.wait_for_file(tmp_path / "rank1.pid").split()[0])
     assert "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
     assert pid != proc.pid  # Lightning's child process, not the launcher (rank 0)
 
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    try:
-        code = proc.wait(timeout=TIMEOUT_S + 30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"rank 0 still running {TIMEOUT_S + 30} s after rank 1 was killed:\n{log.read_text()[-3000:]}")
+    code = proc.wait(TIMEOUT_S + 30, stalled=f"rank 0 still running {TIMEOUT_S + 30} s after rank 1 was killed")
     elapsed = time.monotonic() - killed
     text = log.read_text()
     assert code != 0 and elapsed < TIMEOUT_S, (code, elapsed)
@@ -143,8 +116,8 @@ def test_killed_rank_ends_the_run_and_resume_auto_matches(straight_run, tmp_path
     last = out / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 2
 
-    code, text = run([sys.executable, "-m", "recipes.resnet", *RESNET, "--devices", "2", "--resume", "auto",
-                      "--output-dir", str(out)], tmp_path / "resumed.txt", MASTER_PORT=str(free_port()))
+    code, text = run_logged(["-m", "recipes.resnet", *RESNET, "--devices", "2", "--resume", "auto",
+                             "--output-dir", str(out)], tmp_path / "resumed.txt", port=True)
     assert code == 0, text[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["resumed_from"] == str(last)
@@ -157,19 +130,15 @@ def test_silent_rank_fails_the_run_within_the_timeout(tmp_path):
     """Rank 1 stops calling collectives (sleeps): rank 0's all-reduce times out after --timeout-s, it exits
     with the explanation, and the launcher does not leave the silent rank behind."""
     timeout = 15
-    cmd = [sys.executable, str(SCENARIO), "mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA),
+    cmd = [SCENARIO, "mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA),
            "--no-download", "--devices", "2", "--max-steps", "6", "--timeout-s", str(timeout),
            "--output-dir", str(tmp_path / "out")]
     log = tmp_path / "log.txt"
-    proc = start(cmd, log, MASTER_PORT=str(free_port()), REL_FAULT="stop", REL_STEP="2", REL_WAIT_S="300",
-                 REL_DIR=str(tmp_path))
-    pid, stopped_at = wait_for(tmp_path / "rank1.pid", proc, log).split()
-    try:
-        code = proc.wait(timeout=timeout + 60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        os.kill(int(pid), signal.SIGKILL)
-        pytest.fail(f"rank 0 still waiting {timeout + 60} s after rank 1 went silent:\n{log.read_text()[-3000:]}")
+    proc = start(cmd, log=log, env=dict(REL_FAULT="stop", REL_STEP="2", REL_WAIT_S="300", REL_DIR=str(tmp_path)),
+                 **{**CLEAN, "port": True})
+    pid, stopped_at = proc.wait_for_file(tmp_path / "rank1.pid").split()
+    # past the limit the whole tree goes, the silent rank with it
+    code = proc.wait(timeout + 60, stalled=f"rank 0 still waiting {timeout + 60} s after rank 1 went silent")
     elapsed = time.time() - float(stopped_at)
     text = log.read_text()
     assert code != 0, text[-3000:]
@@ -189,11 +158,11 @@ def test_torchrun_restarts_a_crashed_rank_and_the_run_resumes(straight_run, tmp_
     """Rank 1 exits 1 once at step 3; torchrun --max-restarts 1 restarts both ranks, which take last.ckpt
     (step 2) through --resume auto, and the run ends with the uninterrupted run's weights."""
     out, marker = tmp_path / "out", tmp_path / "crashed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", str(SCENARIO), "resnet", *RESNET, "--resume", "auto", "--output-dir", str(out)]
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", SCENARIO, "resnet", *RESNET, "--resume", "auto", "--output-dir", str(out)]
     # The shared rendezvous store keeps the dead attempt's addresses (pytorch/pytorch#135712): opt out of it.
-    code, text = run(cmd, tmp_path / "log.txt", timeout=400, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                     REL_FAULT="crash", REL_STEP="3", REL_MARKER=str(marker))
+    code, text = run_logged(cmd, tmp_path / "log.txt", timeout=400, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                            REL_FAULT="crash", REL_STEP="3", REL_MARKER=str(marker))
     assert code == 0, text[-4000:]
     assert marker.exists() and "rank 1 crashes at step 3" in text
     assert text.count("Restored all states from the checkpoint") == 1  # rank 0 of the second attempt says it
@@ -224,10 +193,10 @@ def test_restart_on_a_shared_store_is_named_with_its_fix(monkeypatch):
 def test_missing_node_fails_the_rendezvous_within_the_timeout(tmp_path):
     """Node 0 of --num-nodes 2 started alone: it fails after --timeout-s, saying what to check."""
     started = time.monotonic()
-    code, text = run([sys.executable, "-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA),
-                      "--no-download", "--num-nodes", "2", "--max-steps", "2", "--timeout-s", "5",
-                      "--output-dir", str(tmp_path / "out")], tmp_path / "log.txt", timeout=120,
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0")
+    code, text = run_logged(["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA),
+                             "--no-download", "--num-nodes", "2", "--max-steps", "2", "--timeout-s", "5",
+                             "--output-dir", str(tmp_path / "out")], tmp_path / "log.txt", timeout=120, port=True,
+                            MASTER_ADDR="127.0.0.1", NODE_RANK="0")
     assert code != 0 and time.monotonic() - started < 60, text[-3000:]
     assert "DDP: not every rank reached the rendezvous" in text and "1/2 clients joined" in text
 
@@ -324,13 +293,13 @@ def test_save_killed_midway_keeps_the_previous_checkpoint(tmp_path):
     before = target.read_bytes()
 
     ready = tmp_path / "ready"
-    proc = start([sys.executable, str(SCENARIO), "slow-save", str(target), str(ready)], tmp_path / "log.txt")
-    written = int(wait_for(ready, proc, tmp_path / "log.txt", timeout=120))
+    proc = start([SCENARIO, "slow-save", target, ready], log=tmp_path / "log.txt", **CLEAN)
+    written = int(proc.wait_for_file(ready, timeout=120))
     temps = list(tmp_path.glob(".last.ckpt.tmp-*"))
     assert written > 1 << 20 and [t.name for t in temps] == [f".last.ckpt.tmp-{proc.pid}"]
     assert temps[0].stat().st_size >= 1 << 20  # the new checkpoint was half on disk ...
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    proc.signal(signal.SIGKILL)
+    proc.wait(30)
 
     assert target.read_bytes() == before  # ... and the old one is untouched and loads
     loaded = ckpt_io.read_checkpoint(str(target))
@@ -360,14 +329,15 @@ def test_two_torchrun_nodes_train_exactly_like_two_devices(tmp_path):
     common = ["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download",
               "--max-steps", "20", "--batch-size", "32", "--timeout-s", "60"]
     port = str(free_port())
-    nodes = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+    nodes = [start(["-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
                     "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, *common,
-                    "--output-dir", str(tmp_path / "nodes")], tmp_path / f"node{rank}.txt") for rank in (0, 1)]
-    code, text = run([sys.executable, *common, "--devices", "2", "--output-dir", str(tmp_path / "devices")],
-                     tmp_path / "devices.txt", MASTER_PORT=str(free_port()))
+                    "--output-dir", str(tmp_path / "nodes")], log=tmp_path / f"node{rank}.txt", **CLEAN)
+             for rank in (0, 1)]
+    code, text = run_logged([*common, "--devices", "2", "--output-dir", str(tmp_path / "devices")],
+                            tmp_path / "devices.txt", port=True)
     assert code == 0, text[-3000:]
     for rank, node in enumerate(nodes):
-        assert node.wait(timeout=300) == 0, (tmp_path / f"node{rank}.txt").read_text()[-3000:]
+        assert node.wait(300) == 0, (tmp_path / f"node{rank}.txt").read_text()[-3000:]
 
     by_nodes = json.loads((tmp_path / "nodes" / "summary.json").read_text())
     by_devices = json.loads((tmp_path / "devices" / "summary.json").read_text())
@@ -526,8 +496,7 @@ def test_bad_input_fails_in_one_line(case, program, template, expected, inputs, 
             monkeypatch.setenv("NODE_RANK", "2")
 
         if program == "doctor":  # a fresh process, as users run it (it spawns ranks when flags pass)
-            proc = subprocess.run([sys.executable, "-m", "ddp_recipes.doctor", *args], cwd=ROOT, env=clean_env(),
-                                  capture_output=True, text=True, timeout=120)
+            proc = run(["-m", "ddp_recipes.doctor", *args], timeout=120, **CLEAN)
             code, output = proc.returncode, (proc.stdout + proc.stderr).strip()
         else:
             main, base = {"mnist": (mnist.main, MNIST_BASE), "resnet": (resnet.main, RESNET_BASE),

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from recipes import resnet
-from tests.helpers import free_port
+from tests.launch import run
 
 # Tiny but real: ResNet-18 with the CIFAR stem on 16 px images, 64 training images, batch 16.
 TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
         "--synthetic-val-samples", "32", "--batch-size", "16", "--lr", "0.05"]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "recipes.resnet", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
 
 
 def weights(path) -> dict[str, torch.Tensor]:
@@ -36,8 +27,8 @@ def test_one_device_smoke(tmp_path):
 
 
 def test_two_devices_sync_batchnorm_smoke(tmp_path):
-    proc = run_cli(*TINY, "--devices", "2", "--max-steps", "2", "--sync-batchnorm", "--output-dir", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["-m", "recipes.resnet", *TINY, "--devices", "2", "--max-steps", "2", "--sync-batchnorm",
+         "--output-dir", str(tmp_path)], check=True)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 32 and summary["steps"] == 2
     assert "test_acc" in summary
@@ -64,16 +55,14 @@ def test_resume_continues_exactly(tmp_path):
 @pytest.mark.slow  # tests/test_resume.py resizes 2 -> 1 rank in the fast set
 def test_checkpoints_cross_world_sizes(tmp_path):
     two = tmp_path / "two"
-    proc = run_cli(*TINY, "--devices", "2", "--max-epochs", "1", "--output-dir", str(two))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["-m", "recipes.resnet", *TINY, "--devices", "2", "--max-epochs", "1", "--output-dir", str(two)], check=True)
     ckpt2 = two / "checkpoints" / "last.ckpt"
     summary = resnet.main([*TINY, "--max-epochs", "2", "--resume", str(ckpt2), "--output-dir", str(tmp_path / "one")])
     assert summary["world_size"] == 1 and summary["steps"] == 2 + 4  # 2 steps per epoch at 2 ranks, 4 at 1
 
     ckpt1 = tmp_path / "one" / "checkpoints" / "last.ckpt"
-    proc = run_cli(*TINY, "--devices", "2", "--max-epochs", "3", "--resume", str(ckpt1),
-                   "--output-dir", str(tmp_path / "back"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["-m", "recipes.resnet", *TINY, "--devices", "2", "--max-epochs", "3", "--resume", str(ckpt1),
+         "--output-dir", str(tmp_path / "back")], check=True)
     assert json.loads((tmp_path / "back" / "summary.json").read_text())["steps"] == 6 + 2
 
 

@@ -4,9 +4,6 @@ optimizers, schedules, gradient clipping, YAML configs and --test-only."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +16,8 @@ from ddp_recipes.optim.ema import ModelEMA, adjusted_decay
 from ddp_recipes.train import run as runner
 from recipes import mnist, resnet
 from recipes.resnet import ResNetConfig, build_datamodule, ema_callback
-from tests.helpers import SHARED_DATA, free_port
+from tests.helpers import SHARED_DATA
+from tests.launch import run
 
 TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
         "--synthetic-val-samples", "40", "--batch-size", "16", "--num-classes", "10"]
@@ -201,10 +199,7 @@ def test_test_only_reproduces_the_runs_own_test_on_any_world_size(tmp_path):
     for key in keys:
         assert alone[key] == pytest.approx(summary[key], abs=1e-6), key
     # 40 test images over 2 ranks at batch 16: shards of 20, last batches of 4 on each rank.
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "recipes.resnet", *flags, "--devices", "2", "--test-only",
-                           "--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["-m", "recipes.resnet", *flags, "--devices", "2", "--test-only", "--resume", "auto"], check=True)
     two = json.loads((tmp_path / "run" / "test.json").read_text())
     assert two["world_size"] == 2
     for key in keys:

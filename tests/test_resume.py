@@ -11,8 +11,6 @@ import os
 import random
 import signal
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +19,8 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import SHARED_DATA, free_port
+from tests.helpers import SHARED_DATA
+from tests.launch import run, saved_step, start
 
 CAPTURED_STEP_LIMIT_S = 240
 
@@ -47,34 +46,7 @@ def args(images: Path, devices: int, *extra: str) -> list[str]:
             "--lr", "0.05", "--warmup-epochs", "0.5", "--devices", str(devices), *extra]
 
 
-def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "recipes.resnet", *argv], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def run(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    proc = start(argv, env)
-    out, err = proc.communicate(timeout=600)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def saved_step(path: Path) -> int:
-    try:
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
-    except Exception:  # not there yet, or (never with the atomic writer) half written
-        return -1
-
-
-def wait_for_step(proc: subprocess.Popen, last: Path, step: int) -> int:
-    deadline = time.monotonic() + CAPTURED_STEP_LIMIT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        seen = saved_step(last)
-        if seen >= step:
-            return seen
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"run ended or stalled before step {step}: {proc.communicate()[1][-2000:]}")
+RESNET = ["-m", "recipes.resnet"]
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -101,8 +73,7 @@ def straight(images, tmp_path_factory):
     def get(devices: int) -> Path:
         if devices not in outs:
             out = tmp_path_factory.mktemp(f"straight{devices}")
-            proc = run([*args(images, devices, *RUNS[devices]), "--output-dir", str(out)])
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            run([*RESNET, *args(images, devices, *RUNS[devices]), "--output-dir", str(out)], timeout=600, check=True)
             outs[devices] = out / "checkpoints" / "last.ckpt"
             assert saved_step(outs[devices]) == 12
         return outs[devices]
@@ -115,13 +86,11 @@ def test_sigkill_at_random_step_then_resume_auto_is_exact(devices, images, strai
     """2 ranks; 1 rank with gradient accumulation (a kill mid-window resumes at the window's start)."""
     argv = [*args(images, devices, *RUNS[devices], "--checkpoint-every-n-steps", "1"), "--output-dir", str(tmp_path)]
     kill_at = random.Random(os.getpid() + devices).randint(1, 11)  # mid-epoch, epoch end, next epoch
-    proc = start(argv)
-    seen = wait_for_step(proc, tmp_path / "checkpoints" / "last.ckpt", kill_at)
-    os.killpg(proc.pid, signal.SIGKILL)  # the ranks and their loader workers, no grace
-    proc.communicate()
+    proc = start([*RESNET, *argv])
+    seen = proc.wait_for_step(tmp_path / "checkpoints" / "last.ckpt", kill_at, timeout=CAPTURED_STEP_LIMIT_S)
+    proc.kill()  # the ranks and their loader workers, no grace
     assert seen < 12, "the run finished before it could be killed"
-    resumed = run([*argv, "--resume", "auto"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run([*RESNET, *argv, "--resume", "auto"], timeout=600, check=True)
     assert saved_step(tmp_path / "checkpoints" / "last.ckpt") == 12
     assert_same_weights(straight(devices), tmp_path / "checkpoints" / "last.ckpt")
 
@@ -130,24 +99,23 @@ def test_sigkill_at_random_step_then_resume_auto_is_exact(devices, images, strai
 def test_sigterm_saves_exits_cleanly_and_resumes_exactly(target, images, straight, tmp_path):
     argv = [*args(images, 2, "--max-epochs", "2", "--checkpoint-every-n-steps", "2"), "--output-dir", str(tmp_path)]
     last = tmp_path / "checkpoints" / "last.ckpt"
-    proc = start(argv)
-    seen = wait_for_step(proc, last, 2)
+    proc = start([*RESNET, *argv])
+    seen = proc.wait_for_step(last, 2, timeout=CAPTURED_STEP_LIMIT_S)
     sent = time.monotonic()
-    if target == "launcher":
-        os.kill(proc.pid, signal.SIGTERM)  # the process Lightning launched the other rank from
-    else:
-        os.killpg(proc.pid, signal.SIGTERM)  # every rank and every loader worker, as a container stop does
-    out, err = proc.communicate(timeout=120)
+    # the launcher: the process Lightning launched the other rank from; every rank: and every loader worker,
+    # as a container stop does
+    proc.signal(signal.SIGTERM, group=target != "launcher")
+    done = proc.finish(timeout=120)
+    err = done.stderr
     waited = time.monotonic() - sent
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert done.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert waited < 30, f"took {waited:.1f} s to save and exit, past a 30 s grace period"
     lines = [line for line in err.splitlines() if line.startswith("preempted by")]
     assert len(lines) == 1 and "SIGTERM" in lines[0] and "--resume auto" in lines[0] and str(last) in lines[0]
     assert "Traceback" not in err
     step = saved_step(last)
     assert seen <= step <= seen + 2 and f"at step {step} " in lines[0]  # saved within one step of the signal
-    resumed = run([*argv, "--resume", "auto"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run([*RESNET, *argv, "--resume", "auto"], timeout=600, check=True)
     assert_same_weights(straight(2), last)
 
 
@@ -162,12 +130,13 @@ def test_slurm_sigusr1_saves_requeues_and_exits(images, tmp_path):
              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost",
              "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     out = tmp_path / "run"
-    proc = start([*args(images, 1, "--max-epochs", "2", "--checkpoint-every-n-steps", "3"), "--output-dir", str(out)],
-                 env=slurm)
-    wait_for_step(proc, out / "checkpoints" / "last.ckpt", 3)
-    os.kill(proc.pid, signal.SIGUSR1)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGUSR1, err[-3000:]
+    proc = start([*RESNET, *args(images, 1, "--max-epochs", "2", "--checkpoint-every-n-steps", "3"),
+                  "--output-dir", str(out)], env=slurm)
+    proc.wait_for_step(out / "checkpoints" / "last.ckpt", 3, timeout=CAPTURED_STEP_LIMIT_S)
+    proc.signal(signal.SIGUSR1)
+    done = proc.finish(timeout=120)
+    err = done.stderr
+    assert done.returncode == 128 + signal.SIGUSR1, err[-3000:]
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     line = [x for x in err.splitlines() if x.startswith("preempted by SIGUSR1")]
     assert line and "SLURM job 4242 requeued" in line[0] and "Traceback" not in err
@@ -177,11 +146,11 @@ def test_resize_two_ranks_to_one_keeps_the_lr_curve(images, tmp_path):
     """2 ranks x 4, stopped after epoch 1; resumed on 1 rank with the global batch kept (4 x 2 accumulation):
     the LR of the first resumed step is the one the 2-rank run used at that step."""
     common = ["--global-batch-size", "8", "--max-epochs", "2", "--max-steps", "7"]
-    two = run([*args(images, 2, *common), "--output-dir", str(tmp_path / "two")])
-    assert two.returncode == 0, two.stderr[-3000:]
-    run([*args(images, 2, *common[:4], "--max-steps", "6"), "--output-dir", str(tmp_path / "split")])
-    one = run([*args(images, 1, *common), "--output-dir", str(tmp_path / "split"), "--resume", "auto"])
-    assert one.returncode == 0, one.stderr[-3000:]
+    run([*RESNET, *args(images, 2, *common), "--output-dir", str(tmp_path / "two")], timeout=600, check=True)
+    run([*RESNET, *args(images, 2, *common[:4], "--max-steps", "6"), "--output-dir", str(tmp_path / "split")],
+        timeout=600)
+    one = run([*RESNET, *args(images, 1, *common), "--output-dir", str(tmp_path / "split"), "--resume", "auto"],
+              timeout=600, check=True)
     said = [line for line in (one.stdout + one.stderr).splitlines() if "resumed at world size 1" in line]
     assert said and "global batch 8 kept" in said[0] and "2 accumulation" in said[0]
 
@@ -197,11 +166,9 @@ def test_resize_two_ranks_to_one_keeps_the_lr_curve(images, tmp_path):
 def test_resize_with_another_global_batch_applies_the_new_lr(images, tmp_path):
     """Per-device batch kept, so 1 rank has half the global batch: its linearly scaled LR, not the checkpoint's,
     continues the schedule (warm-up 0.5 epoch, cosine over the run)."""
-    first = run([*args(images, 2, "--max-epochs", "1"), "--output-dir", str(tmp_path)])
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run([*args(images, 1, "--max-epochs", "2", "--max-steps", "13"), "--output-dir", str(tmp_path),
-                   "--resume", "auto"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run([*RESNET, *args(images, 2, "--max-epochs", "1"), "--output-dir", str(tmp_path)], timeout=600, check=True)
+    resumed = run([*RESNET, *args(images, 1, "--max-epochs", "2", "--max-steps", "13"), "--output-dir", str(tmp_path),
+                   "--resume", "auto"], timeout=600, check=True)
     said = " ".join(line for line in (resumed.stdout + resumed.stderr).splitlines() if "resumed at world" in line)
     assert "global batch 8 -> 4" in said and "peak LR 0.0015625 -> 0.00078125 re-applied" in said
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -217,20 +184,14 @@ def test_powersgd_state_is_checkpointed(tmp_path):
     common = ["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--devices", "2",
               "--max-steps", "24", "--comm-hook", "powersgd", "--checkpoint-every-n-steps", "1"]
 
-    def mnist(out: Path, *extra: str) -> subprocess.Popen:
-        env = {**os.environ, "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-        return subprocess.Popen([sys.executable, "-m", "recipes.mnist", *common, "--output-dir", str(out), *extra],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    def mnist(out: Path, *extra: str) -> list[str]:
+        return ["-m", "recipes.mnist", *common, "--output-dir", str(out), *extra]
 
-    straight = mnist(tmp_path / "straight")
-    err = straight.communicate(timeout=600)[1]
-    assert straight.returncode == 0, err[-3000:]
+    run(mnist(tmp_path / "straight"), timeout=600, check=True)
     last = tmp_path / "split" / "checkpoints" / "last.ckpt"
-    proc = mnist(tmp_path / "split")
-    wait_for_step(proc, last, 14)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    proc = start(mnist(tmp_path / "split"))
+    proc.wait_for_step(last, 14, timeout=CAPTURED_STEP_LIMIT_S)
+    proc.kill()
     states = torch.load(last, map_location="cpu", weights_only=True)["callbacks"]["ResumeState"]["comm_hook"]
     assert len(states) == 2 and states[0]["iter"] >= 14
     pieces = [s["pieces"] for s in states]  # per parameter: error feedback and warm-start Q
@@ -238,9 +199,7 @@ def test_powersgd_state_is_checkpointed(tmp_path):
     assert any("q" in p for p in pieces[0].values())
     weight = next(name for name in pieces[0] if name.endswith("weight"))
     assert not torch.equal(pieces[0][weight]["error"], pieces[1][weight]["error"])  # per-rank residuals
-    resumed = mnist(tmp_path / "split", "--resume", "auto")
-    err = resumed.communicate(timeout=600)[1]
-    assert resumed.returncode == 0, err[-3000:]
+    run(mnist(tmp_path / "split", "--resume", "auto"), timeout=600, check=True)
     assert saved_step(last) == 24
     assert_same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", last)
 
