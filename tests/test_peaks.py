@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_recipes.train import peaks
 from ddp_recipes.bench.__main__ import main as bench_main
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.train import peaks
 
 TF = 1e12
 
