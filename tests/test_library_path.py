@@ -205,3 +205,47 @@ def test_a_plain_loader_becomes_resumable_and_an_iterable_one_is_named(tmp_path)
     trainer = build_trainer(accelerator="cpu", max_steps=2, default_root_dir=str(tmp_path / "b"), **QUIET)
     with pytest.warns(UserWarning, match=r"train_dataloader: an IterableDataset \(Stream\) cannot be repositioned"):
         trainer.fit(Tiny(), DataLoader(Stream(), batch_size=2))
+
+
+class DropoutNet(L.LightningModule):
+    """Dropout draws from the global torch RNG every step: any extra draw on resume changes the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 6 and os.environ.get("_TEST_SIGTERM_AT_6") and self.trainer.training:
+            os.environ.pop("_TEST_SIGTERM_AT_6")
+            os.kill(os.getpid(), signal.SIGTERM)
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("v", self.net(batch[0]).sum())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_dropout_net(root: Path) -> dict[str, torch.Tensor]:
+    data = TensorDataset(torch.randn(28, 4, generator=torch.Generator().manual_seed(1)), torch.arange(28) % 2)
+    trainer = build_trainer(accelerator="cpu", devices=1, seed=0, max_epochs=2, val_check_interval=0.5,
+                            default_root_dir=str(root), **QUIET)
+    model = DropoutNet()
+    trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True), DataLoader(data, batch_size=4),
+                ckpt_path="last")
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_resume_after_a_stop_on_the_last_batch_with_mid_epoch_validation_is_exact(tmp_path, monkeypatch):
+    # 7 batches, validation after batches 3 and 6; SIGTERM stops on the epoch's last batch (mid-epoch
+    # last.ckpt). Lightning's restart fast-forwards a validation the uninterrupted run never ran, and
+    # creating that loader's iterator drew its base seed from the global RNG that dropout uses.
+    straight = _fit_dropout_net(tmp_path / "straight")
+    monkeypatch.setenv("_TEST_SIGTERM_AT_6", "1")
+    with pytest.raises(SystemExit) as stopped:
+        _fit_dropout_net(tmp_path / "stopped")
+    assert stopped.value.code == 128 + signal.SIGTERM
+    resumed = _fit_dropout_net(tmp_path / "stopped")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

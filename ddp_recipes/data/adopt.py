@@ -69,7 +69,14 @@ class _AdoptingDataConnector(_DataConnector):
             adopted = self._adopt_eval(dataloader, mode)
         else:
             adopted = None
-        return adopted if adopted is not None else super()._prepare_dataloader(dataloader, shuffle, mode)
+        prepared = adopted if adopted is not None else super()._prepare_dataloader(dataloader, shuffle, mode)
+        if mode in _EVAL and isinstance(prepared, DataLoader) and prepared.generator is None:
+            # Each evaluation iterator draws its base seed from the global torch RNG that training's dropout
+            # uses, and Lightning's mid-epoch restart creates one for a validation it skips (sometimes one
+            # the uninterrupted run never ran): the resumed run's random stream would shift by one draw.
+            # A private generator keeps evaluation off the training streams.
+            prepared.generator = torch.Generator().manual_seed(int(os.getenv("PL_GLOBAL_SEED", 0)))
+        return prepared
 
     def _world(self) -> tuple[int, int]:
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer._accelerator_connector.is_distributed else None
