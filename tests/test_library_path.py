@@ -10,6 +10,7 @@ RandomCrop drawn from the global RNG, BatchNorm and dropout; their end weights a
 from __future__ import annotations
 
 import json
+import os
 import signal
 from datetime import timedelta
 from pathlib import Path
