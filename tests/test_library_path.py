@@ -154,6 +154,9 @@ def test_lightnings_arguments_keep_their_meaning(kwargs, check):
     (dict(accumulate_grad_batches=2.5), "accumulate_grad_batches must be an integer >= 1"),
     (dict(accumulate_grad_batches=True), "accumulate_grad_batches must be an integer >= 1"),
     (dict(num_nodes=1.5), "num_nodes must be an integer >= 1"),
+    (dict(max_steps=-2), "max_steps must be an integer >= -1"),
+    (dict(max_steps=2.5), "max_steps must be an integer >= -1"),
+    (dict(max_epochs=-2), "max_epochs must be an integer >= -1"),
 ])
 def test_bad_arguments_fail_in_one_line_naming_them(kwargs, message):
     with pytest.raises(ConfigError) as info:

@@ -229,6 +229,9 @@ class RunPlan:
             _int_at_least(1)("accumulate_grad_batches", accumulate_grad_batches)
         if facts.get("seed") is not None:
             _run_seed("seed", facts["seed"])
+        for name in ("max_steps", "max_epochs"):  # Lightning's meaning: 0 is zero, -1 no limit
+            if facts.get(name) is not None:
+                _int_at_least(-1, " (-1: no limit)")(name, facts[name])
         if lr_scaling is not None:
             check_choice("lr_scaling", lr_scaling, LR_SCALING_RULES)
         accel = resolve_accelerator(accelerator)
