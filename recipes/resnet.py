@@ -156,7 +156,9 @@ class ResNetConfig(RunConfig):
                              (self.data == "cifar10" and self.auto_augment is None, ("interpolation",),
                               "{auto_augment} on CIFAR-10 (its crops do not resample)"),
                              (self.data == "cifar10", ("train_crop_size", "val_resize_size", "val_crop_size"),
-                              "{data} imagefolder (CIFAR-10 is 32 px)")])
+                              "{data} imagefolder (CIFAR-10 is 32 px)"),
+                             (self.data != "imagefolder", ("min_crop_scale",),
+                              "{data} imagefolder (the other data take no RandomResizedCrop)")])
 
     def _refuse_unused(self, needs: list[tuple[bool, tuple[str, ...], str]]) -> None:
         for missing, names, requirement in needs:

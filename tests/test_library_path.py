@@ -10,6 +10,7 @@ RandomCrop drawn from the global RNG, BatchNorm and dropout; their end weights a
 from __future__ import annotations
 
 import json
+import os
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -146,6 +147,16 @@ def test_lightnings_arguments_keep_their_meaning(kwargs, check):
     (dict(devices=2, comm_hook="fp16", strategy_kwargs={"comm_hook": "bf16"}), "comm_hook is set twice"),
     (dict(devices=2, strategy_kwargs={"timeout": -5}), "timeout must be > 0 seconds"),
     (dict(devices=2, strategy_kwargs={"bogus": 1}), "bogus is not an argument of TunedDDPStrategy"),
+    (dict(seed="x"), "seed must be an integer in 0..4294967295"),
+    (dict(seed=-1), "seed must be an integer in 0..4294967295"),
+    (dict(seed=2**32), "seed must be an integer in 0..4294967295"),
+    (dict(accumulate_grad_batches=0), "accumulate_grad_batches must be an integer >= 1"),
+    (dict(accumulate_grad_batches=2.5), "accumulate_grad_batches must be an integer >= 1"),
+    (dict(accumulate_grad_batches=True), "accumulate_grad_batches must be an integer >= 1"),
+    (dict(num_nodes=1.5), "num_nodes must be an integer >= 1"),
+    (dict(max_steps=-2), "max_steps must be an integer >= -1"),
+    (dict(max_steps=2.5), "max_steps must be an integer >= -1"),
+    (dict(max_epochs=-2), "max_epochs must be an integer >= -1"),
 ])
 def test_bad_arguments_fail_in_one_line_naming_them(kwargs, message):
     with pytest.raises(ConfigError) as info:

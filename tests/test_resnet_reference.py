@@ -93,6 +93,8 @@ def test_mixup_and_cutmix_make_soft_targets_and_keep_hard_accuracy():
     (["--lr-scheduler", "steplr", "--lr-gamma", "2"], "--lr-gamma must be in \\(0, 1\\]"),
     (["--data", "cifar10", "--val-crop-size", "28"], "--val-crop-size has no effect without --data imagefolder"),
     (["--auto-augment", "ra"], "--auto-augment has no effect without image data"),
+    (["--min-crop-scale", "0.5"], "--min-crop-scale has no effect without --data imagefolder"),
+    (["--data", "cifar10", "--min-crop-scale", "0.5"], "--min-crop-scale has no effect without --data imagefolder"),
     (["--mixup-alpha", "-1"], "--mixup-alpha"),
 ])
 def test_flags_without_effect_or_bad_values_fail_in_one_line(argv, flag, tmp_path, capsys):

@@ -77,6 +77,13 @@ def _seed(name: str, value: Any) -> int:
     return value
 
 
+def _run_seed(name: str, value: Any) -> int:
+    # The run's seed also seeds numpy (seed_everything, PL_GLOBAL_SEED for the sampler): numpy's range.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        raise ConfigError(f"{{{name}}} must be an integer in 0..{2**32 - 1} (got {lit(repr(value))})", name)
+    return value
+
+
 # The one check of every DDP value, whoever receives it (DDPOptions from a config or build_trainer's
 # keywords, TunedDDPStrategy from a user's Trainer(strategy=...)). Each returns the value normalised.
 _DDP_CHECKS: dict[str, Callable[[str, Any], Any]] = {
@@ -218,8 +225,13 @@ class RunPlan:
         """Resolve the world (flags, else torchrun's environment), the accelerator and precision it gets, and
         the batch plan; check what can be checked before any process starts."""
         devices, num_nodes = resolve_world(devices, num_nodes)
-        if accumulate_grad_batches is not None and accumulate_grad_batches < 1:
-            raise ConfigError(f"{{accumulate_grad_batches}} must be >= 1 (got {accumulate_grad_batches})")
+        if accumulate_grad_batches is not None:
+            _int_at_least(1)("accumulate_grad_batches", accumulate_grad_batches)
+        if facts.get("seed") is not None:
+            _run_seed("seed", facts["seed"])
+        for name in ("max_steps", "max_epochs"):  # Lightning's meaning: 0 is zero, -1 no limit
+            if facts.get(name) is not None:
+                _int_at_least(-1, " (-1: no limit)")(name, facts[name])
         if lr_scaling is not None:
             check_choice("lr_scaling", lr_scaling, LR_SCALING_RULES)
         accel = resolve_accelerator(accelerator)

@@ -39,6 +39,8 @@ def resolve_world(devices: int | None, num_nodes: int | None) -> tuple[int, int]
     num_nodes = 1 if num_nodes is None else num_nodes
     if devices < 1:
         raise ConfigError(f"{{devices}} must be >= 1 (got {devices})")
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int):
+        raise ConfigError(f"{{num_nodes}} must be an integer >= 1 (got {num_nodes!r})")
     if num_nodes < 1:
         raise ConfigError(f"{{num_nodes}} must be >= 1 (got {num_nodes})")
     return devices, num_nodes
