@@ -14,28 +14,35 @@ import torch
 from tests.launch import run
 from tests.test_resnet_recipe import TINY, weights
 
-STEPS = ["--devices", "2", "--max-steps", "2", "--synthetic-val-samples", "0", "--grad-checkpointing"]
+STEPS = ["--devices", "2", "--max-steps", "2", "--synthetic-val-samples", "0"]
 # Compiled kernels reorder float sums; two SGD steps keep the drift at this order.
 RTOL, ATOL = 1e-4, 1e-5
 
 
+def _train(out, *extra: str) -> dict[str, torch.Tensor]:
+    # inductor compiles C++ kernels for forward and backward in each rank: minutes on a loaded 2-core machine.
+    run(["-m", "recipes.resnet", *TINY, *STEPS, *extra, "--output-dir", str(out)], timeout=1800, check=True)
+    return weights(out / "checkpoints" / "last.ckpt")
+
+
 @pytest.fixture(scope="module")
 def eager_weights(tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("eager")
-    run(["-m", "recipes.resnet", *TINY, *STEPS, "--output-dir", str(out)], check=True)
-    return weights(out / "checkpoints" / "last.ckpt")
+    return _train(tmp_path_factory.mktemp("eager"), "--grad-checkpointing")
 
 
 @pytest.mark.slow  # two 2-rank runs each (about a minute; inductor several)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_grad_checkpointing_trains_like_eager(backend, eager_weights, tmp_path):
-    # inductor compiles C++ kernels for forward and backward in each rank: minutes on a loaded 2-core machine.
-    run(["-m", "recipes.resnet", *TINY, *STEPS, "--compile", "--compile-backend", backend,
-         "--output-dir", str(tmp_path)], timeout=1800, check=True)
-    compiled = weights(tmp_path / "checkpoints" / "last.ckpt")
-    assert compiled.keys() == eager_weights.keys()  # plain keys: no _orig_mod. prefix
+    """aot_eager runs eager's kernels: checkpointed and compiled equals checkpointed eager. inductor's own
+    kernels differ from eager's by far more than checkpointing could (on this tiny ResNet, 8% of a BatchNorm
+    bias after two steps, with or without checkpointing alike), so there the reference is the same backend
+    without checkpointing: what is compared is what checkpointing changes."""
+    compiled = _train(tmp_path / "ckpt", "--grad-checkpointing", "--compile", "--compile-backend", backend)
+    reference = eager_weights if backend == "aot_eager" else _train(
+        tmp_path / "plain", "--compile", "--compile-backend", backend)
+    assert compiled.keys() == reference.keys()  # plain keys: no _orig_mod. prefix
     moved = 0
-    for key, value in eager_weights.items():
+    for key, value in reference.items():
         torch.testing.assert_close(compiled[key].float(), value.float(), rtol=RTOL, atol=ATOL, msg=key)
         moved += key.endswith("running_mean") and bool(value.abs().sum() > 0)
     assert moved, "BatchNorm statistics never moved: the comparison would not catch a double update"
