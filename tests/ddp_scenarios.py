@@ -8,6 +8,7 @@ what the scenario recorded, and the tests compare those files.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
 import sys
@@ -81,6 +82,18 @@ def counting_allreduce_hook(state: dict, bucket):
     return torch.distributed.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+_RANK: dict = {}
+
+
+def record_group_at_exit(out: Path) -> None:
+    if "rank" not in _RANK:
+        return  # fit never reached the process group
+    rank = _RANK["rank"]
+    out.mkdir(parents=True, exist_ok=True)
+    alive = torch.distributed.is_available() and torch.distributed.is_initialized()
+    (out / f"exit{rank}.txt").write_text("alive" if alive else "destroyed")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["train", "unused", "uneven"])
@@ -101,6 +114,9 @@ def main() -> None:
     p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL; the GPU tier)")
     p.add_argument("--no-tf32", action="store_true", help="full FP32 on GPUs, for exact comparisons")
     args = p.parse_args()
+    # Registered first, so it runs last (atexit is LIFO): whether the process group outlived every other
+    # exit handler, i.e. would have been left to interpreter finalization.
+    atexit.register(record_group_at_exit, Path(args.out))
 
     calls = {"calls": 0}
     strategy_kwargs = {"powersgd_start_iter": 2} if args.comm_hook == "powersgd" else {}
@@ -136,6 +152,7 @@ def main() -> None:
     else:
         loader = DataLoader(data, batch_size=args.batch, shuffle=True)
     trainer.fit(model, loader)
+    _RANK["rank"] = trainer.global_rank
     if trainer.global_rank != 0 and args.start_method:
         return  # spawn/fork: the workers' results come back to the main process (rank 0) through Lightning
     model.record["calls"] = calls["calls"]

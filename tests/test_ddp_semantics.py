@@ -25,6 +25,8 @@ def run_scenario(tmp_root: Path, *args: str, torchrun: bool = False, expect_ok: 
     if not expect_ok:
         return proc
     result = {int(p.stem[4:]): torch.load(p, weights_only=False) for p in sorted(out.glob("rank*.pt"))}
+    for rank, saved in result.items():  # written by the scenario's last exit handler
+        saved["group_at_exit"] = (out / f"exit{rank}.txt").read_text()
     _CACHE[key] = result
     return result
 
@@ -144,6 +146,10 @@ def test_torchrun_launch_matches_lightning_launch(root):
     launched = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "6")
     torchrun = run_scenario(root, "train", "--batch", "8", "--steps", "6", torchrun=True)
     assert torchrun[0]["env_rank"] == "0" and torchrun[1]["env_rank"] == "1"
+    # Both launchers: the gloo group is destroyed by an exit handler, never left to interpreter
+    # finalization (where gloo can abort a finished rank with SIGABRT).
+    for result in (launched, torchrun):
+        assert [result[r]["group_at_exit"] for r in (0, 1)] == ["destroyed", "destroyed"]
     assert torchrun[0]["record"]["world_size"] == 2
     assert_same_across_ranks(torchrun)
     assert max_rel_diff(torchrun[0]["state"], launched[0]["state"]) <= 1e-6

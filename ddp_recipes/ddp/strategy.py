@@ -43,6 +43,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -53,7 +54,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ddp_recipes.checkpointing.preemption import die_with_launcher, tag_children_with_launcher
+from ddp_recipes.checkpointing.preemption import Preempted, die_with_launcher, tag_children_with_launcher
 from ddp_recipes.checkpointing.resume import ResumeState, gather_to_rank0, seed_rank
 from ddp_recipes.config.plan import DDPOptions, check_ddp_values
 from ddp_recipes.config.world import check_bf16_device
@@ -200,6 +201,7 @@ class TunedDDPStrategy(DDPStrategy):
             if hint:
                 err.args = (f"{hint}\n\n{err.args[0] if err.args else ''}", *err.args[1:])
             raise
+        destroy_group_at_exit()
         self._peer_watch = self.start_peer_watch()
 
     def start_peer_watch(self) -> PeerWatch | None:
@@ -315,6 +317,8 @@ class TunedDDPStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._stop_other_ranks_at_exit()
+        if not isinstance(exception, Preempted):  # Preempted: every rank left at the same vote, all idle
+            keep_group_at_exit()
         if UNUSED_PARAMETERS_PATTERN in str(exception):
             names = self.unused_parameter_names(str(exception))
             listed = ", ".join(names) if names else "(names unknown: set TORCH_DISTRIBUTED_DEBUG=DETAIL)"
@@ -374,6 +378,34 @@ class TunedDDPStrategy(DDPStrategy):
 # What DDPStrategy passes on to DistributedDataParallel besides its own arguments; Lightning sets the
 # module, its devices and the process group itself.
 _DDP_OWN = {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
+
+
+_group_at_exit = {"registered": False, "destroy": True}
+
+
+def destroy_group_at_exit() -> None:
+    """Destroy the default process group at interpreter exit, on every backend (once per process).
+
+    Lightning registers this for NCCL only. A gloo group left to interpreter finalization can abort a run
+    that succeeded: gloo's threads still hold work whose tensors need the GIL once Python is tearing down,
+    and the rank dies with "terminate called without an active exception" (SIGABRT), which torchrun
+    reports as a failed job (pytorch/pytorch#179291). ``atexit`` runs while the interpreter is whole; the
+    handler is a no-op when the group is gone already (a user's own ``destroy_process_group``).
+    """
+    if not _group_at_exit["registered"]:
+        _group_at_exit["registered"] = True
+        atexit.register(_destroy_group_unless_failed)
+
+
+def keep_group_at_exit() -> None:
+    """After a failure, leave the group to the process's end: a failing rank may still have a collective in
+    flight that waits for peers stuck in another one, and a teardown would wait with it (torchtitan#1342)."""
+    _group_at_exit["destroy"] = False
+
+
+def _destroy_group_unless_failed() -> None:
+    if _group_at_exit["destroy"]:
+        _destroy_dist_connection()
 
 
 def _check_keywords(kwargs: dict[str, Any]) -> None:
