@@ -3,20 +3,30 @@
 The bytes go to a temp file in the target's own folder (``os.replace`` is atomic only within one
 filesystem), are flushed and fsynced, renamed over the target, and the folder is fsynced so the rename
 survives a power cut. The temp file a killed writer leaves behind is removed by the next write once no
-process has its pid.
+process has its pid. A URL target (``s3://...``: an object store has no rename) gets the bytes in one
+upload request, which a reader sees whole or not at all (:func:`ddp_recipes.storage.put_bytes`).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from ddp_recipes.storage import is_url, put_bytes
+
 
 def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write`` with a binary file object; the result replaces ``target`` in one rename."""
+    """Call ``write`` with a binary file object; the result replaces ``target`` in one rename (one upload
+    on a URL)."""
+    if is_url(target):
+        buffer = io.BytesIO()
+        write(buffer)
+        put_bytes(os.fspath(target), buffer.getvalue())
+        return
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")

@@ -8,7 +8,8 @@ short, and nothing is fsynced, so a power cut can leave the new name with missin
 the old one (``os.replace``: atomic on POSIX within one filesystem) and fsyncs the folder, so a reader sees
 the old checkpoint or the new one, never half of one; the temp file a killed save leaves behind is removed
 by the next save. Only rank 0 writes (Lightning's strategies call ``save_checkpoint`` on rank 0
-only); every rank loads the same file.
+only); every rank loads the same file. On an object store (``--output-dir s3://...``), where there is no
+rename, a save is an object and then a manifest naming it (:mod:`ddp_recipes.checkpointing.remote`).
 """
 
 from __future__ import annotations
@@ -26,24 +27,42 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ddp_recipes.atomic import atomic_write
+from ddp_recipes.checkpointing import remote
 from ddp_recipes.errors import CheckpointError, lit
+from ddp_recipes.storage import Url, is_url
 
 CHECKPOINT_DIR = "checkpoints"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """TorchCheckpointIO with temp-file + fsync + rename saves."""
+    """TorchCheckpointIO with temp-file + fsync + rename saves; on a URL, object + manifest saves
+    (:func:`~ddp_recipes.checkpointing.remote.publish`) and loads through a verified local copy."""
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
-        if not _is_local_file_protocol(path):
-            # s3://, gs://, memory://...: object stores have no rename; Lightning's writer uploads the
-            # whole object in one request (visible complete or not at all).
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
         if storage_options is not None:
-            raise TypeError("AtomicCheckpointIO does not take storage_options for local paths")
+            raise TypeError("AtomicCheckpointIO does not take storage_options")
+        if is_url(path):
+            remote.publish(os.fspath(path), lambda f: torch.save(checkpoint, f),
+                           step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)))
+            return
+        if not _is_local_file_protocol(path):
+            raise TypeError(f"AtomicCheckpointIO cannot save to {path}")
         atomic_write(Path(os.fspath(path).removeprefix("file://")), lambda f: torch.save(checkpoint, f))
+
+    @override
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if is_url(path):  # the copy read_checkpoint already downloaded and verified, or a new one
+            path = remote.fetch(os.fspath(path))
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        if is_url(path):
+            remote.unpublish(os.fspath(path))
+            return
+        super().remove_checkpoint(path)
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
@@ -53,6 +72,9 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
         return None
     if resume == "auto":
         return newest_checkpoint(output_dir)
+    if is_url(resume):
+        remote.resolve_url(resume)  # raises naming --resume when there is nothing there
+        return resume
     if not Path(resume).is_file():
         raise CheckpointError(f"{{resume}} {lit(resume)}: no such checkpoint file; pass an existing .ckpt, auto or none")
     return resume
@@ -99,7 +121,11 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The complete checkpoint with the most optimizer steps, skipping truncated or unreadable files with a
     one-line warning each; None when there is none. Ties go to last.ckpt, then the newest hpc_ckpt_N, then
     by name: every rank resolves this on its own before the process group exists, so the rule uses what
-    the files say, not their write times."""
+    the files say, not their write times. On a URL: the newest manifest whose object is complete
+    (:func:`~ddp_recipes.checkpointing.remote.newest_published`), as the name it was saved under."""
+    if is_url(output_dir):
+        found = remote.newest_published(Url(os.fspath(output_dir)) / CHECKPOINT_DIR)
+        return found.removesuffix(remote.MANIFEST) if found else None
     return newest_of(checkpoint_candidates(output_dir))
 
 
@@ -134,16 +160,19 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     ``weights_only=True``: a ``.ckpt`` is a pickle, and a full unpickle runs whatever code the file names,
     on every rank. The pack's checkpoints hold only tensors, numbers, strings, lists and dicts; a user's
     hyper-parameters may add a Namespace, a Path or numpy scalars (:func:`plain_data`). A file with anything
-    else is refused before any of it runs.
+    else is refused before any of it runs. A URL is read from a local copy checked against its manifest.
     """
     try:
+        local = remote.fetch(path) if is_url(path) else path
         with plain_data():
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(local, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         names = re.findall(r"GLOBAL ([\w.]+)", str(err))
         raise CheckpointError(f"{{resume}} {lit(path)} holds Python objects, not only tensors and plain data"
                           f"{' (' + names[0] + ')' if names else ''}; loading it would run code from the file, so "
                           "it is refused: pass a checkpoint written by this pack, or {resume} none") from None
+    except CheckpointError:
+        raise
     except Exception as err:  # truncated zip, pickle garbage, wrong format: all mean "not a checkpoint"
         raise CheckpointError(f"{{resume}} {lit(path)} is not a readable checkpoint ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); "

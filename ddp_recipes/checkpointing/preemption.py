@@ -37,6 +37,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from ddp_recipes.storage import Url, location
+
 LAST = "last.ckpt"
 RECIPE_RESUME = "rerun with --resume auto"
 # What a build_trainer user does instead (their script has no --resume flag).
@@ -146,8 +148,9 @@ class LastCheckpoint(Checkpoint):
                  resume_hint: str = RECIPE_RESUME) -> None:
         if every_n_steps < 0:
             raise ValueError(f"--checkpoint-every-n-steps must be >= 0 (got {every_n_steps})")
-        # None: set before fit (build_trainer puts it under the Trainer's default_root_dir).
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        # None: set before fit (build_trainer puts it under the Trainer's default_root_dir). A URL stays one:
+        # Path("s3://b/run") would be a local folder named "s3:".
+        self.dirpath = location(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
         self.resume_hint = resume_hint  # the preemption message's last words: how to continue
         self._seen_step = -1
@@ -156,7 +159,7 @@ class LastCheckpoint(Checkpoint):
         self._vote: _SignalVote | None = None
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | Url:
         return self.dirpath / LAST
 
     @override
@@ -329,19 +332,37 @@ class _LastAwareCheckpointConnector(_CheckpointConnector):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         from ddp_recipes.checkpointing.checkpoint import newest_of
+        from ddp_recipes.checkpointing.remote import newest_published
 
         candidates: list[Path] = []
         folders = [c.dirpath for c in self.trainer.callbacks if isinstance(c, LastCheckpoint) and c.dirpath]
-        for folder in folders:
-            candidates += [p for p in sorted(folder.glob("*.ckpt")) if p.is_file() and not p.name.startswith(".")]
         for callback in self.trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint):
+            if isinstance(callback, ModelCheckpoint) and isinstance(location(callback.dirpath or ""), Url):
+                folders.append(Url(callback.dirpath))
+        remote = [folder for folder in dict.fromkeys(folders) if isinstance(folder, Url)]
+        if remote:  # an object-store run: manifests name the complete checkpoints (see checkpointing.remote)
+            found_remote = [newest_published(folder) for folder in remote]
+            best = max((f for f in found_remote if f), default=None, key=_published_step)
+            if best is not None:
+                return best.removesuffix(".manifest.json")
+        for folder in folders:
+            if not isinstance(folder, Url):
+                candidates += [p for p in sorted(folder.glob("*.ckpt")) if p.is_file() and not p.name.startswith(".")]
+        for callback in self.trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and not isinstance(location(callback.dirpath or ""), Url):
                 candidates += [Path(p) for p in sorted(callback._find_last_checkpoints(self.trainer))]
         found = newest_of(list(dict.fromkeys(candidates)), asked='ckpt_path="last"')
         if found is None:
             where = ", ".join(str(f) for f in folders) or "the checkpoint folders"
             rank_zero_info(f'ckpt_path="last": no checkpoint in {where} yet; starting from the beginning')
         return found
+
+
+def _published_step(manifest: Url) -> tuple[int, int]:
+    from ddp_recipes.checkpointing.remote import resolve_url
+
+    entry = resolve_url(manifest)[1] or {}
+    return int(entry.get("global_step", 0)), int(entry.get("epoch", 0))
 
 
 def find_last_checkpoint(trainer: L.Trainer) -> None:

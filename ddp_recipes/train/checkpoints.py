@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -15,17 +14,18 @@ from ddp_recipes.checkpointing.checkpoint import (
 )
 from ddp_recipes.checkpointing.preemption import LastCheckpoint
 from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.storage import location
 
 
 def checkpoint_callbacks(cfg: RunConfig, has_val: bool, model_class: type | None = None) -> list[Callback]:
     """``last.ckpt`` at each epoch end, every ``--checkpoint-every-n-steps`` and on preemption; ``best.ckpt``
     by the model class's ``monitor`` (``val_acc``) when there is validation. Both in
     ``<output-dir>/checkpoints``, through the atomic IO."""
-    folder = Path(cfg.output_dir) / CHECKPOINT_DIR
+    folder = location(cfg.output_dir) / CHECKPOINT_DIR  # a Path, or a Url on an object store
     callbacks: list[Callback] = [LastCheckpoint(folder, every_n_steps=cfg.checkpoint_every_n_steps)]
     if has_val:
         monitor = getattr(model_class, "monitor", "val_acc")
-        callbacks.append(ModelCheckpoint(dirpath=folder, filename="best", monitor=monitor,
+        callbacks.append(ModelCheckpoint(dirpath=str(folder), filename="best", monitor=monitor,
                                          mode="min" if monitor.endswith("loss") else "max",
                                          save_top_k=1, save_last=False, enable_version_counter=False))
     return callbacks

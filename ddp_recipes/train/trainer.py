@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -17,6 +16,7 @@ from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_t
 from ddp_recipes.data.adopt import adopt_user_loaders
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.storage import location
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.perf import InputWaitProfiler, TF32Setting, configure_tf32
 
@@ -160,7 +160,7 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         **trainer_kwargs,
     )
     if last is not None and last.dirpath is None:
-        last.dirpath = Path(trainer.default_root_dir) / CHECKPOINT_DIR
+        last.dirpath = location(trainer.default_root_dir) / CHECKPOINT_DIR
     if lifecycle is not None:  # a recipe's loaders are resumable already and left alone; a user's are adopted
         adopt_user_loaders(trainer)
         find_last_checkpoint(trainer)
