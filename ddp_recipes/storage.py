@@ -36,8 +36,9 @@ CACHE_ENV = "DDP_RECIPES_CACHE_DIR"
 ATTEMPTS = int(os.environ.get("DDP_RECIPES_STORAGE_ATTEMPTS", "8"))
 BASE_DELAY_S = float(os.environ.get("DDP_RECIPES_STORAGE_BASE_DELAY_S", "0.5"))
 MAX_DELAY_S = 16.0
-# The pip extra and package that speak each protocol (fsspec names the package in its ImportError).
-EXTRAS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+# The package that speaks each protocol, and how to install it (s3fs comes with the pack's `cloud` extra).
+PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+CLOUD_EXTRA = "pip install 'ddp-recipes[cloud]'"
 _TRANSIENT_TEXT = re.compile(r"\b(429|500|502|503|504)\b|SlowDown|Throttl|ServiceUnavailable|InternalError|"
                              r"RequestTimeout|reduce your request rate|timed? ?out|Connection (reset|refused|aborted)",
                              re.IGNORECASE)
@@ -88,9 +89,9 @@ def filesystem(url: str, param: str = "output_dir") -> tuple[Any, str]:
         return fsspec.core.url_to_fs(url)
     except ImportError:
         protocol = url.partition("://")[0]
-        package = EXTRAS.get(protocol, f"the fsspec package for {protocol}://")
-        raise ConfigError(f"{{{param}}} {lit(url)} needs {package}, which is not installed: pip install "
-                          f"'ddp-recipes[cloud]' (or pip install {package})", param) from None
+        package = PACKAGES.get(protocol, f"the fsspec package for {protocol}://")
+        how = CLOUD_EXTRA if package == "s3fs" else f"pip install {package}"
+        raise ConfigError(f"{{{param}}} {lit(url)} needs {package}, which is not installed: {how}", param) from None
     except ValueError as err:  # an unknown protocol
         raise ConfigError(f"{{{param}}} {lit(url)}: {lit(str(err).splitlines()[0])}; pass a local folder or an "
                           "fsspec URL such as s3://bucket/prefix", param) from None

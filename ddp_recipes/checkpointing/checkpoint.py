@@ -29,7 +29,7 @@ from typing_extensions import override
 from ddp_recipes.atomic import atomic_write
 from ddp_recipes.checkpointing import remote
 from ddp_recipes.errors import CheckpointError, lit
-from ddp_recipes.storage import Url, is_url
+from ddp_recipes.storage import Url, check_store, is_url
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -71,6 +71,8 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     if not resume or resume == "none":
         return None
     if resume == "auto":
+        if is_url(output_dir):  # a missing bucket or a refused credential fails here, not as "no checkpoint"
+            check_store(os.fspath(output_dir), "output_dir")
         return newest_checkpoint(output_dir)
     if is_url(resume):
         remote.resolve_url(resume)  # raises naming --resume when there is nothing there

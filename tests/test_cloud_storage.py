@@ -1,0 +1,160 @@
+"""``--output-dir`` on object storage against a real S3 API (moto's server on 127.0.0.1, s3fs as the client).
+
+Fast, in-process cases: the object-then-manifest rule that ``--resume auto`` reads, a killed upload and a
+damaged object, a store answering 503 for a while, a missing bucket, a missing client package. The 2-rank
+SIGTERM / killed-upload resumes from the bucket, bit for bit, are in tests/test_cloud_resume.py (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import SHARED_DATA
+from tests.s3server import object_upload, s3  # noqa: F401 (s3: the session's server fixture)
+
+MNIST = ["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--batch-size", "64",
+         "--no-diagnostics"]
+needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
+
+
+def checkpoint(step: int, epoch: int) -> dict:
+    return {"state_dict": {"w": torch.full((3,), float(step))}, "global_step": step, "epoch": epoch}
+
+
+def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_path, monkeypatch):
+    from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO, newest_checkpoint, read_checkpoint
+    from ddp_recipes.errors import CheckpointError
+
+    monkeypatch.chdir(tmp_path)
+    run = s3.bucket("rule") + "/run"
+    io = AtomicCheckpointIO()
+    assert newest_checkpoint(run) is None
+    io.save_checkpoint(checkpoint(4, 0), f"{run}/checkpoints/best.ckpt")
+    io.save_checkpoint(checkpoint(6, 1), f"{run}/checkpoints/last.ckpt")
+    io.save_checkpoint(checkpoint(8, 1), f"{run}/checkpoints/last.ckpt")
+    keys = s3.keys("rule")
+    objects = [k for k in keys if "/objects/" in k]
+    assert [k for k in keys if k not in objects] == ["run/checkpoints/best.ckpt.manifest.json",
+                                                     "run/checkpoints/last.ckpt.manifest.json"]
+    assert len(objects) == 2 and any("last-00000008-" in k for k in objects)  # the step-6 object went
+    manifest = json.loads(s3.client().get_object(Bucket="rule", Key="run/checkpoints/last.ckpt.manifest.json")
+                          ["Body"].read())
+    assert manifest["global_step"] == 8 and manifest["object"].startswith("objects/last-00000008-")
+
+    # An upload killed before its manifest, on a store that shows partial objects: newer, named by nobody.
+    s3.client().put_object(Bucket="rule", Key="run/checkpoints/objects/last-00000010-0badf00d.ckpt", Body=b"PK\x03")
+    # A manifest whose object is not the recorded size (cut, or replaced by hand): skipped with a warning.
+    s3.client().put_object(Bucket="rule", Key="run/checkpoints/other.ckpt.manifest.json",
+                           Body=json.dumps({**manifest, "name": "other.ckpt", "global_step": 12, "bytes": 1}))
+    with pytest.warns(UserWarning, match=r"--resume auto: skipping .*other\.ckpt\.manifest\.json: its object"):
+        found = newest_checkpoint(run)
+    assert found == f"{run}/checkpoints/last.ckpt"
+    assert read_checkpoint(found)["global_step"] == 8
+    assert read_checkpoint(f"{run}/checkpoints/last.ckpt.manifest.json")["global_step"] == 8  # either spelling
+
+    # The store's copy changed after its manifest was written: the sha256 check refuses it.
+    best = json.loads(s3.client().get_object(Bucket="rule", Key="run/checkpoints/best.ckpt.manifest.json")
+                      ["Body"].read())
+    key = f"run/checkpoints/{best['object']}"
+    body = bytearray(s3.client().get_object(Bucket="rule", Key=key)["Body"].read())
+    body[-30] ^= 0xFF
+    s3.client().put_object(Bucket="rule", Key=key, Body=bytes(body))
+    with pytest.raises(CheckpointError, match="does not match its manifest's sha256"):
+        read_checkpoint(f"{run}/checkpoints/best.ckpt")
+
+    io.remove_checkpoint(f"{run}/checkpoints/best.ckpt")  # ModelCheckpoint's top-k rotation
+    assert not [k for k in s3.keys("rule") if "best" in k]
+    assert list(tmp_path.iterdir()) == []  # nothing beside the run, no local "s3:" folder
+
+
+@needs_mnist
+def test_a_run_on_a_bucket_rides_out_503s_and_resumes_from_it(s3, tmp_path, monkeypatch, capsys):
+    """The store answers 503 to 3 requests from the first checkpoint upload: retried, reported in one line,
+    the run goes on; everything it writes is in the bucket; ``--resume auto`` continues from there."""
+    from ddp_recipes import storage
+    from recipes import mnist
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    out = s3.bucket("flaky") + "/run"
+    s3.fail(3, after=object_upload)
+    mnist.main([*MNIST, "--max-steps", "3", "--checkpoint-every-n-steps", "2", "--output-dir", out])
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("storage: ")]
+    assert len(s3.faults.failed) == 3 and len(said) == 2, err[-2000:]
+    assert "upload of s3://flaky/run/checkpoints/objects/last-00000002-" in said[0] and "retrying with backoff" in said[0]
+    assert "done after 4 attempts" in said[1]
+    keys = s3.keys("flaky")
+    assert "run/summary.json" in keys and "run/checkpoints/last.ckpt.manifest.json" in keys
+    assert any(k.startswith("run/logs/") and k.endswith("metrics.csv") for k in keys)
+    assert list(tmp_path.iterdir()) == []  # no local "s3:" folder, no stray files
+
+    summary = mnist.main([*MNIST, "--max-steps", "5", "--checkpoint-every-n-steps", "2", "--output-dir", out,
+                          "--resume", "auto"])
+    assert summary["resumed_from"] == f"{out}/checkpoints/last.ckpt" and summary["steps"] == 5
+    stored = json.loads(s3.client().get_object(Bucket="flaky", Key="run/summary.json")["Body"].read())
+    assert stored["steps"] == 5
+
+
+def test_a_store_that_stays_down_fails_in_one_line(s3, monkeypatch):
+    from ddp_recipes import storage
+
+    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    url = s3.bucket("down") + "/x.json"
+    s3.fail(100)
+    try:
+        with pytest.raises(storage.StorageError) as info:
+            storage.retrying("upload of " + url, lambda: storage.filesystem(url)[0].pipe_file(url, b"{}"), attempts=3)
+    finally:
+        s3.reset_faults()
+    line = info.value.cli()
+    assert line.startswith("--output-dir: upload of s3://down/x.json failed after 3 attempts (")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("resume", ["none", "auto"])
+def test_a_missing_bucket_is_one_line_naming_the_flag_and_exit_2(s3, tmp_path, monkeypatch, capsys, resume):
+    from recipes import resnet
+
+    monkeypatch.chdir(tmp_path)
+    before = s3.buckets()
+    with pytest.raises(SystemExit) as info:
+        resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", "--output-dir",
+                     "s3://no-such-bucket/run", "--resume", resume])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m recipes.resnet: error: --output-dir s3://no-such-bucket/run: bucket no-such-bucket "
+                   "does not exist; create it or pass another --output-dir"]
+    assert s3.buckets() == before  # not created on the way (fsspec's open() would)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_client_package_names_the_extra(monkeypatch):
+    import fsspec  # noqa: F401 (loads fsspec.registry)
+
+    from ddp_recipes.errors import ConfigError
+    from ddp_recipes.storage import filesystem
+
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if s3fs were not installed
+    monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, "s3", raising=False)
+    with pytest.raises(ConfigError) as info:
+        filesystem("s3://bucket/run")
+    assert info.value.cli() == ("--output-dir s3://bucket/run needs s3fs, which is not installed: "
+                                "pip install 'ddp-recipes[cloud]'")
+
+
+def test_urls_join_like_paths_and_stay_plain_strings_in_checkpoints():
+    import pickle
+
+    from ddp_recipes.storage import Url, is_url, location
+
+    out = location("s3://bucket/run")
+    assert isinstance(out, Url) and out / "checkpoints" / "last.ckpt" == "s3://bucket/run/checkpoints/last.ckpt"
+    assert (out / "checkpoints").parent == out and (out / "x").name == "x"
+    assert not is_url("runs/x") and not is_url("file:///tmp/x") and is_url("gs://b/p") and is_url("memory://x")
+    assert str(location("file:///tmp/x")) == "/tmp/x"
+    assert type(str(out)) is str and b"Url" not in pickle.dumps(str(out))
