@@ -13,3 +13,7 @@ def restore_tf32():
     yield
     torch.set_float32_matmul_precision(saved[0])
     torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+# The cloud tests' S3 server (moto on 127.0.0.1), shared by the session: see tests/s3server.py.
+from tests.s3server import s3  # noqa: E402, F401

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import SHARED_DATA
-from tests.s3server import object_upload, s3  # noqa: F401 (s3: the session's server fixture)
+from tests.s3server import object_upload
 
 MNIST = ["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--batch-size", "64",
          "--no-diagnostics"]
