@@ -13,6 +13,9 @@ from ddp_recipes.errors import ConfigError
 
 # Launchers that give every process node 0's address and its own ranks (SLURM, LSF, MPI).
 SCHEDULER_VARS = ("SLURM_NTASKS", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+# What Kubernetes operators (Kubeflow's PyTorchJob, a JobSet's own env) give each pod when its command is
+# the training script itself, without torchrun: one process per pod, RANK = the pod's index.
+POD_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def launched_by_torchrun(env: Mapping[str, str] | None = None) -> bool:
@@ -22,8 +25,56 @@ def launched_by_torchrun(env: Mapping[str, str] | None = None) -> bool:
     return "TORCHELASTIC_RUN_ID" in env and "LOCAL_WORLD_SIZE" in env
 
 
+def launched_per_pod(env: Mapping[str, str] | None = None) -> bool:
+    """True when an operator started this process as one of WORLD_SIZE, one per pod, without torchrun:
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set and no launcher that starts several processes
+    per node (torchrun, Lightning's own, a scheduler) is in charge (those set LOCAL_RANK or their own)."""
+    env = os.environ if env is None else env
+    return (all(name in env for name in POD_VARS) and "LOCAL_RANK" not in env and not launched_by_torchrun(env)
+            and not any(name in env for name in SCHEDULER_VARS))
+
+
+def launch_environment(env: Mapping[str, str] | None = None) -> str:
+    """One line on who started this process and what it was told (the doctor prints it)."""
+    env = os.environ if env is None else env
+    pod = f" in Kubernetes pod {env.get('HOSTNAME', '?')}" if "KUBERNETES_SERVICE_HOST" in env else ""
+    if "SLURM_NTASKS" in env:
+        return f"SLURM (job {env.get('SLURM_JOB_ID', '?')}, task {env.get('SLURM_PROCID', '?')} of {env['SLURM_NTASKS']})"
+    if launched_by_torchrun(env):
+        pet = sorted(k for k in env if k.startswith("PET_"))
+        told = f", configured by the operator's {', '.join(pet)}" if pet else ""
+        return (f"torchrun{pod}: rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')}, "
+                f"{env['LOCAL_WORLD_SIZE']} per node, node {env.get('GROUP_RANK', '?')}, master "
+                f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}{told}")
+    if launched_per_pod(env):
+        return (f"one process per pod{pod} (no torchrun): RANK {env['RANK']} of WORLD_SIZE {env['WORLD_SIZE']}, "
+                f"master {env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+    if any(name in env for name in SCHEDULER_VARS):
+        return "a scheduler (" + ", ".join(n for n in SCHEDULER_VARS if n in env) + ")"
+    return f"started directly{pod} (no launcher variables)"
+
+
+def _pod_world(devices: int | None, num_nodes: int | None) -> tuple[int, int]:
+    """One process per pod: WORLD_SIZE pods ("nodes") of one device each."""
+    rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} (one process per pod) must be integers with "
+                          "0 <= RANK < WORLD_SIZE; check the pod's environment")
+    if devices not in (None, 1):
+        raise ConfigError(f"{{devices}} {devices}, but this pod was started as one process of WORLD_SIZE {world} "
+                          f"(RANK set, no torchrun): run the pod's command under torchrun --nproc-per-node {devices} "
+                          "(PyTorchJob: nprocPerNode), or drop {devices}")
+    if num_nodes is not None and num_nodes != int(world):
+        raise ConfigError(f"{{num_nodes}} {num_nodes} disagrees with WORLD_SIZE={world} (one process per pod); "
+                          "drop {num_nodes} in the pod")
+    return 1, int(world)
+
+
 def resolve_world(devices: int | None, num_nodes: int | None) -> tuple[int, int]:
-    """Devices per node and nodes: the arguments, else torchrun's environment, else 1 and 1."""
+    """Devices per node and nodes: the arguments, else torchrun's environment, else one process per pod
+    (:func:`launched_per_pod`: WORLD_SIZE pods of 1), else 1 and 1."""
+    if launched_per_pod():
+        devices, num_nodes = _pod_world(devices, num_nodes)
     if launched_by_torchrun():
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         world = int(os.environ.get("WORLD_SIZE", local))
@@ -109,14 +160,24 @@ def check_bf16_device(precision: str, device: torch.device) -> None:
                       f"{name} is {major}.{minor}: use {{precision}} 16-mixed")
 
 
-def check_node_env(num_nodes: int) -> None:
+def check_node_env(num_nodes: int, accelerator: str = "cpu") -> None:
     """Several nodes, each started by hand: every node must know node 0's address and its own rank.
 
     Without MASTER_ADDR Lightning uses 127.0.0.1, which no other node can reach, and node 0 waits the
-    whole timeout (30 minutes by default) for nodes that never arrive; fail now instead.
+    whole timeout (30 minutes by default) for nodes that never arrive; fail now instead. One process per
+    pod (:func:`launched_per_pod`): RANK is the node rank, and a pod with several GPUs must not train on
+    one of them while the others idle.
     """
+    if launched_per_pod():
+        _check_pod(accelerator)
+        return
     if num_nodes == 1 or launched_by_torchrun() or any(name in os.environ for name in SCHEDULER_VARS):
         return
+    if "NODE_RANK" not in os.environ and "GROUP_RANK" not in os.environ and "RANK" in os.environ:
+        # An operator's pod without WORLD_SIZE or MASTER_PORT: it is not node 0 just because NODE_RANK is unset.
+        raise ConfigError(f"RANK={os.environ['RANK']} is set but NODE_RANK is not, with {{num_nodes}} {num_nodes}: "
+                          "set NODE_RANK (0..{num_nodes}-1) on every node, or give each pod RANK, WORLD_SIZE, "
+                          "MASTER_ADDR and MASTER_PORT (one process per pod), or launch with torchrun")
     if "MASTER_ADDR" not in os.environ:
         raise ConfigError(f"{{num_nodes}} {num_nodes} needs MASTER_ADDR (node 0's address), MASTER_PORT and NODE_RANK "
                           f"(0..{num_nodes - 1}) set on every node; or launch with torchrun --nnodes or srun")
@@ -124,6 +185,19 @@ def check_node_env(num_nodes: int) -> None:
     if not node_rank.isdigit() or int(node_rank) >= num_nodes:
         raise ConfigError(f"NODE_RANK={node_rank} does not fit {{num_nodes}} {num_nodes}; "
                           f"set NODE_RANK to 0..{num_nodes - 1}, a different one on each node")
+
+
+def _check_pod(accelerator: str) -> None:
+    rank, node = os.environ["RANK"], os.environ.get("NODE_RANK")
+    if node is not None and node != rank:
+        raise ConfigError(f"NODE_RANK={node} but RANK={rank} in a pod that runs one process (no torchrun): the pod's "
+                          "rank is its node rank; unset NODE_RANK or set it to RANK")
+    gpus = cuda_devices() if accelerator == "cuda" else 0
+    if gpus > 1:
+        raise ConfigError(f"this pod sees {gpus} GPUs but was started as one process (RANK={rank}, "
+                          f"WORLD_SIZE={os.environ['WORLD_SIZE']}, no torchrun): {gpus - 1} would idle. Run the pod's "
+                          f"command under torchrun --nproc-per-node {gpus} (PyTorchJob: nprocPerNode: \"{gpus}\"), "
+                          "or give the pod one GPU", "devices")
 
 
 def default_num_workers(devices_per_node: int = 1) -> int:

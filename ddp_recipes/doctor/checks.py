@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ddp_recipes.config.world import launch_environment
+
 if TYPE_CHECKING:
     from ddp_recipes.doctor.config import DoctorConfig
 
@@ -87,7 +89,7 @@ def versions() -> dict[str, Any]:
 
 def preflight(cfg: DoctorConfig) -> tuple[dict[str, Any], list[Failure]]:
     """Checks that need no peer, run where the processes start; each failure carries its fix."""
-    info = {"host": socket.gethostname(), "versions": versions(),
+    info = {"host": socket.gethostname(), "versions": versions(), "launch": launch_environment(),
             "comm_env": {name: os.environ[name] for name in COMM_VARS if name in os.environ}}
     problems = []
     if not info["versions"]["gloo" if cfg.backend == "gloo" else "nccl_built"]:

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 from ddp_recipes.config.choices import ACCELERATORS, BACKENDS, check_choice
 from ddp_recipes.config.cli import opt, writable_dir
-from ddp_recipes.config.world import cuda_devices, launched_by_torchrun, resolve_accelerator, resolve_world
+from ddp_recipes.config.world import (
+    cuda_devices,
+    launched_by_torchrun,
+    launched_per_pod,
+    resolve_accelerator,
+    resolve_world,
+)
 from ddp_recipes.errors import ConfigError
 
 # What torchrun exports and the doctor reads: launched_by_torchrun decides on the first two, then the
@@ -94,6 +100,11 @@ class DoctorConfig:
         self.torchrun, self.port_from = True, "torchrun"
 
     def _for_spawn(self, gpus: int) -> None:
+        if launched_per_pod():  # one doctor per pod, as an operator starts the training script: pods are nodes
+            self.num_nodes = self.num_nodes or int(os.environ["WORLD_SIZE"])
+            self.node_rank = int(os.environ["RANK"]) if self.node_rank is None else self.node_rank
+            if self.devices is None and self.accelerator != "cuda":
+                self.devices = 1  # the operator counted one process per pod
         self.num_nodes, self.node_rank = self.num_nodes or 1, self.node_rank or 0
         if not 0 <= self.node_rank < self.num_nodes:
             raise ConfigError(f"{{node_rank}} must be in 0..{self.num_nodes - 1} for {{num_nodes}} {self.num_nodes} "

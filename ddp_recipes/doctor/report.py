@@ -15,6 +15,7 @@ def print_preflight(cfg: DoctorConfig, info: dict[str, Any]) -> None:
     print(f"doctor: {cfg.devices} process(es) x {cfg.num_nodes} node(s) = world {cfg.world_size}, backend "
           f"{cfg.backend}, accelerator {cfg.accelerator}, master {cfg.master_addr}:{cfg.master_port} "
           f"({cfg.port_from}), timeout {cfg.timeout_s:g} s")
+    print(f"launched by: {info['launch']}")
     print(f"versions: torch {v['torch']} | CUDA {v['cuda']} ({v['cuda_gpus']} GPU) | NCCL {v['nccl'] or 'n/a'} | "
           f"gloo {'yes' if v['gloo'] else 'NO'} | lightning {v['lightning']} | python {v['python']}")
     print("NCCL/gloo env: " + (", ".join(f"{k}={val}" for k, val in info["comm_env"].items()) or "none set"))

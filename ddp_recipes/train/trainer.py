@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -12,7 +13,7 @@ from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpoin
 from ddp_recipes.checkpointing.preemption import LIBRARY_RESUME, LastCheckpoint, find_last_checkpoint
 from ddp_recipes.checkpointing.resume import ResumeState
 from ddp_recipes.config.plan import DDPOptions, RunPlan
-from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun
+from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun, launched_per_pod
 from ddp_recipes.data.adopt import adopt_user_loaders
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
@@ -112,7 +113,7 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
     world, precision, accumulation and limits: a ``trainer_kwargs`` entry for one of those is Lightning's
     "multiple values" TypeError. ``global_batch`` (for the diagnostics) is the plan's batch plan's when it has one.
     """
-    check_node_env(plan.num_nodes)  # here, not in the plan: a config may be made on any machine
+    check_node_env(plan.num_nodes, plan.accelerator)  # here, not in the plan: a config may be made on any machine
     configure_tf32(plan.tf32, plan.accelerator)
     if plan.batch is not None:
         global_batch = plan.batch.global_batch
@@ -124,6 +125,10 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
     plugins = _as_list(trainer_kwargs.pop("plugins", None), "plugins")
     if not any(isinstance(p, CheckpointIO) for p in plugins):
         plugins.append(AtomicCheckpointIO())  # a kill mid-save keeps the previous checkpoint intact
+    if launched_per_pod() and plan.distributed and not any(isinstance(p, ClusterEnvironment) for p in plugins):
+        # One process per pod (RANK/WORLD_SIZE from the operator, no torchrun): Lightning does not detect
+        # Kubeflow's environment and would take every pod for node 0; this one reads RANK as the pod's rank.
+        plugins.append(KubeflowEnvironment())
     callbacks = _as_list(trainer_kwargs.pop("callbacks", None), "callbacks")
     # enable_checkpointing=False (the bench, evaluation): Lightning refuses any Checkpoint callback then.
     checkpointing = trainer_kwargs.get("enable_checkpointing", True) is not False
