@@ -48,7 +48,7 @@ def leftovers(work: Path) -> list[Path]:
     return [p for p in work.rglob("*") if p.is_file()]
 
 
-def test_sigterm_mid_epoch_then_resume_auto_from_the_bucket_on_a_new_node_is_exact(s3, images, straight, tmp_path):
+def test_sigterm_mid_epoch_then_resume_auto_from_the_bucket_on_a_new_node_is_exact(s3, images, straight, tmp_path):  # noqa: F811
     bucket = "spot"
     out = s3.bucket(bucket) + "/run"
     argv = [*RESNET, *args(images, 2, "--max-epochs", "2", "--checkpoint-every-n-steps", "2"), "--output-dir", out]

@@ -30,9 +30,8 @@ needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="s
 
 def check_container(container: dict, gpus: int, grace: int) -> None:
     """The recipe under torchrun, resuming from object storage, with the GPUs torchrun is told about."""
-    from recipes.resnet import PROG, ResNetConfig
-
     from ddp_recipes.config.cli import parse_config
+    from recipes.resnet import PROG, ResNetConfig
 
     assert container["image"] and ":" in container["image"]
     assert container["command"] == ["torchrun", "-m", "recipes.resnet"]
