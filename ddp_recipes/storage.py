@@ -244,12 +244,8 @@ def check_store(url: str, param: str = "output_dir") -> Url:
     fix = f"create it or pass another {{{param}}}"
 
     def probe() -> None:
-        try:
-            fs.invalidate_cache(bucket)
-            if not fs.exists(bucket):  # fsspec's open() would create a missing bucket on the way
-                raise FileNotFoundError(bucket)
-        except FileNotFoundError:
-            raise ConfigError(f"{{{param}}} {lit(url)}: bucket {lit(bucket)} does not exist; {fix}", param) from None
+        # A plain PUT: fsspec's open() would create a missing bucket on the way (makedirs), and its exists()
+        # reads "access denied" as "no such bucket".
         probe_path = f"{path.rstrip('/')}/.write-test-{uuid.uuid4().hex[:12]}"
         fs.pipe_file(probe_path, b"")
         fs.rm_file(probe_path)

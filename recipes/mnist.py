@@ -43,7 +43,7 @@ class MNISTConfig(RunConfig):
     momentum: float = opt(0.9, "SGD momentum")
     weight_decay: float = opt(0.0, "SGD weight decay")
     cosine: bool = opt(False, "cosine LR decay over the run after the warm-up")
-    output_dir: str = opt("runs/mnist", "where logs and summary.json go")
+    output_dir: str = opt("runs/mnist", "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix)")
 
     DEFAULT_BATCH_SIZE = 64
     DEFAULT_LR = 0.01

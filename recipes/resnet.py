@@ -83,7 +83,7 @@ class ResNetConfig(RunConfig):
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
-    output_dir: str = opt("runs/resnet", "where logs, checkpoints and summary.json go")
+    output_dir: str = opt("runs/resnet", "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix)")
     # torchvision's classification reference (references/classification/train.py), same flag names.
     auto_augment: AutoAugment | None = opt(None, "training augmentation policy: ra (RandAugment), ta_wide "
                                                  "(TrivialAugmentWide), augmix or imagenet (AutoAugment)")

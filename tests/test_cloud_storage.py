@@ -133,6 +133,32 @@ def test_a_missing_bucket_is_one_line_naming_the_flag_and_exit_2(s3, tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
+def test_refused_credentials_fail_before_training_naming_the_flag(s3, tmp_path, monkeypatch, capsys):
+    """The server checks credentials (moto's own switch, through its control API): the fake keys are refused."""
+    import urllib.request
+
+    from recipes import resnet
+
+    def authenticate(after: str) -> None:
+        request = urllib.request.Request(f"{s3.endpoint}/moto-api/reset-auth", data=after.encode(), method="POST",
+                                         headers={"Content-Type": "text/plain"})
+        urllib.request.urlopen(request, timeout=30).read()
+
+    monkeypatch.chdir(tmp_path)
+    s3.bucket("locked")
+    authenticate("0")  # from the next request on, every request is authenticated
+    try:
+        with pytest.raises(SystemExit) as info:
+            resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", "--output-dir",
+                         "s3://locked/run", "--resume", "auto"])
+    finally:
+        authenticate("inf")
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m recipes.resnet: error: --output-dir s3://locked/run: access denied (")
+    assert "check the credentials" in line and line.endswith("or pass another --output-dir")
+
+
 def test_a_missing_client_package_names_the_extra(monkeypatch):
     import fsspec  # noqa: F401 (loads fsspec.registry)
 

@@ -59,8 +59,9 @@ class RunConfig:
     comm_hook: CommHook = opt("none", "gradient compression for the all-reduce: none, fp16, bf16, powersgd")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     timeout_s: float = opt(1800.0, "seconds a collective may wait before the run fails instead of hanging")
-    output_dir: str = opt("runs/default", "where logs, checkpoints and summary.json go")
-    resume: str = opt("none", "none, auto (the newest complete checkpoint in --output-dir) or a checkpoint PATH")
+    output_dir: str = opt("runs/default", "where logs, checkpoints and summary.json go: a folder or an object-storage URL "
+                                           "(s3://bucket/prefix, gs://..., any fsspec URL)")
+    resume: str = opt("none", "none, auto (the newest complete checkpoint in --output-dir) or a checkpoint PATH or URL")
     checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
                                            "each epoch end and on SIGTERM/SLURM's requeue signal)")
     compile: bool = opt(False, "torch.compile the model; under DDP its DDPOptimizer splits the graph at gradient-bucket "
