@@ -7,6 +7,7 @@ SIGTERM / killed-upload resumes from the bucket, bit for bit, are in tests/test_
 
 from __future__ import annotations
 
+import fractions
 import json
 import sys
 
@@ -26,7 +27,12 @@ def checkpoint(step: int, epoch: int) -> dict:
 
 
 def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_path, monkeypatch):
-    from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO, newest_checkpoint, read_checkpoint
+    from ddp_recipes.checkpointing.checkpoint import (
+        AtomicCheckpointIO,
+        newest_checkpoint,
+        read_checkpoint,
+        resolve_resume,
+    )
     from ddp_recipes.errors import CheckpointError
 
     monkeypatch.chdir(tmp_path)
@@ -65,6 +71,15 @@ def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_pa
     s3.client().put_object(Bucket="rule", Key=key, Body=bytes(body))
     with pytest.raises(CheckpointError, match="does not match its manifest's sha256"):
         read_checkpoint(f"{run}/checkpoints/best.ckpt")
+
+    # --resume URL: the name it was saved under, or nothing there (one line naming --resume).
+    assert resolve_resume(f"{run}/checkpoints/last.ckpt", run) == f"{run}/checkpoints/last.ckpt"
+    with pytest.raises(CheckpointError, match=r"^resume s3://rule/run/checkpoints/nope\.ckpt: no such checkpoint"):
+        resolve_resume(f"{run}/checkpoints/nope.ckpt", run)
+    # From a URL too, a checkpoint that names a Python object is refused before any of it runs.
+    io.save_checkpoint({**checkpoint(9, 1), "extra": fractions.Fraction(1, 3)}, f"{run}/elsewhere/odd.ckpt")
+    with pytest.raises(CheckpointError, match=r"holds Python objects.*fractions\.Fraction"):
+        read_checkpoint(f"{run}/elsewhere/odd.ckpt")
 
     io.remove_checkpoint(f"{run}/checkpoints/best.ckpt")  # ModelCheckpoint's top-k rotation
     assert not [k for k in s3.keys("rule") if "best" in k]
