@@ -199,3 +199,43 @@ def test_urls_join_like_paths_and_stay_plain_strings_in_checkpoints():
     assert not is_url("runs/x") and not is_url("file:///tmp/x") and is_url("gs://b/p") and is_url("memory://x")
     assert str(location("file:///tmp/x")) == "/tmp/x"
     assert type(str(out)) is str and b"Url" not in pickle.dumps(str(out))
+
+
+class Tiny(__import__("lightning").LightningModule):
+    """A user's own module, for build_trainer's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_build_trainer_on_a_bucket_continues_with_ckpt_path_last(s3, tmp_path, monkeypatch):
+    """A user's script: ``default_root_dir`` a URL, ``fit(ckpt_path="last")`` finds the bucket's newest."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_recipes import build_trainer
+
+    monkeypatch.chdir(tmp_path)
+    root = s3.bucket("library") + "/run"
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+
+    def fit(max_steps: int) -> tuple[int, str | None]:
+        trainer = build_trainer(devices=1, accelerator="cpu", seed=0, max_steps=max_steps, default_root_dir=root,
+                                logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                checkpoint_every_n_steps=2, diagnostics=False)
+        trainer.fit(Tiny(), DataLoader(data, batch_size=8), ckpt_path="last")
+        return trainer.global_step, trainer.ckpt_path
+
+    assert fit(2) == (2, None) and "run/checkpoints/last.ckpt.manifest.json" in s3.keys("library")
+    assert fit(5) == (5, f"{root}/checkpoints/last.ckpt")
+    entry = json.loads(s3.client().get_object(Bucket="library", Key="run/checkpoints/last.ckpt.manifest.json")
+                       ["Body"].read())
+    assert entry["global_step"] == 5
+    assert list(tmp_path.iterdir()) == []
