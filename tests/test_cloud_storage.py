@@ -11,6 +11,7 @@ import fractions
 import json
 import sys
 
+import lightning as L
 import pytest
 import torch
 
@@ -201,7 +202,7 @@ def test_urls_join_like_paths_and_stay_plain_strings_in_checkpoints():
     assert type(str(out)) is str and b"Url" not in pickle.dumps(str(out))
 
 
-class Tiny(__import__("lightning").LightningModule):
+class Tiny(L.LightningModule):
     """A user's own module, for build_trainer's path."""
 
     def __init__(self) -> None:
