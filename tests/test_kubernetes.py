@@ -111,6 +111,11 @@ def test_a_pod_without_torchrun_is_one_node_of_world_size(pod):
         resolve_world(4, None)
     with raises_cli(Exception, r"^--num-nodes 3 disagrees with WORLD_SIZE=2"):
         resolve_world(None, 3)
+    pod.setenv("PET_NPROC_PER_NODE", "4")  # nprocPerNode set, but the command is not torchrun
+    with raises_cli(Exception, r"^PET_NPROC_PER_NODE=4 \(PyTorchJob nprocPerNode\) but this pod's command is not "
+                               r"torchrun"):
+        resolve_world(None, None)
+    pod.delenv("PET_NPROC_PER_NODE")
     pod.setenv("NODE_RANK", "0")
     with raises_cli(Exception, r"^NODE_RANK=0 but RANK=1 in a pod"):
         check_node_env(2, "cpu")

@@ -60,6 +60,12 @@ def _pod_world(devices: int | None, num_nodes: int | None) -> tuple[int, int]:
     if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
         raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} (one process per pod) must be integers with "
                           "0 <= RANK < WORLD_SIZE; check the pod's environment")
+    per_pod = os.environ.get("PET_NPROC_PER_NODE", "")
+    if per_pod.isdigit() and int(per_pod) > 1:
+        # PyTorchJob's nprocPerNode counts WORLD_SIZE in processes, while this command starts one per pod.
+        raise ConfigError(f"PET_NPROC_PER_NODE={per_pod} (PyTorchJob nprocPerNode) but this pod's command is not "
+                          f"torchrun: WORLD_SIZE={world} counts {per_pod} processes per pod; make the command "
+                          "torchrun -m recipes.<name> (it reads the PET_* variables)")
     if devices not in (None, 1):
         raise ConfigError(f"{{devices}} {devices}, but this pod was started as one process of WORLD_SIZE {world} "
                           f"(RANK set, no torchrun): run the pod's command under torchrun --nproc-per-node {devices} "
