@@ -75,28 +75,28 @@ def test_sigterm_mid_epoch_then_resume_auto_from_the_bucket_on_a_new_node_is_exa
     assert len([k for k in keys if "/objects/" in k]) == 2  # last and best: replaced objects are deleted
 
 
-MNIST = ["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--devices", "2",
-         "--max-steps", "10", "--checkpoint-every-n-steps", "1", "--no-diagnostics"]
+MNIST = ["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--devices", "1",
+         "--max-steps", "8", "--checkpoint-every-n-steps", "1", "--no-diagnostics"]
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 def test_an_upload_killed_mid_write_resumes_from_the_previous_complete_checkpoint(s3, tmp_path):
-    """The server holds the step-5 upload after half its body and the node goes away (SIGKILL): the bucket
-    still says step 4, ``--resume auto`` takes it, and the run ends as the uninterrupted one (2 ranks)."""
+    """The server holds the step-3 upload after half its body and the node goes away (SIGKILL): the bucket
+    still says step 2, ``--resume auto`` takes it, and the run ends as the uninterrupted one."""
     from ddp_recipes.checkpointing.checkpoint import newest_checkpoint, read_checkpoint
 
     run([*MNIST, "--output-dir", str(tmp_path / "straight")], timeout=600, check=True)
     bucket = "cut"
     out = s3.bucket(bucket) + "/run"
-    held = s3.stall(lambda method, path: object_upload(method, path) and "/last-00000005-" in path)
+    held = s3.stall(lambda method, path: object_upload(method, path) and "/last-00000003-" in path)
     proc = start([*MNIST, "--output-dir", out], **node(tmp_path, "node-a", s3))
-    proc.wait_until(held.is_set, CAPTURED_STEP_LIMIT_S, "the step-5 upload half sent", poll_s=0.2)
+    proc.wait_until(held.is_set, CAPTURED_STEP_LIMIT_S, "the step-3 upload half sent", poll_s=0.2)
     proc.kill()  # the node goes away in the middle of the upload
     s3.reset_faults()
-    assert manifest(s3, bucket)["global_step"] == 4
-    assert not [k for k in s3.keys(bucket) if "/last-00000005-" in k]
-    assert read_checkpoint(newest_checkpoint(out))["global_step"] == 4  # what --resume auto takes
+    assert manifest(s3, bucket)["global_step"] == 2
+    assert not [k for k in s3.keys(bucket) if "/last-00000003-" in k]
+    assert read_checkpoint(newest_checkpoint(out))["global_step"] == 2  # what --resume auto takes
 
     run([*MNIST, "--output-dir", out, "--resume", "auto"], timeout=600, check=True, **node(tmp_path, "node-b", s3))
-    assert manifest(s3, bucket)["global_step"] == 10
+    assert manifest(s3, bucket)["global_step"] == 8
     assert_same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", final_weights(s3, bucket, tmp_path))
