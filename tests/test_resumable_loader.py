@@ -99,3 +99,38 @@ def test_mid_epoch_resume_yields_the_rest_of_the_epoch(world):
         resumed = resumable_loader(data, BATCH, SEED, world, rank, collate_fn=keep_batch)
         resumed.load_state_dict(state)
         assert_same(epoch_batches(resumed, 1), straight[rank][2:])
+
+
+EXIT_SCRIPT = """
+import torch
+from ddp_recipes.data.resumable import resumable_loader
+from ddp_recipes.data.samplers import TensorBatchDataset
+
+loader = resumable_loader(TensorBatchDataset(torch.arange(64.0)), 8, 0, 1, 0, num_workers=1)
+loader.sampler.set_epoch(0)
+it = iter(loader)
+next(it)
+
+
+class Holder:
+    pass
+
+
+holder = Holder()
+holder.self, holder.it = holder, it  # a reference cycle: freed by the GC only, after the exit handlers
+del it
+print("done", flush=True)
+"""
+
+
+def test_a_run_ends_while_its_sigterm_ignoring_workers_are_alive(tmp_path):
+    """Persistent workers still alive at exit ignore multiprocessing's SIGTERM; the process must still exit
+    (it used to hang in multiprocessing's join of its daemon children)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ends.py"
+    script.write_text(EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr

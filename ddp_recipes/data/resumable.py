@@ -22,7 +22,10 @@ consumed, taken from the batches actually handed to the training loop (not the o
 
 from __future__ import annotations
 
+import atexit
 import math
+import multiprocessing
+import multiprocessing.util  # noqa: F401  (its exit handler is registered on import: before ours, below)
 import random
 import signal
 from collections.abc import Iterator, Sized
@@ -212,6 +215,41 @@ def ignore_preemption_signals(worker_id: int) -> None:
     for signum in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
         if signum is not None:
             signal.signal(signum, signal.SIG_IGN)
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGTERM (Linux: its ``SigIgn`` mask; elsewhere unknown, so False)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def _kill_workers_left_at_exit() -> None:
+    """At interpreter exit, SIGKILL the daemon children that ignore SIGTERM, before multiprocessing joins them.
+
+    A loader iterator still alive at exit (persistent workers held by a reference cycle, freed only by the
+    GC after the exit handlers) never shuts its workers down; multiprocessing's own exit handler then
+    sends its daemon children SIGTERM, which workers started with :func:`ignore_preemption_signals`
+    ignore, and joins them, which never returns: a finished run that hangs at exit. Such a child can do
+    nothing with SIGTERM anyway, and loader workers hold nothing to save, so they are killed outright;
+    children that honour SIGTERM are left to multiprocessing.
+    """
+    stuck = [p for p in multiprocessing.active_children()
+             if p.daemon and p.pid is not None and _ignores_sigterm(p.pid)]
+    if stuck and hasattr(signal, "SIGCHLD"):
+        # torch's SIGCHLD handler would raise "DataLoader worker ... killed" into whatever exit code runs next.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for process in stuck:
+        process.kill()
+
+
+# Exit handlers run last registered first: this one before multiprocessing's (imported above).
+atexit.register(_kill_workers_left_at_exit)
 
 
 class ResumableDataLoader(DataLoader):
