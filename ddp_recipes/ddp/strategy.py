@@ -103,6 +103,7 @@ class TunedDDPStrategy(DDPStrategy):
     ) -> None:
         # The pack's one validator (also DDPOptions'): each value fails here, in one line naming it, not at
         # the rendezvous or the DDP wrap.
+        _drop_unset_ddp_own(kwargs)
         _check_keywords(kwargs)
         checked = check_ddp_values(dict(
             find_unused_parameters=find_unused_parameters, static_graph=static_graph,
@@ -406,6 +407,15 @@ def keep_group_at_exit() -> None:
 def _destroy_group_unless_failed() -> None:
     if _group_at_exit["destroy"]:
         _destroy_dist_connection()
+
+
+def _drop_unset_ddp_own(kwargs: dict[str, Any]) -> None:
+    """Forget the arguments Lightning sets itself when they are given at DDP's default (None): LightningCLI
+    (jsonargparse) follows ``**kwargs`` into DistributedDataParallel's signature and spells out every default,
+    ``device_mesh=None`` and ``process_group=None`` included. Set to anything else they stay and are refused."""
+    for name in _DDP_OWN - {"self", "module"}:
+        if name in kwargs and kwargs[name] is None:
+            del kwargs[name]
 
 
 def _check_keywords(kwargs: dict[str, Any]) -> None:
