@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import yaml
@@ -161,3 +162,51 @@ def test_user_callback_survives_two_ranks_and_resume_auto(tmp_path):
                          "strategy": "TunedDDPStrategy", "limit_val_batches": 2, "log_every_n_steps": 2,
                          "own_callbacks": 1}
         assert resumed["restored"] == 6 and resumed["batches"] == 9 and resumed["global_step"] == 9
+
+
+# ---- the pack under a user's own LightningCLI ------------------------------------------------------------
+
+
+def _cli(args: list[str]):
+    from lightning.pytorch.cli import LightningCLI
+
+    return LightningCLI(args=args, run=False, save_config_callback=None)
+
+
+@pytest.mark.parametrize("form", ["flags", "yaml"])
+def test_lightning_cli_takes_the_strategy_by_class_path(tmp_path, monkeypatch, form):
+    """No import of the pack in the script: the class path names TunedDDPStrategy, init_args reach it (LightningCLI
+    spells out every DistributedDataParallel default through **kwargs; the strategy takes them)."""
+    from ddp_recipes.ddp.strategy import TunedDDPStrategy
+
+    monkeypatch.setattr(sys, "argv", ["my_cli.py"])  # LightningCLI warns when pytest's own argv is there too
+    if form == "flags":
+        strategy = ["--trainer.strategy.class_path", "ddp_recipes.TunedDDPStrategy",
+                    "--trainer.strategy.init_args.comm_hook", "bf16", "--trainer.strategy.init_args.bucket_cap_mb", "5"]
+    else:
+        (tmp_path / "trainer.yaml").write_text(yaml.safe_dump({"trainer": {"strategy": {
+            "class_path": "ddp_recipes.TunedDDPStrategy", "init_args": {"comm_hook": "bf16", "bucket_cap_mb": 5}}}}))
+        strategy = ["--config", str(tmp_path / "trainer.yaml")]
+    cli = _cli([*strategy, "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.logger", "false",
+                "--model", "ddp_recipes.MNISTClassifier", "--data", "ddp_recipes.MNISTDataModule"])
+    assert type(cli.trainer.strategy) is TunedDDPStrategy
+    assert cli.trainer.strategy.comm_hook == "bf16" and cli.trainer.strategy._ddp_kwargs["bucket_cap_mb"] == 5
+    assert cli.trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is True  # the pack's default, kept
+
+
+@needs_mnist
+def test_lightning_cli_two_ranks_with_the_registry_name(tmp_path):
+    """``fit --trainer.strategy tuned_ddp --trainer.devices 2`` with the pack's MNIST module and DataModule named
+    on the command line: 2 gloo ranks under TunedDDPStrategy, identical parameters after training."""
+    out = tmp_path / "out"
+    run(["tests/lightning_cli_scenario.py", "fit", "--model", "ddp_recipes.MNISTClassifier",
+         "--data", "ddp_recipes.MNISTDataModule", "--data.data_dir", str(SHARED_DATA), "--data.download", "false",
+         "--data.batch_size", "32", "--trainer.strategy", "tuned_ddp", "--trainer.devices", "2",
+         "--trainer.accelerator", "cpu", "--trainer.max_steps", "8", "--trainer.logger", "false",
+         "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
+         "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(out), "--seed_everything", "3",
+         "--trainer.callbacks+=tests.lightning_cli_scenario.SameWeights"], check=True)
+    facts = json.loads((out / "ranks.json").read_text())
+    assert facts["strategy"] == "TunedDDPStrategy" and facts["world_size"] == 2 and facts["backend"] == "gloo"
+    assert facts["global_step"] == 8 and facts["gradient_as_bucket_view"] is True
+    assert facts["rank_max_abs_diff"] == 0.0 and facts["moved_from_start"] > 0
