@@ -81,6 +81,28 @@ def test_settings_callbacks_and_logger_reach_the_trainer(tmp_path):
     assert summary["config"]["trainer"] == {"limit_val_batches": 2, "log_every_n_steps": 1, "val_check_interval": 10}
 
 
+class CountTests(Callback):
+    def __init__(self) -> None:
+        self.test_batches = 0
+
+    def on_test_batch_end(self, *args) -> None:
+        self.test_batches += 1
+
+
+def test_resnet_takes_the_same_surface_in_fit_and_test_only(tmp_path):
+    tiny = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "32",
+            "--synthetic-val-samples", "48", "--batch-size", "16", "--output-dir", str(tmp_path / "out")]
+    probe, counted = Probe(), CountTests()
+    resnet.main([*tiny, "--max-steps", "1", "--trainer", "limit_val_batches=1"], callbacks=[probe, counted],
+                logger=False, trainer_kwargs={"num_sanity_val_steps": 0})
+    assert probe.seen["limit_val_batches"] == 1 and probe.seen["num_sanity_val_steps"] == 0
+    assert probe.seen["logger"] is None and not (tmp_path / "out" / "logs").exists()
+    assert counted.test_batches == 3  # 48 images / 16: the whole test set
+    again = CountTests()
+    resnet.main([*tiny, "--test-only", "--resume", "auto", "--trainer", "limit_test_batches=2"], callbacks=[again])
+    assert again.test_batches == 2
+
+
 def test_print_config_round_trips_trainer_and_callbacks(tmp_path, capsys):
     args = ["--trainer", "val_check_interval=0.5", "--trainer", "limit_val_batches=1.0",
             "--callbacks", "LearningRateMonitor", "--callbacks", "{class_path: EarlyStopping, init_args: {monitor: val_acc}}"]
