@@ -425,6 +425,9 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
     unknown = sorted(set(kwargs) - strategy - ddp)
     if unknown:
         name = unknown[0]
+        if name in _DDP_OWN:
+            raise ConfigError(f"{{{name}}} of DistributedDataParallel is set by Lightning's DDP wrap (module, devices, "
+                              "process group); leave it out", name)
         raise ConfigError(f"{{{name}}} is not an argument of TunedDDPStrategy, Lightning's DDPStrategy or "
                           f"DistributedDataParallel; check its spelling (DDP accepts: {', '.join(sorted(ddp))})", name)
 
