@@ -32,7 +32,8 @@ PACK_OWNED: dict[str, str] = {
     "max_steps": "{max_steps}",
     "accumulate_grad_batches": "{accumulate_grad_batches} (or {global_batch_size})",
     "default_root_dir": "{output_dir}",
-    "callbacks": "{callbacks} (class_path / init_args) or main(callbacks=[...])",
+    "callbacks": "{callbacks} (in --config a top-level callbacks: list of class_path / init_args) or "
+                 "main(callbacks=[...])",
     "logger": "main(logger=...)",
     # last.ckpt is what --resume and preemption run on; Lightning refuses it with enable_checkpointing=False.
     "enable_checkpointing": "{checkpoint_every_n_steps} (the recipe's last.ckpt is what {resume} reads)",
