@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 
 from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.config.choices import MNISTArch
@@ -27,6 +29,7 @@ from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
 from ddp_recipes.train.run import has_loader, run_fit_test
+from ddp_recipes.train.surface import open_surface
 from ddp_recipes.train.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.mnist"
@@ -80,16 +83,21 @@ def build_model(cfg: MNISTConfig, lr: float, cls: type[MNISTClassifier] = MNISTC
 
 
 def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None = None,
-         datamodule_cls: type[L.LightningDataModule] | None = None) -> dict:
+         datamodule_cls: type[L.LightningDataModule] | None = None, *, callbacks: list[Callback] | None = None,
+         logger: Any = None, trainer_kwargs: dict[str, Any] | None = None) -> dict:
     """Parse flags, train, test; returns the summary (also written to <output-dir>/summary.json).
 
     ``model_cls``: your subclass of :class:`MNISTClassifier` (as ``--model-class``); ``datamodule_cls``: your
     LightningDataModule (as ``--datamodule-class``). Call it from your script's ``if __name__ == "__main__":``
     block with ``sys.argv[1:]``: with ``--devices N`` Lightning starts each rank by running your script again.
+    ``callbacks`` run after the recipe's (and ``--callbacks``'); ``logger`` (a Lightning logger, a list, or
+    False) replaces the recipe's; ``trainer_kwargs`` are ``lightning.Trainer`` settings the recipe does not own,
+    as ``--trainer KEY=VALUE`` (which overrides them). Build them in every rank: this runs in each.
     """
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     try:
         classes = resolve_classes(MNISTClassifier, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
+        user = open_surface(cfg, callbacks, logger, trainer_kwargs)
         resume, checkpoint = open_resume(cfg)
         if resume:
             classes = follow_checkpoint(classes, checkpoint, resume)
@@ -100,9 +108,9 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
         own_data = classes.datamodule is None
         has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")
         return run_fit_test(cfg, lambda: build_model(cfg, lr, classes.model_class), datamodule, lr,
-                            callbacks=checkpoint_callbacks(cfg, has_val, classes.model_class), ckpt_path=resume,
-                            test=own_data or has_loader(datamodule, "test"), classes=classes,
-                            extra={"arch": cfg.arch, "resumed_from": resume})
+                            callbacks=[*checkpoint_callbacks(cfg, has_val, classes.model_class), *user.callbacks],
+                            ckpt_path=resume, test=own_data or has_loader(datamodule, "test"), classes=classes,
+                            extra={"arch": cfg.arch, "resumed_from": resume}, **user.trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
         fail(err.cli(), PROG)
 

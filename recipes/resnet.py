@@ -17,8 +17,10 @@ import dataclasses
 import math
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 
 from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.config.choices import (
@@ -45,6 +47,7 @@ from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_d
 from ddp_recipes.optim.schedules import ReferenceSchedule
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
 from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
+from ddp_recipes.train.surface import open_surface
 from ddp_recipes.train.userclass import (
     class_path,
     construct_datamodule,
@@ -123,6 +126,8 @@ class ResNetConfig(RunConfig):
     DEFAULT_REFERENCE_BATCH = 256
     DEFAULT_MAX_EPOCHS = 30
     DEFAULT_NUM_WORKERS = None  # fitted to the cores per rank (decoding and augmentation)
+    TRAINER_OWNED = {**RunConfig.TRAINER_OWNED, "gradient_clip_val": "{clip_grad_norm}",
+                     "gradient_clip_algorithm": "{clip_grad_norm} (the global norm)"}
 
     def default_num_workers(self, devices_per_node: int) -> int:
         # Synthetic data are in-memory tensors: no decode to overlap, so no workers unless asked.
@@ -292,17 +297,22 @@ def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
 
 
 def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None = None,
-         datamodule_cls: type[L.LightningDataModule] | None = None) -> dict:
+         datamodule_cls: type[L.LightningDataModule] | None = None, *, callbacks: list[Callback] | None = None,
+         logger: Any = None, trainer_kwargs: dict[str, Any] | None = None) -> dict:
     """Parse flags, train (or resume), test; returns the summary written to <output-dir>/summary.json.
 
     ``model_cls``: your subclass of :class:`ResNetClassifier` (as ``--model-class``); ``datamodule_cls``: your
     LightningDataModule (as ``--datamodule-class``; replaces ``--data``). Call it from your script's
     ``if __name__ == "__main__":`` block with ``sys.argv[1:]``: with ``--devices N`` Lightning starts each
     rank by running your script again.
+    ``callbacks`` run after the recipe's (and ``--callbacks``'); ``logger`` (a Lightning logger, a list, or
+    False) replaces the recipe's; ``trainer_kwargs`` are ``lightning.Trainer`` settings the recipe does not own,
+    as ``--trainer KEY=VALUE`` (which overrides them). Build them in every rank: this runs in each.
     """
     cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
     try:
         classes = resolve_classes(ResNetClassifier, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
+        user = open_surface(cfg, callbacks, logger, trainer_kwargs)
         resume, checkpoint = open_resume(cfg)
         if resume:
             classes = follow_checkpoint(classes, checkpoint, resume)
@@ -347,7 +357,8 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             if cfg.model_ema and ema_state_dict(checkpoint) is None:
                 raise ConfigError(f"{{model_ema}}: {{resume}} {lit(resume)} holds no EMA weights (trained without "
                                   "{model_ema}); drop {model_ema} to evaluate its weights")
-            return run_test_only(cfg, model, datamodule, resume, checkpoint, classes=classes)
+            return run_test_only(cfg, model, datamodule, resume, checkpoint, classes=classes,
+                                 user_callbacks=user.callbacks, **user.trainer_kwargs)
         if resume:
             # The optimizer's state must fit this run's optimizer and parameter groups.
             saved = dict(checkpoint.get("hyper_parameters") or {})
@@ -356,14 +367,14 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
                              {"optimizer": optimizer_of(vars(cfg)), "norm_weight_decay": cfg.norm_weight_decay,
                               "bias_weight_decay": cfg.bias_weight_decay},
                              defaults={"norm_weight_decay": 0.0, "bias_weight_decay": 0.0})
-        callbacks = checkpoint_callbacks(cfg, has_val, classes.model_class)
+        run_callbacks = checkpoint_callbacks(cfg, has_val, classes.model_class)
         if cfg.model_ema:
-            callbacks.append(ema_callback(cfg))
+            run_callbacks.append(ema_callback(cfg))
         clip = dict(gradient_clip_val=cfg.clip_grad_norm, gradient_clip_algorithm="norm") if cfg.clip_grad_norm else {}
-        return run_fit_test(cfg, model, datamodule, lr, callbacks=callbacks, ckpt_path=resume, test=has_test,
-                            save_final=False, classes=classes,
+        return run_fit_test(cfg, model, datamodule, lr, callbacks=[*run_callbacks, *user.callbacks], ckpt_path=resume,
+                            test=has_test, save_final=False, classes=classes,
                             extra={"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume},
-                            **clip)
+                            **clip, **user.trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
         fail(err.cli(), PROG)
     except OSError as err:

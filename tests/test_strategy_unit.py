@@ -22,6 +22,15 @@ def test_registry_names_work_like_lightnings():
     assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
 
 
+def test_ddp_arguments_lightning_sets_are_taken_at_their_default_only():
+    """LightningCLI spells out DistributedDataParallel's defaults through **kwargs: those Lightning sets itself
+    (device_mesh, process_group, output_device, device_ids) are dropped at None, refused at any other value."""
+    strategy = TunedDDPStrategy(device_mesh=None, process_group=None, output_device=None, device_ids=None, dim=0)
+    assert not {"device_mesh", "process_group", "output_device", "device_ids"} & set(strategy._ddp_kwargs)
+    with raises_cli(ValueError, match="--process-group of DistributedDataParallel is set by Lightning's DDP wrap"):
+        TunedDDPStrategy(process_group=object())
+
+
 def test_ddpstrategy_arguments_pass_through():
     strategy = TunedDDPStrategy(process_group_backend="gloo", start_method="spawn", timeout=timedelta(seconds=7),
                                 bucket_cap_mb=10, static_graph=True, broadcast_buffers=False)

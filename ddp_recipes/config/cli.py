@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from ddp_recipes.config.choices import literal_choices
+from ddp_recipes.config.trainer_settings import split_setting
 from ddp_recipes.errors import ConfigError, flag, lit
 from ddp_recipes.storage import Url, check_store, is_url
 
@@ -34,7 +35,10 @@ def opt(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors 
 
 
 def _base_type(annotation: Any) -> tuple[type, bool]:
-    """(scalar type, optional?) of a field annotation such as ``int | None`` or ``Literal[...] | None``."""
+    """(scalar type, optional?) of a field annotation such as ``int | None`` or ``Literal[...] | None``;
+    ``dict``/``list`` for a mapping or list field (``--trainer KEY=VALUE``, ``--callbacks SPEC``)."""
+    if get_origin(annotation) in (dict, list):
+        return get_origin(annotation), False
     args = [a for a in get_args(annotation) if a is not type(None)]
     if get_origin(annotation) is Literal:
         return type(get_args(annotation)[0]), False
@@ -62,6 +66,11 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         names = [flag(f.name), *f.metadata.get("aliases", ())]
         help_text = f.metadata.get("help", "")
+        if kind in (dict, list):
+            # Repeatable; parse_config puts the values on top of the config file's (a dict by key, a list after it).
+            parser.add_argument(*names, dest=f.name, action="append", default=None, help=help_text,
+                                metavar=f.metadata.get("metavar", "VALUE"))
+            continue
         if kind is bool:
             # --sync-batchnorm turns it on, --no-sync-batchnorm off: no value needed.
             parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
@@ -123,6 +132,14 @@ def _key_names(cls: type) -> dict[str, str]:
 def _coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     """A YAML value as the field's type (YAML 1.1 reads ``1e-3`` as a string: numbers in strings are accepted)."""
     kind, optional = _base_type(annotation)
+    if kind in (dict, list):
+        if value is None:
+            return kind()
+        if not isinstance(value, kind):
+            wanted = "a mapping (key: value lines under it)" if kind is dict else "a list (- item lines under it)"
+            raise ConfigError(f"{{config}} {lit(source)}: {lit(key)} must be {wanted} (got {lit(repr(value))})",
+                              "config")
+        return kind(value)
     if value is None:
         if optional:
             return None
@@ -235,6 +252,23 @@ def dump_config(config: Any, prog: str | None = None) -> str:
     return "\n".join(header) + "\n" + body
 
 
+def _merge_repeatable(cls: type, namespace: dict[str, Any], from_file: dict[str, Any]) -> None:
+    """A mapping or list field from the config file with the command line's values on top: ``--trainer
+    KEY=VALUE`` replaces that key of the file's ``trainer:``; ``--callbacks`` adds after the file's."""
+    hints = typing.get_type_hints(cls)
+    for f in _cli_fields(cls):
+        kind, _ = _base_type(hints[f.name])
+        if kind not in (dict, list):
+            continue
+        given = namespace.get(f.name) or []
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else kind()  # type: ignore[misc]
+        base = from_file.get(f.name, default)
+        if kind is dict:
+            namespace[f.name] = {**base, **dict(split_setting(text, f.name) for text in given)}
+        else:
+            namespace[f.name] = [*base, *given]
+
+
 def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None,
                  description: str | None = None) -> C:
     """Parse ``argv`` into ``cls``; a bad value exits 2 with a one-line message naming the flag.
@@ -250,11 +284,12 @@ def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None =
         if len(known.config) > 1:
             raise ConfigError("{config} was given more than once; merge the files into one", "config")
         known.config = known.config[0] if known.config else None
-        if known.config:
-            parser.set_defaults(**load_config_file(cls, known.config))
+        from_file = load_config_file(cls, known.config) if known.config else {}
+        parser.set_defaults(**{k: v for k, v in from_file.items() if not isinstance(v, dict | list)})
         namespace = vars(parser.parse_args(argv))
         namespace.pop("config")
         show = namespace.pop("print_config")
+        _merge_repeatable(cls, namespace, from_file)
         config = cls(**namespace)
     except ConfigError as err:
         fail(err.cli(), parser.prog)

@@ -23,6 +23,7 @@ from ddp_recipes.config.choices import (
 )
 from ddp_recipes.config.cli import opt
 from ddp_recipes.config.plan import DDPOptions, RunPlan
+from ddp_recipes.config.trainer_settings import PACK_OWNED, callback_spec, check_trainer_settings
 from ddp_recipes.config.world import default_num_workers
 from ddp_recipes.errors import ConfigError
 
@@ -76,6 +77,12 @@ class RunConfig:
     datamodule_class: str | None = opt(None, "your LightningDataModule, package.module:ClassName (its __init__ gets "
                                              "batch_size and the recipe's data flags it declares)")
     diagnostics: bool = opt(True, "check the run for DDP mistakes (unsharded data, drifting weights, ...) and warn once")
+    trainer: dict[str, Any] = opt({}, "a lightning.Trainer setting the recipe does not own, KEY=VALUE, repeatable "
+                                      "(--trainer val_check_interval=0.25 --trainer limit_val_batches=10); a trainer: "
+                                      "mapping in --config", metavar="KEY=VALUE")
+    callbacks: list[Any] = opt([], "a Lightning callback by class path (LearningRateMonitor, pkg.mod.MyCallback) or as a "
+                                    "YAML mapping {class_path: ..., init_args: {...}}, repeatable; a callbacks: list "
+                                    "in --config, as LightningCLI writes it", metavar="SPEC")
 
     # The recipe's defaults, used where the flags above are left unset. Subclasses override these.
     DEFAULT_BATCH_SIZE: typing.ClassVar[int] = 64
@@ -84,6 +91,8 @@ class RunConfig:
     DEFAULT_MAX_EPOCHS: typing.ClassVar[int] = 5
 
     DEFAULT_NUM_WORKERS: typing.ClassVar[int | None] = 0  # None: fitted to the cores per rank
+    # lightning.Trainer settings the recipe sets itself (refused in --trainer), and the flag to use instead.
+    TRAINER_OWNED: typing.ClassVar[dict[str, str]] = PACK_OWNED
 
     def __post_init__(self) -> None:
         # What was asked, before a recipe fills in its resolved defaults (--print-config writes this).
@@ -105,6 +114,9 @@ class RunConfig:
             check_choice("compile_backend", self.compile_backend, sorted(list_backends(exclude_tags=())))
         if self.checkpoint_every_n_steps < 0:
             raise ConfigError(f"{{checkpoint_every_n_steps}} must be >= 0 (got {self.checkpoint_every_n_steps})")
+        self.trainer = check_trainer_settings(self.trainer, self.TRAINER_OWNED)
+        self.callbacks = [callback_spec(spec) for spec in self.callbacks]
+        self.__dict__["_asked"].update(trainer=dict(self.trainer), callbacks=list(self.callbacks))  # as read
         # Resolve now, once: a bad combination fails before any process starts, and everything downstream
         # reads the frozen plan instead of re-deriving it.
         self.__dict__["_plan"] = self.resolve()

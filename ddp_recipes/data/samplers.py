@@ -91,6 +91,11 @@ def resumable_train_loader(dataset: Dataset, batch_size: int, seed: int, num_wor
                             pin_memory=pin_memory, collate_fn=_collate(dataset), **kwargs)
 
 
+# One more copy of a rank's epoch in memory, at most (MNIST's 60k float images are 188 MB): above it, the
+# saved copy per step is not worth the memory.
+EPOCH_GATHER_MAX_BYTES = 1 << 30
+
+
 class TensorBatchDataset(TensorDataset):
     """A TensorDataset that hands the DataLoader whole batches: one indexing op per tensor per batch.
 
@@ -108,6 +113,18 @@ class TensorBatchDataset(TensorDataset):
         for this class; a subclass may override ``__getitem__``/``__getitems__`` with a random transform."""
         cls = type(self)
         return not (cls.__getitem__ is TensorDataset.__getitem__ and cls.__getitems__ is TensorBatchDataset.__getitems__)
+
+    def gather_epoch(self, order: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """This rank's whole epoch, rows in ``order``, as one copy per tensor (the resumable loader's
+        in-process path then hands out each batch as a view of it: no copy per step). None where a batch
+        is not the plain row gather of :meth:`__getitems__` (a subclass's own fetch) or where the copy
+        would exceed :data:`EPOCH_GATHER_MAX_BYTES` (then every batch is gathered on its own)."""
+        if type(self).__getitems__ is not TensorBatchDataset.__getitems__ or self.draws_random_numbers:
+            return None
+        row_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors if len(t))
+        if row_bytes * len(order) > EPOCH_GATHER_MAX_BYTES:
+            return None
+        return self.__getitems__(order)
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         index = torch.as_tensor(indices, dtype=torch.long)

@@ -103,6 +103,7 @@ class TunedDDPStrategy(DDPStrategy):
     ) -> None:
         # The pack's one validator (also DDPOptions'): each value fails here, in one line naming it, not at
         # the rendezvous or the DDP wrap.
+        _drop_unset_ddp_own(kwargs)
         _check_keywords(kwargs)
         checked = check_ddp_values(dict(
             find_unused_parameters=find_unused_parameters, static_graph=static_graph,
@@ -408,6 +409,15 @@ def _destroy_group_unless_failed() -> None:
         _destroy_dist_connection()
 
 
+def _drop_unset_ddp_own(kwargs: dict[str, Any]) -> None:
+    """Forget the arguments Lightning sets itself when they are given at DDP's default (None): LightningCLI
+    (jsonargparse) follows ``**kwargs`` into DistributedDataParallel's signature and spells out every default,
+    ``device_mesh=None`` and ``process_group=None`` included. Set to anything else they stay and are refused."""
+    for name in _DDP_OWN - {"self", "module"}:
+        if name in kwargs and kwargs[name] is None:
+            del kwargs[name]
+
+
 def _check_keywords(kwargs: dict[str, Any]) -> None:
     """Unknown keywords fail now, naming themselves, not at the DDP wrap minutes later."""
     strategy = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
@@ -415,6 +425,9 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
     unknown = sorted(set(kwargs) - strategy - ddp)
     if unknown:
         name = unknown[0]
+        if name in _DDP_OWN:
+            raise ConfigError(f"{{{name}}} of DistributedDataParallel is set by Lightning's DDP wrap (module, devices, "
+                              "process group); leave it out", name)
         raise ConfigError(f"{{{name}}} is not an argument of TunedDDPStrategy, Lightning's DDPStrategy or "
                           f"DistributedDataParallel; check its spelling (DDP accepts: {', '.join(sorted(ddp))})", name)
 

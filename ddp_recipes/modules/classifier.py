@@ -34,6 +34,9 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+# Registers "tuned_ddp" in Lightning's strategy registry: a LightningCLI run that names one of the pack's
+# modules (--model ddp_recipes.MNISTClassifier --trainer.strategy tuned_ddp) imports nothing else of the pack.
+import ddp_recipes.ddp.strategy  # noqa: F401
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.logging import SyncFreeMean, TrainLossLogging

@@ -40,7 +40,8 @@ def has_loader(datamodule: L.LightningDataModule, stage: str) -> bool:
 
 def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwargs: Any) -> L.Trainer:
     """The Trainer of ``cfg.plan`` (:func:`~ddp_recipes.train.trainer.trainer_for`, what ``build_trainer`` ends
-    in) with the recipe's logging: CSV metrics under ``<output-dir>/logs``, a progress bar."""
+    in) with the recipe's logging: CSV metrics under ``<output-dir>/logs``, a progress bar. ``kwargs`` (a run's
+    ``--trainer`` settings, ``logger``, ...) win over these defaults."""
     kwargs.setdefault("logger", CSVLogger(cfg.output_dir, name="logs"))
     kwargs.setdefault("default_root_dir", cfg.output_dir)
     kwargs.setdefault("log_every_n_steps", 10)
@@ -126,11 +127,13 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
 
 
 def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], datamodule: L.LightningDataModule,
-                  ckpt_path: str, checkpoint: dict[str, Any], classes: RecipeClasses | None = None) -> dict[str, Any]:
+                  ckpt_path: str, checkpoint: dict[str, Any], classes: RecipeClasses | None = None,
+                  user_callbacks: list[Callback] | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
     """Evaluate the checkpoint ``ckpt_path`` on the test set, no training: every rank loads it, the test set
     is sharded exactly (no padded duplicates), and the metrics are the whole set's. When the checkpoint
     holds EMA weights (``--model-ema``) they are evaluated too (``test_acc_ema``, ...). Writes
-    ``<output-dir>/test.json`` on rank 0 and returns the same dict on every rank."""
+    ``<output-dir>/test.json`` on rank 0 and returns the same dict on every rank. ``user_callbacks`` and
+    ``trainer_kwargs`` are the run's own (:mod:`ddp_recipes.train.surface`); no logger unless one is given."""
     from ddp_recipes.optim.ema import EMAArgs, ModelEMA, ema_state_dict
 
     out = writable_dir(cfg.output_dir, "output_dir")
@@ -142,7 +145,8 @@ def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], 
                        update_every=int(ema_state.get("update_every", 1)))
         ema.load_state_dict(ema_state)  # Lightning restores callback state for fit only
         callbacks.append(ema)
-    trainer = make_trainer(cfg, callbacks=callbacks, logger=False, enable_checkpointing=False)
+    trainer_kwargs = {"logger": False, **trainer_kwargs, "enable_checkpointing": False}
+    trainer = make_trainer(cfg, callbacks=[*callbacks, *(user_callbacks or [])], **trainer_kwargs)
     model = build_model()
     with plain_data():
         results = trainer.test(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)

@@ -1,0 +1,136 @@
+"""The resumable loader's in-process path over in-memory tensors: the same batches as torch's own
+DataLoader over the same sampler, each a view of one per-epoch copy, and exact mid-epoch resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from ddp_recipes.data import samplers
+from ddp_recipes.data.resumable import ResumableSampler, SeededDataset, resumable_loader
+from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+
+N, BATCH, SEED = 50, 8, 3
+
+
+def dataset() -> TensorBatchDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorBatchDataset(torch.randn(N, 1, 4, 4, generator=g), torch.arange(N))
+
+
+def reference_batches(data: TensorBatchDataset, epoch: int, rank: int, world: int) -> list[tuple]:
+    """torch's own DataLoader over the same sampler: a batch sampler over ints, one gather per batch."""
+    sampler = ResumableSampler(SeededDataset(data, SEED), num_replicas=world, rank=rank, seed=SEED)
+    sampler.set_epoch(epoch)
+    return list(DataLoader(data, batch_size=BATCH, sampler=sampler, collate_fn=keep_batch))
+
+
+def epoch_batches(loader, epoch: int) -> list[tuple]:
+    loader.sampler.set_epoch(epoch)
+    return list(loader)
+
+
+def assert_same(batches: list[tuple], expected: list[tuple]) -> None:
+    assert len(batches) == len(expected)
+    for got, want in zip(batches, expected, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("rank,world", [(0, 1), (0, 2), (1, 2)])
+def test_batches_are_torchs_and_views_of_one_epoch_copy(rank, world):
+    data = dataset()
+    loader = resumable_loader(data, BATCH, SEED, num_replicas=world, rank=rank, collate_fn=keep_batch)
+    for epoch in (0, 1):
+        batches = epoch_batches(loader, epoch)
+        assert_same(batches, reference_batches(data, epoch, rank, world))
+        # No copy per step: every batch of the epoch lies in one storage, and it is not the dataset's.
+        storages = {b[0].untyped_storage().data_ptr() for b in batches}
+        assert len(storages) == 1 and storages != {data.tensors[0].untyped_storage().data_ptr()}
+
+
+def test_a_step_editing_its_batch_changes_nothing_else():
+    data = dataset()
+    before = data.tensors[0].clone()
+    loader = resumable_loader(data, BATCH, SEED, num_replicas=1, rank=0, collate_fn=keep_batch)
+    loader.sampler.set_epoch(0)
+    seen = []
+    for x, y in loader:
+        seen.append((x.clone(), y.clone()))
+        x.mul_(0)  # a training step normalising in place
+    assert torch.equal(data.tensors[0], before)
+    assert_same(seen, reference_batches(data, 0, 0, 1))
+    assert_same(epoch_batches(loader, 1), reference_batches(data, 1, 0, 1))
+
+
+def test_over_the_memory_cap_each_batch_is_gathered_alone(monkeypatch):
+    monkeypatch.setattr(samplers, "EPOCH_GATHER_MAX_BYTES", 100)
+    data = dataset()
+    batches = epoch_batches(resumable_loader(data, BATCH, SEED, num_replicas=2, rank=1, collate_fn=keep_batch), 0)
+    assert_same(batches, reference_batches(data, 0, 1, 2))
+    assert len({b[0].untyped_storage().data_ptr() for b in batches}) == len(batches)
+
+
+def test_a_subclass_with_its_own_fetch_keeps_it():
+    class Doubled(TensorBatchDataset):
+        draws_random_numbers = False
+
+        def __getitems__(self, indices):
+            x, y = super().__getitems__(indices)
+            return x * 2, y
+
+    data = Doubled(*dataset().tensors)
+    batches = epoch_batches(resumable_loader(data, BATCH, SEED, num_replicas=1, rank=0, collate_fn=keep_batch), 0)
+    assert_same(batches, [(x * 2, y) for x, y in reference_batches(dataset(), 0, 0, 1)])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_mid_epoch_resume_yields_the_rest_of_the_epoch(world):
+    data = dataset()
+    straight = [epoch_batches(resumable_loader(data, BATCH, SEED, world, r, collate_fn=keep_batch), 1)
+                for r in range(world)]
+    first = resumable_loader(data, BATCH, SEED, world, 0, collate_fn=keep_batch)
+    first.sampler.set_epoch(1)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    assert state["samples_seen"] == 2 * BATCH * world
+    for rank in range(world):
+        resumed = resumable_loader(data, BATCH, SEED, world, rank, collate_fn=keep_batch)
+        resumed.load_state_dict(state)
+        assert_same(epoch_batches(resumed, 1), straight[rank][2:])
+
+
+EXIT_SCRIPT = """
+import torch
+from ddp_recipes.data.resumable import resumable_loader
+from ddp_recipes.data.samplers import TensorBatchDataset
+
+loader = resumable_loader(TensorBatchDataset(torch.arange(64.0)), 8, 0, 1, 0, num_workers=1)
+loader.sampler.set_epoch(0)
+it = iter(loader)
+next(it)
+
+
+class Holder:
+    pass
+
+
+holder = Holder()
+holder.self, holder.it = holder, it  # a reference cycle: freed by the GC only, after the exit handlers
+del it
+print("done", flush=True)
+"""
+
+
+def test_a_run_ends_while_its_sigterm_ignoring_workers_are_alive(tmp_path):
+    """Persistent workers still alive at exit ignore multiprocessing's SIGTERM; the process must still exit
+    (it used to hang in multiprocessing's join of its daemon children)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ends.py"
+    script.write_text(EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
