@@ -122,6 +122,7 @@ class ResNetConfig(RunConfig):
     DEFAULT_LR = 0.1
     DEFAULT_REFERENCE_BATCH = 256
     DEFAULT_MAX_EPOCHS = 30
+    DEFAULT_EXPERIMENT = "resnet"
     DEFAULT_NUM_WORKERS = None  # fitted to the cores per rank (decoding and augmentation)
 
     def default_num_workers(self, devices_per_node: int) -> int:
@@ -360,7 +361,8 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
         if cfg.model_ema:
             callbacks.append(ema_callback(cfg))
         clip = dict(gradient_clip_val=cfg.clip_grad_norm, gradient_clip_algorithm="norm") if cfg.clip_grad_norm else {}
-        return run_fit_test(cfg, model, datamodule, lr, callbacks=callbacks, ckpt_path=resume, test=has_test,
+        return run_fit_test(cfg, model, datamodule, lr, callbacks=callbacks, ckpt_path=resume, checkpoint=checkpoint,
+                            test=has_test,
                             save_final=False, classes=classes,
                             extra={"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume},
                             **clip)
