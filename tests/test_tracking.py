@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.train.callbacks import ThroughputMeter
 from recipes import mnist
 from tests.helpers import SHARED_DATA, free_port, raises_cli, write_mnist_subset
 from tests.launch import run, saved_step, start
@@ -151,6 +152,41 @@ def test_resume_with_other_trackers_or_store_fails_clearly(tmp_path):
         build_loggers(cfg, checkpoint({"wandb": {"id": "abc", "project": "mnist"}}))
     # A checkpoint that records no tracker run (written before they were recorded) starts new ones.
     assert build_loggers(cfg, {"global_step": 4, "callbacks": {}})
+
+
+class _KnownPeak(ThroughputMeter):
+    """The meter on a device whose dense peak is known (no CPU's is): what a GPU run reports."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.is_global_zero:
+            self._peak = 10**12
+
+
+def test_live_metrics_carry_flops_and_mfu_where_the_peak_is_known(tmp_path):
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+    from ddp_recipes.modules.mnist import MNISTClassifier
+    from ddp_recipes.train.perf import training_flops_per_sample
+    from ddp_recipes.train.trainer import build_trainer
+
+    meter = _KnownPeak(flops_per_sample=lambda x: training_flops_per_sample(MNISTClassifier, x))
+    trainer = build_trainer(accelerator="cpu", devices=1, max_steps=8, logger=CSVLogger(tmp_path, name="logs"),
+                            log_every_n_steps=4, callbacks=[meter], enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    data = TensorBatchDataset(torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,)))
+    trainer.fit(MNISTClassifier(), DataLoader(data, batch_size=16, collate_fn=keep_batch))
+    rows = [r for r in csv_rows(tmp_path / "logs" / "version_0" / "metrics.csv") if r["train/device/mfu"]]
+    assert [int(r["step"]) for r in rows] == [3, 7]
+    assert meter.flops_per_sample == training_flops_per_sample(MNISTClassifier, meter.example) > 0
+    for row in rows:
+        device = float(row["train/device/flops_per_sec"])
+        assert device == pytest.approx(meter.flops_per_sample * float(row["train/device/samples_per_sec"]))
+        assert float(row["train/device/mfu"]) == pytest.approx(device / 1e12)
+        assert float(row["train/step_time"]) > 0 and float(row["train/lr"]) == pytest.approx(0.01)
 
 
 def sigterm_then_resume(argv: list[str], out: Path) -> int:
