@@ -49,7 +49,8 @@ class ThroughputMeter(Callback):
         self.flops_per_sample: int | None = None
         self._peak: int | None = None
         self._every = 0
-        self._next_log = sys.maxsize  # the optimizer step of the next live report (never, by default)
+        self._live = False  # live reports: rank 0 with a logger and log_every_n_steps > 0
+        self._next_log = sys.maxsize  # the optimizer step of the next live report
         self._reported = 0  # intervals already in a live report
         self.intervals: list[tuple[int, float, float | None]] = []  # (samples over all ranks, seconds, wait s)
         self.example: torch.Tensor | None = None  # the first batch's input, for the FLOP count
@@ -66,7 +67,8 @@ class ThroughputMeter(Callback):
             self.clock = StepClock(trainer.strategy.root_device)
         self._reported = len(self.intervals)
         self._every = int(trainer.log_every_n_steps or 0)
-        if trainer.is_global_zero and trainer.loggers and self._every > 0:
+        self._live = bool(trainer.is_global_zero and trainer.loggers and self._every > 0)
+        if self._live:
             self._next_log = (trainer.global_step // self._every + 1) * self._every
             self._peak = peak_flops(trainer.strategy.root_device, trainer.precision)
 
@@ -98,7 +100,7 @@ class ThroughputMeter(Callback):
             self._pending.append(((batch_size_of(batch) or 1) * trainer.world_size, self._last, now, input_wait(trainer)))
             self._collect(wait=False)
         self._last = now
-        if trainer.global_step >= self._next_log:
+        if self._live and trainer.global_step >= self._next_log:  # one flag elsewhere, one compare on rank 0
             self._report(trainer)
 
     def _report(self, trainer: L.Trainer) -> None:

@@ -322,7 +322,10 @@ def log_params(loggers: list[Logger], params: dict[str, Any]) -> None:
     for logger in loggers:
         logger.log_hyperparams(params)
         if isinstance(logger, TensorBoardLogger):
-            from torch.utils.tensorboard.summary import hparams
+            if _installed("tensorboard"):
+                from torch.utils.tensorboard.summary import hparams
+            else:  # the other package Lightning's TensorBoardLogger runs on
+                from tensorboardX.summary import hparams
 
             flat = logger._sanitize_params(_flatten_dict(_convert_params(params)))
             flat = {k: ("None" if v is None else v) for k, v in flat.items()}
