@@ -46,7 +46,8 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, checkp
     ``checkpoint``, its tracker runs; a ``logger`` keyword replaces them), a progress bar."""
     if "logger" not in kwargs:
         kwargs["logger"] = build_loggers(cfg, checkpoint)
-    if kwargs["logger"] not in (False, None, []) and not any(isinstance(c, TrackerRun) for c in callbacks or []):
+    # A list, even an empty one (a rank that holds no logger): every rank gets the same callbacks.
+    if kwargs["logger"] not in (False, None) and not any(isinstance(c, TrackerRun) for c in callbacks or []):
         callbacks = [*(callbacks or []), TrackerRun(run_params(cfg))]
     kwargs.setdefault("default_root_dir", cfg.output_dir)
     kwargs.setdefault("log_every_n_steps", cfg.log_every_n_steps)

@@ -74,7 +74,17 @@ def build_loggers(cfg: RunConfig, checkpoint: dict[str, Any] | None = None) -> l
         return False
     step = int(checkpoint.get("global_step", 0)) if recorded is not None and checkpoint is not None else None
     builders = {"csv": _csv, "tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb}
-    return [builders[name](cfg, (recorded or {}).get(name), step) for name in names]
+    # MLflow's client opens (and migrates) a SQLite store when it is made: only the rank that logs gets one.
+    # The others log nothing anyway, so a shorter list there changes nothing.
+    return [builders[name](cfg, (recorded or {}).get(name), step) for name in names
+            if name != "mlflow" or logging_rank()]
+
+
+def logging_rank() -> bool:
+    """Whether this process will be global rank 0, before the Trainer knows (the launcher's environment:
+    torchrun's RANK, SLURM_PROCID, or Lightning's LOCAL_RANK with NODE_RANK)."""
+    node = os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or "0"
+    return rank_zero_only.rank == 0 and (node == "0" or "RANK" in os.environ or "SLURM_PROCID" in os.environ)
 
 
 def _csv(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
@@ -121,8 +131,6 @@ def _mlflow(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -
 
 def _check_mlflow_run(uri: str, run_id: str) -> None:
     """On rank 0, before any process starts: the recorded run must still exist at ``uri``."""
-    if rank_zero_only.rank != 0:
-        return
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
