@@ -83,7 +83,7 @@ class RunConfig:
     experiment: str | None = opt(None, "MLflow experiment and default W&B project (default: the recipe's name)")
     run_name: str | None = opt(None, "the tracker run's display name (MLflow, W&B); CSV/TensorBoard use version_N")
     tracking_uri: str | None = opt(None, "MLflow tracking server or store, e.g. http://127.0.0.1:5000 (default: "
-                                         "$MLFLOW_TRACKING_URI, else <output-dir>/mlruns)")
+                                         "$MLFLOW_TRACKING_URI, else sqlite <output-dir>/mlflow.db)")
     wandb_project: str | None = opt(None, "W&B project (default: --experiment)")
     wandb_entity: str | None = opt(None, "W&B entity (user or team; default: your W&B default)")
     wandb_offline: bool = opt(False, "W&B offline mode: write the run under <output-dir>/wandb, `wandb sync` it later")
