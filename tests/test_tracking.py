@@ -82,15 +82,16 @@ def assert_steps_continue(points: list[tuple[int, float]], resumed_at: int) -> N
 
 
 def test_two_ranks_log_once_and_resume_continues_the_same_tracker_runs(data, tmp_path):
-    """csv + tensorboard + W&B offline, 2 ranks: one run in each; the continued run (``--resume auto`` with
-    more steps) logs into the same version folders and W&B run, its steps after the checkpoint's."""
+    """csv + tensorboard, 2 ranks: one run in each; the continued run (``--resume auto`` with more steps) logs
+    into the same version folders, its steps after the checkpoint's. The continuation runs in this process
+    on 1 device at the same global batch (a second 2-rank launch would double the test's time; the slow
+    SIGTERM tests below resume at 2 ranks, W&B's run folders and id included: its service costs seconds
+    per process)."""
     out = tmp_path / "run"
-    trackers = ["--logger", "csv,tensorboard,wandb", "--wandb-offline"]
+    trackers = ["--logger", "csv,tensorboard"]
     run([*MNIST, *args(data, out, "--max-steps", "6", *trackers)], timeout=300, check=True)
     first = json.loads((out / "summary.json").read_text())["trackers"]
     assert first["csv"]["version"] == first["tensorboard"]["version"] == 0
-    (wandb_id,) = wandb_runs(out)  # one run, from rank 0 only
-    assert first["wandb"]["id"] == wandb_id and first["wandb"]["project"] == "mnist"
     tb = out / "tensorboard" / "version_0"
     seen = scalars(tb)
     assert LIVE <= set(seen), sorted(seen)
@@ -99,12 +100,12 @@ def test_two_ranks_log_once_and_resume_continues_the_same_tracker_runs(data, tmp
     assert all(0 <= v <= 1 for _, v in seen["train/input_wait_fraction"])
     params = hparams(tb)
     assert params["config/batch_size"] == 32 and params["plan/batch/global_batch"] == 64
-    assert params["config/logger"] == "csv,tensorboard,wandb" and "config/resume" not in params
+    assert params["config/logger"] == "csv,tensorboard" and "config/resume" not in params
 
-    run([*MNIST, *args(data, out, "--max-steps", "10", *trackers, "--resume", "auto")], timeout=300, check=True)
+    mnist.main([*args(data, out, "--max-steps", "10", *trackers, "--resume", "auto"), "--devices", "1",
+                "--batch-size", "64"])
     again = json.loads((out / "summary.json").read_text())["trackers"]
     assert again["csv"]["version"] == again["tensorboard"]["version"] == 0
-    assert again["wandb"]["id"] == wandb_id and wandb_runs(out) == [wandb_id, wandb_id]
     assert sorted(p.name for p in (out / "tensorboard").iterdir()) == ["version_0"]
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["version_0"]
     seen = scalars(tb)
