@@ -52,6 +52,7 @@ class MNISTConfig(RunConfig):
     DEFAULT_LR = 0.01
     DEFAULT_REFERENCE_BATCH = 64
     DEFAULT_MAX_EPOCHS = 5
+    DEFAULT_EXPERIMENT = "mnist"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
         has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")
         return run_fit_test(cfg, lambda: build_model(cfg, lr, classes.model_class), datamodule, lr,
                             callbacks=[*checkpoint_callbacks(cfg, has_val, classes.model_class), *user.callbacks],
-                            ckpt_path=resume, test=own_data or has_loader(datamodule, "test"), classes=classes,
-                            extra={"arch": cfg.arch, "resumed_from": resume}, **user.trainer_kwargs)
+                            ckpt_path=resume, checkpoint=checkpoint, test=own_data or has_loader(datamodule, "test"),
+                            classes=classes, extra={"arch": cfg.arch, "resumed_from": resume}, **user.trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
         fail(err.cli(), PROG)
 

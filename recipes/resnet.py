@@ -125,6 +125,7 @@ class ResNetConfig(RunConfig):
     DEFAULT_LR = 0.1
     DEFAULT_REFERENCE_BATCH = 256
     DEFAULT_MAX_EPOCHS = 30
+    DEFAULT_EXPERIMENT = "resnet"
     DEFAULT_NUM_WORKERS = None  # fitted to the cores per rank (decoding and augmentation)
     TRAINER_OWNED = {**RunConfig.TRAINER_OWNED, "gradient_clip_val": "{clip_grad_norm}",
                      "gradient_clip_algorithm": "{clip_grad_norm} (the global norm)"}
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             run_callbacks.append(ema_callback(cfg))
         clip = dict(gradient_clip_val=cfg.clip_grad_norm, gradient_clip_algorithm="norm") if cfg.clip_grad_norm else {}
         return run_fit_test(cfg, model, datamodule, lr, callbacks=[*run_callbacks, *user.callbacks], ckpt_path=resume,
-                            test=has_test, save_final=False, classes=classes,
+                            checkpoint=checkpoint, test=has_test, save_final=False, classes=classes,
                             extra={"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume},
                             **clip, **user.trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug

@@ -56,7 +56,7 @@ def test_settings_callbacks_and_logger_reach_the_trainer(tmp_path):
     trainer_kwargs all reach one Trainer; the command line wins over trainer_kwargs; val_check_interval works."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
-        "trainer": {"limit_val_batches": 2, "log_every_n_steps": 3},
+        "trainer": {"limit_val_batches": 3},
         "callbacks": [{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
                        "init_args": {"logging_interval": "step"}},
                       {"class_path": "EarlyStopping", "init_args": {"monitor": "val_acc", "mode": "max", "patience": 9}}],
@@ -64,12 +64,13 @@ def test_settings_callbacks_and_logger_reach_the_trainer(tmp_path):
     probe, logs = Probe(), tmp_path / "mine"
     out = tmp_path / "out"
     mnist.main([*DATA, "--output-dir", str(out), "--max-steps", "20", "--val-size", "256", "--config", str(config),
-                "--trainer", "val_check_interval=10", "--trainer", "log_every_n_steps=1"],
+                "--trainer", "val_check_interval=10", "--trainer", "limit_val_batches=2", "--log-every-n-steps", "1"],
                callbacks=[probe], logger=CSVLogger(logs, name="run"),
-               trainer_kwargs={"num_sanity_val_steps": 0, "log_every_n_steps": 50})
+               trainer_kwargs={"num_sanity_val_steps": 0, "limit_val_batches": 7})
     seen = probe.seen
     assert seen["val_check_interval"] == 10 and seen["limit_val_batches"] == 2 and seen["num_sanity_val_steps"] == 0
-    assert seen["log_every_n_steps"] == 1  # --trainer over the config file over trainer_kwargs
+    assert seen["log_every_n_steps"] == 1  # the recipe's own flag
+    # limit_val_batches: --trainer (2) over the config file (3) over trainer_kwargs (7)
     assert probe.validations == 2  # at steps 10 and 20, inside the first epoch
     assert isinstance(seen["logger"], CSVLogger) and seen["logger"].save_dir == str(logs)
     assert {LearningRateMonitor, EarlyStopping, Probe} <= set(seen["callbacks"])
@@ -78,7 +79,7 @@ def test_settings_callbacks_and_logger_reach_the_trainer(tmp_path):
     assert "lr-SGD" in metrics[0].split(",") and len(metrics) > 20  # logged every step, by our logger
     assert not (out / "logs").exists(), "the recipe's CSVLogger must be replaced, not added"
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["trainer"] == {"limit_val_batches": 2, "log_every_n_steps": 1, "val_check_interval": 10}
+    assert summary["config"]["trainer"] == {"limit_val_batches": 2, "val_check_interval": 10}
 
 
 class CountTests(Callback):
@@ -127,6 +128,8 @@ def test_print_config_round_trips_trainer_and_callbacks(tmp_path, capsys):
         (mnist, ["--trainer", "max_steps=5"], {}, "use --max-steps"),
         (mnist, ["--trainer", "default_root_dir=x"], {}, "use --output-dir"),
         (mnist, ["--trainer", "callbacks=x"], {}, "use --callbacks"),
+        (mnist, ["--trainer", "log_every_n_steps=5"], {}, "use --log-every-n-steps"),
+        (mnist, ["--trainer", "logger=false"], {}, "use --logger"),
         (mnist, ["--trainer", "val_chek_interval=2"], {}, "no such argument; did you mean val_check_interval"),
         (mnist, ["--trainer", "limit_val_batches=lots"], {}, "limit_val_batches='lots': lightning.Trainer takes float | int"),
         (mnist, ["--trainer", "limit_val_batches"], {}, "--trainer takes KEY=VALUE"),
@@ -173,7 +176,7 @@ def test_user_callback_survives_two_ranks_and_resume_auto(tmp_path):
     --resume auto; trainer_kwargs and --trainer reach every rank's Trainer."""
     out = tmp_path / "out"
     base = ["tests/surface_scenario.py", "--devices", "2", *DATA, "--output-dir", str(out), "--batch-size", "32",
-            "--val-size", "128", "--checkpoint-every-n-steps", "3", "--trainer", "log_every_n_steps=2",
+            "--val-size", "128", "--checkpoint-every-n-steps", "3", "--log-every-n-steps", "2",
             "--trainer", "enable_progress_bar=false"]
     run([*base, "--max-steps", "6"], env={"SURFACE_RUN": "first"}, check=True)
     run([*base, "--max-steps", "9", "--resume", "auto"], env={"SURFACE_RUN": "resumed"}, check=True)

@@ -77,3 +77,24 @@ def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
 # Compute dtypes a peak FLOP/s figure is for (ddp_recipes.train.peaks; `bench peak --precision` also takes these).
 PeakDtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 PEAK_DTYPES: tuple[str, ...] = get_args(PeakDtype)
+
+# Experiment trackers (--logger, comma-separated; each one a Lightning logger class, see ddp_recipes.train.tracking).
+TrackerName = Literal["csv", "tensorboard", "mlflow", "wandb"]
+TRACKERS: tuple[str, ...] = get_args(TrackerName)
+
+
+def parse_trackers(value: str) -> tuple[str, ...]:
+    """``--logger``'s comma-separated value as a tuple of tracker names (``none``: no logger at all)."""
+    names = tuple(part.strip().lower() for part in str(value).split(",") if part.strip())
+    if names == ("none",):
+        return ()
+    for name in names:
+        if name not in TRACKERS:
+            raise ConfigError(f"{{logger}} must be none or a comma-separated list of {', '.join(TRACKERS)} "
+                              f"(got {lit(repr(name))})", "logger")
+    if not names:
+        raise ConfigError("{logger} is empty; pass csv (the default), several such as csv,tensorboard, or none",
+                          "logger")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"{{logger}} names a tracker twice ({lit(value)}); give each once", "logger")
+    return names

@@ -20,6 +20,7 @@ from ddp_recipes.config.choices import (
     Precision,
     check_choice,
     check_choices,
+    parse_trackers,
 )
 from ddp_recipes.config.cli import opt
 from ddp_recipes.config.plan import DDPOptions, RunPlan
@@ -83,12 +84,24 @@ class RunConfig:
     callbacks: list[Any] = opt([], "a Lightning callback by class path (LearningRateMonitor, pkg.mod.MyCallback) or as a "
                                     "YAML mapping {class_path: ..., init_args: {...}}, repeatable; a callbacks: list "
                                     "in --config, as LightningCLI writes it", metavar="SPEC")
+    logger: str = opt("csv", "experiment trackers, comma-separated: csv, tensorboard, mlflow, wandb (or none); logged "
+                             "from rank 0 only, continued by --resume")
+    log_every_n_steps: int = opt(10, "log the training loss, LR, throughput and input wait every N optimizer steps "
+                                     "(0: only per epoch)")
+    experiment: str | None = opt(None, "MLflow experiment and default W&B project (default: the recipe's name)")
+    run_name: str | None = opt(None, "the tracker run's display name (MLflow, W&B); CSV/TensorBoard use version_N")
+    tracking_uri: str | None = opt(None, "MLflow tracking server or store, e.g. http://127.0.0.1:5000 (default: "
+                                         "$MLFLOW_TRACKING_URI, else sqlite <output-dir>/mlflow.db)")
+    wandb_project: str | None = opt(None, "W&B project (default: --experiment)")
+    wandb_entity: str | None = opt(None, "W&B entity (user or team; default: your W&B default)")
+    wandb_offline: bool = opt(False, "W&B offline mode: write the run under <output-dir>/wandb, `wandb sync` it later")
 
     # The recipe's defaults, used where the flags above are left unset. Subclasses override these.
     DEFAULT_BATCH_SIZE: typing.ClassVar[int] = 64
     DEFAULT_LR: typing.ClassVar[float] = 0.01
     DEFAULT_REFERENCE_BATCH: typing.ClassVar[int] = 64
     DEFAULT_MAX_EPOCHS: typing.ClassVar[int] = 5
+    DEFAULT_EXPERIMENT: typing.ClassVar[str] = "ddp-recipes"  # --experiment's default: the recipe's name
 
     DEFAULT_NUM_WORKERS: typing.ClassVar[int | None] = 0  # None: fitted to the cores per rank
     # lightning.Trainer settings the recipe sets itself (refused in --trainer), and the flag to use instead.
@@ -112,6 +125,12 @@ class RunConfig:
             from torch._dynamo import list_backends
 
             check_choice("compile_backend", self.compile_backend, sorted(list_backends(exclude_tags=())))
+        parse_trackers(self.logger)
+        if self.log_every_n_steps < 0:
+            raise ConfigError(f"{{log_every_n_steps}} must be >= 0 (got {self.log_every_n_steps})")
+        for name in ("experiment", "run_name", "tracking_uri", "wandb_project", "wandb_entity"):
+            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
+                raise ConfigError(f"{{{name}}} is empty; give a value or leave it out", name)
         if self.checkpoint_every_n_steps < 0:
             raise ConfigError(f"{{checkpoint_every_n_steps}} must be >= 0 (got {self.checkpoint_every_n_steps})")
         self.trainer = check_trainer_settings(self.trainer, self.TRAINER_OWNED)
@@ -158,6 +177,16 @@ class RunConfig:
         """What runs, resolved once when the config was made: world, accelerator, precision, batch plan, LR,
         loader workers and DDP options. The runner, the trainer and the DataModules read this."""
         return self.__dict__["_plan"]
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """``--logger`` as tracker names, in the order given (empty: ``--logger none``)."""
+        return parse_trackers(self.logger)
+
+    @property
+    def experiment_name(self) -> str:
+        """``--experiment``, else the recipe's name."""
+        return self.experiment or self.DEFAULT_EXPERIMENT
 
     @property
     def asked(self) -> dict[str, Any]:

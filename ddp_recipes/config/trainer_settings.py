@@ -34,7 +34,8 @@ PACK_OWNED: dict[str, str] = {
     "default_root_dir": "{output_dir}",
     "callbacks": "{callbacks} (in --config a top-level callbacks: list of class_path / init_args) or "
                  "main(callbacks=[...])",
-    "logger": "main(logger=...)",
+    "logger": "{logger} (csv, tensorboard, mlflow, wandb) or main(logger=...)",
+    "log_every_n_steps": "{log_every_n_steps} (the live throughput metrics follow it too)",
     # last.ckpt is what --resume and preemption run on; Lightning refuses it with enable_checkpointing=False.
     "enable_checkpointing": "{checkpoint_every_n_steps} (the recipe's last.ckpt is what {resume} reads)",
     "barebones": "the recipe's flags (barebones turns off the logging, checkpoints and callbacks a recipe runs on)",

@@ -3,7 +3,9 @@ DataModule honours the planned batch."""
 
 from __future__ import annotations
 
+import sys
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -14,7 +16,7 @@ from typing_extensions import override
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.train.diagnostic_rules import batch_size_of
-from ddp_recipes.train.perf import StepClock, input_wait
+from ddp_recipes.train.perf import StepClock, input_wait, peak_flops
 
 
 class ThroughputMeter(Callback):
@@ -30,10 +32,26 @@ class ThroughputMeter(Callback):
     the device has passed them (never a synchronize inside training; the figures' properties wait for the
     last events, so read them after ``fit``), the host clock on CPU. The input wait is host time (the loop
     blocked on the loader). Per step this costs a clock mark and a few list operations: no device read.
+
+    Live, on rank 0 every ``log_every_n_steps`` optimizer steps (the Trainer's, when it has a logger), the
+    intervals since the last report go to the loggers at the step Lightning logs the training loss at, named
+    as Lightning's ``ThroughputMonitor`` names them: ``train/samples_per_sec`` (global),
+    ``train/device/samples_per_sec``, ``train/step_time`` (seconds per optimizer step),
+    ``train/input_wait_fraction``, ``train/lr``, and where the device's peak is known
+    ``train/device/flops_per_sec`` and ``train/device/mfu``. On CUDA an interval the device has not reached
+    yet goes into the next report. Every other step costs one integer compare; no report reads the device.
     """
 
-    def __init__(self, warmup_steps: int = 5) -> None:
+    def __init__(self, warmup_steps: int = 5,
+                 flops_per_sample: Callable[[torch.Tensor], int | None] | None = None) -> None:
         self.warmup_steps = warmup_steps
+        self.count_flops = flops_per_sample  # FLOPs of one sample, from the first batch's input (for MFU)
+        self.flops_per_sample: int | None = None
+        self._peak: int | None = None
+        self._every = 0
+        self._live = False  # live reports: rank 0 with a logger and log_every_n_steps > 0
+        self._next_log = sys.maxsize  # the optimizer step of the next live report
+        self._reported = 0  # intervals already in a live report
         self.intervals: list[tuple[int, float, float | None]] = []  # (samples over all ranks, seconds, wait s)
         self.example: torch.Tensor | None = None  # the first batch's input, for the FLOP count
         self.clock: StepClock | None = None
@@ -47,6 +65,12 @@ class ThroughputMeter(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.clock is None:
             self.clock = StepClock(trainer.strategy.root_device)
+        self._reported = len(self.intervals)
+        self._every = int(trainer.log_every_n_steps or 0)
+        self._live = bool(trainer.is_global_zero and trainer.loggers and self._every > 0)
+        if self._live:
+            self._next_log = (trainer.global_step // self._every + 1) * self._every
+            self._peak = peak_flops(trainer.strategy.root_device, trainer.precision)
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -76,6 +100,38 @@ class ThroughputMeter(Callback):
             self._pending.append(((batch_size_of(batch) or 1) * trainer.world_size, self._last, now, input_wait(trainer)))
             self._collect(wait=False)
         self._last = now
+        if self._live and trainer.global_step >= self._next_log:  # one flag elsewhere, one compare on rank 0
+            self._report(trainer)
+
+    def _report(self, trainer: L.Trainer) -> None:
+        """The live metrics of the intervals since the last report, to every logger (rank 0)."""
+        step = trainer.global_step
+        self._next_log = (step // self._every + 1) * self._every
+        window, self._reported = self.intervals[self._reported:], len(self.intervals)
+        metrics: dict[str, float] = {}
+        for i, group in enumerate(trainer.optimizers[0].param_groups if trainer.optimizers else []):
+            if isinstance(group.get("lr"), int | float):  # a tensor LR would be a device read
+                metrics["train/lr" if i == 0 else f"train/lr/pg{i}"] = float(group["lr"])
+        seconds = sum(t for _, t, _ in window)
+        if window and seconds > 0:
+            rate = sum(n for n, _, _ in window) / seconds
+            world = trainer.world_size
+            metrics["train/samples_per_sec"] = rate
+            metrics["train/device/samples_per_sec"] = rate / world
+            metrics["train/step_time"] = seconds / len(window) * trainer.accumulate_grad_batches
+            waits = [w for _, _, w in window]
+            if all(w is not None for w in waits):
+                metrics["train/input_wait_fraction"] = min(1.0, sum(waits) / seconds)
+            if self._peak and self.flops_per_sample is None and self.count_flops and self.example is not None:
+                self.flops_per_sample = self.count_flops(self.example) or 0
+                self._last = None  # the count's own time is no step time
+            if self._peak and self.flops_per_sample:
+                device_flops = self.flops_per_sample * rate / world
+                metrics["train/device/flops_per_sec"] = device_flops
+                metrics["train/device/mfu"] = device_flops / self._peak
+        if metrics:
+            # Lightning's own path (ThroughputMonitor's): every logger, at the step of this step's train_loss.
+            trainer._logger_connector.log_metrics(metrics)
 
     def _clock(self, trainer: L.Trainer) -> StepClock:
         if self.clock is None:  # a batch hook before on_train_start (a subclass, or a test driving hooks)

@@ -1,5 +1,5 @@
 """What every recipe does around ``fit``: print the resolved setup once, measure steady-state throughput,
-log to CSV, and write ``summary.json`` on rank 0 (atomically)."""
+log to the ``--logger`` trackers, and write ``summary.json`` on rank 0 (atomically)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
-from lightning.pytorch.loggers import CSVLogger
 
 from ddp_recipes.atomic import write_json_atomic
 from ddp_recipes.checkpointing.checkpoint import (
     plain_data,
+    read_checkpoint,
 )
 from ddp_recipes.config.cli import writable_dir
 from ddp_recipes.config.run_config import RunConfig
@@ -27,6 +27,7 @@ from ddp_recipes.train.perf import (
     training_flops_per_sample,
 )
 from ddp_recipes.train.summary import scalar_metrics, summarize
+from ddp_recipes.train.tracking import TrackerRun, build_loggers, identities, run_params
 from ddp_recipes.train.trainer import Lifecycle, trainer_for
 from ddp_recipes.train.userclass import RecipeClasses, RecordClasses, class_path
 
@@ -38,13 +39,19 @@ def has_loader(datamodule: L.LightningDataModule, stage: str) -> bool:
     return is_overridden(f"{stage}_dataloader", datamodule, L.LightningDataModule)
 
 
-def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, **kwargs: Any) -> L.Trainer:
+def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, checkpoint: dict[str, Any] | None = None,
+                 **kwargs: Any) -> L.Trainer:
     """The Trainer of ``cfg.plan`` (:func:`~ddp_recipes.train.trainer.trainer_for`, what ``build_trainer`` ends
-    in) with the recipe's logging: CSV metrics under ``<output-dir>/logs``, a progress bar. ``kwargs`` (a run's
+    in) with the recipe's logging: the ``--logger`` trackers (:mod:`ddp_recipes.train.tracking`; resumed from
+    ``checkpoint``, its tracker runs; a ``logger`` keyword replaces them), a progress bar. ``kwargs`` (a run's
     ``--trainer`` settings, ``logger``, ...) win over these defaults."""
-    kwargs.setdefault("logger", CSVLogger(cfg.output_dir, name="logs"))
+    if "logger" not in kwargs:
+        kwargs["logger"] = build_loggers(cfg, checkpoint)
+    # A list, even an empty one (a rank that holds no logger): every rank gets the same callbacks.
+    if kwargs["logger"] not in (False, None) and not any(isinstance(c, TrackerRun) for c in callbacks or []):
+        callbacks = [*(callbacks or []), TrackerRun(run_params(cfg))]
     kwargs.setdefault("default_root_dir", cfg.output_dir)
-    kwargs.setdefault("log_every_n_steps", 10)
+    kwargs.setdefault("log_every_n_steps", cfg.log_every_n_steps)
     # A bar redrawn every step costs more than an MLP step on MNIST; 20 steps is still live.
     progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) else []
     return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=[*progress, *(callbacks or [])], **kwargs)
@@ -77,21 +84,27 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
                  lr: float,
                  callbacks: list[Callback] | None = None, ckpt_path: str | None = None, test: bool = True,
                  extra: dict[str, Any] | None = None, save_final: bool = True,
-                 classes: RecipeClasses | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
+                 classes: RecipeClasses | None = None, checkpoint: dict[str, Any] | None = None,
+                 **trainer_kwargs: Any) -> dict[str, Any]:
     """Fit, test, and write ``<output-dir>/summary.json`` on rank 0. Returns the summary (every rank).
 
     ``build_model`` is called after the trainer has seeded every rank, so the initial weights depend on
-    ``--seed`` only (not on whatever drew random numbers earlier in the process).
+    ``--seed`` only (not on whatever drew random numbers earlier in the process). ``checkpoint``: the contents
+    of ``ckpt_path`` when the caller has read them already (the tracker runs to continue are in it).
     """
+    if ckpt_path and checkpoint is None:
+        checkpoint = read_checkpoint(ckpt_path)
+    if "logger" not in trainer_kwargs:  # a missing tracker package fails here, before anything is written
+        trainer_kwargs["logger"] = build_loggers(cfg, checkpoint)
     out = writable_dir(cfg.output_dir, "output_dir")
-    meter = ThroughputMeter()
+    meter = ThroughputMeter(flops_per_sample=lambda example: training_flops_per_sample(build_model, example))
     callbacks = [meter, *(callbacks or [])]
     if classes is not None:
         callbacks.append(RecordClasses(classes))
         extra = {**classes.record(), **(extra or {})}
         if classes.datamodule is not None:
             callbacks.append(PlannedBatch(cfg.plan.batch.per_device, class_path(classes.datamodule)))
-    trainer = make_trainer(cfg, callbacks=callbacks, **trainer_kwargs)
+    trainer = make_trainer(cfg, callbacks=callbacks, checkpoint=checkpoint, **trainer_kwargs)
     model = build_model()
     if cfg.plan.compile_backend:
         # Lightning unwraps the compiled module and compiles its forward; called inside DDP's forward, dynamo
@@ -112,12 +125,13 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if test:
         results = trainer.test(model, datamodule=datamodule, verbose=False)
         test_metrics = {k: float(v) for k, v in (results[0] if results else {}).items()}
-    flops_per_sample = (training_flops_per_sample(build_model, meter.example) if meter.example is not None
-                        else None)
+    flops_per_sample = meter.flops_per_sample or (training_flops_per_sample(build_model, meter.example)
+                                                  if meter.example is not None else None)
     flops = flops_summary(flops_per_sample, meter.samples_per_sec, trainer.world_size,
                           peak_flops(trainer.strategy.root_device, trainer.precision))
     summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops)
     if trainer.is_global_zero:
+        summary["trackers"] = identities(trainer.loggers)
         write_json_atomic(out / "summary.json", summary)
         shown = {k: summary[k] for k in ("world_size", "global_batch_size", "epochs", "steps", "fit_seconds",
                                          "train_samples_per_sec", "input_wait_fraction", "mfu") if k in summary}
