@@ -9,6 +9,11 @@ weight decay on BatchNorm and bias parameters, and torchmetrics accuracy that st
 optimizer split and the metrics, but the CIFAR stem and grad checkpointing by stage need the ResNet layout
 (conv1/maxpool stem, layer1..layer4), and ``dropout`` goes to the model's own ``dropout`` option where it has
 one (before the classifier for EfficientNet, MobileNet, VGG...; inside every block for ViT and Swin).
+
+``weights`` fine-tunes from pretrained weights (:mod:`ddp_recipes.modules.pretrained`): fetched in
+``prepare_data``, loaded on every rank in ``setup`` with every key and shape checked, the classifier replaced
+when ``num_classes`` differs from the weights'. ``freeze_backbone``, ``backbone_lr_mult`` and
+``unfreeze_at_epoch`` are :class:`~ddp_recipes.modules.classifier.ImageClassifier`'s fine-tuning controls.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ from typing_extensions import override
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
+from ddp_recipes.modules.pretrained import (
+    PretrainedWeights,
+    fetch_weights,
+    load_pretrained,
+    read_weights,
+    resolve_weights,
+)
 from ddp_recipes.optim.optimizers import param_groups
 from ddp_recipes.optim.schedules import ReferenceSchedule
 
@@ -99,6 +111,23 @@ def check_training_hparams(hp: Mapping[str, Any]) -> None:
         raise ConfigError("{nesterov} needs {momentum} > 0")
     if hp.get("lr_scheduler"):
         ReferenceSchedule.of(hp, hp.get("warmup_epochs", 0.0))  # checks them
+    check_finetune_hparams(hp)
+
+
+def check_finetune_hparams(hp: Mapping[str, Any]) -> None:
+    """``freeze_backbone``, ``backbone_lr_mult`` and ``unfreeze_at_epoch``: each must have an effect."""
+    freeze, mult, epoch = hp.get("freeze_backbone", False), hp.get("backbone_lr_mult", 1.0), hp.get("unfreeze_at_epoch")
+    if not (math.isfinite(mult) and mult > 0):
+        raise ConfigError(f"{{backbone_lr_mult}} must be > 0 (got {mult}); to train no backbone parameter, pass "
+                          "{freeze_backbone}")
+    if epoch is not None and not freeze:
+        raise ConfigError("{unfreeze_at_epoch} unfreezes a frozen backbone; add {freeze_backbone}")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1):
+        raise ConfigError(f"{{unfreeze_at_epoch}} must be an epoch >= 1 (got {epoch}); without it the backbone "
+                          "stays frozen")
+    if freeze and epoch is None and mult != 1.0:
+        raise ConfigError("{backbone_lr_mult} has no effect on a backbone frozen for the whole run; add "
+                          "{unfreeze_at_epoch} or drop {backbone_lr_mult}")
 
 
 class ResNetClassifier(ImageClassifier):
@@ -117,10 +146,15 @@ class ResNetClassifier(ImageClassifier):
                  lr_gamma: float = ReferenceSchedule.lr_gamma, lr_min: float = ReferenceSchedule.lr_min,
                  lr_warmup_method: str = ReferenceSchedule.lr_warmup_method,
                  lr_warmup_decay: float = ReferenceSchedule.lr_warmup_decay, mixup_alpha: float = 0.0,
-                 cutmix_alpha: float = 0.0) -> None:
+                 cutmix_alpha: float = 0.0, weights: str | None = None, freeze_backbone: bool = False,
+                 backbone_lr_mult: float = 1.0, unfreeze_at_epoch: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self._check_hparams()
+        # Resolved (not read) now: a bad name fails at construction; the file is fetched in prepare_data.
+        self.pretrained: PretrainedWeights | None = resolve_weights(arch, weights) if weights else None
+        #: What the run fine-tunes from (weights, new head, schedule), for the set-up print and summary.json.
+        self.fine_tuning: dict[str, Any] = {}
         # Built here, not in setup(): every rank builds the same module and DDP broadcasts rank 0's weights.
         self.model = self.build_model()
         if grad_checkpointing:
@@ -183,7 +217,41 @@ class ResNetClassifier(ImageClassifier):
                          f"{cls.min_image_size(True)} px) or larger images")
 
     @override
+    def prepare_data(self) -> None:
+        """Fetch ``weights`` into torch's hub cache: Lightning runs this on local rank 0 of each node only."""
+        if self.pretrained is not None:
+            fetch_weights(self.pretrained)
+
+    def load_weights(self) -> None:
+        """Load ``weights`` into ``self.model`` (every rank, the same file): the classifier is kept fresh when
+        its shape differs (``num_classes``); any other difference fails in one line."""
+        network, weights = self.model, self.pretrained
+        state = read_weights(weights)
+        own = network.state_dict(keep_vars=True)
+        backbone = self._backbone_tensors()
+        head = {k for k, t in own.items() if id(t) not in backbone}
+        # build_arch wraps a ResNet's fc in Sequential(Dropout, fc) for --dropout: fc.* of the file is fc.1.*.
+        rename = {"fc.": "fc.1."} if "fc.weight" in state and "fc.1.weight" in own else None
+        report = load_pretrained(network, state, head, weights.name, rename)
+        self.fine_tuning.update(weights=weights.name, loaded_tensors=report.loaded, new_head=report.replaced)
+        if self.trainer.is_global_zero:
+            print(f"weights          {weights.name}: {report.describe()}", flush=True)
+
+    @override
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.pretrained is not None and not getattr(self, "_weights_loaded", False):
+            self._weights_loaded = True  # once: a second fit() continues from the trained weights
+            self.load_weights()
+        super().setup(stage)  # freezing (ImageClassifier), after the weights
+        hp = self.hparams
+        if stage == "fit" and hp.get("freeze_backbone"):
+            epoch = self._unfreeze_epoch()
+            self.fine_tuning.update(freeze_backbone=True, unfreeze_at_epoch=epoch)
+            if self.trainer.is_global_zero:
+                until = (f"until epoch {epoch}, then trained at LR x {hp.get('backbone_lr_mult', 1.0):g}" if epoch
+                         else "for the whole run")
+                print(f"backbone         frozen {until} (BatchNorm in eval mode; outside SyncBN and DDP's gradient "
+                      "buckets)", flush=True)
         # Every rank checks, so a bad flag fails loudly everywhere instead of training on padding.
         datamodule = getattr(self.trainer, "datamodule", None)
         image_size = getattr(datamodule, "image_size", None)
