@@ -69,7 +69,8 @@ class ResNetConfig(RunConfig):
     data: ResNetData = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder "
                                         "(--data-dir/{train,val})")
     data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
-    image_size: int = opt(32, "input side in pixels (cifar10 is always 32)")
+    image_size: int | None = opt(None, "input side in pixels (default: 32, or with --weights and --data imagefolder the "
+                                       "weights' crop, e.g. 224; cifar10 is always 32)")
     num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
     cifar_stem: bool | None = opt(None, "3x3 stem without max-pool for small images (default: on below 64 px for "
                                         "the ResNet family)")
@@ -144,7 +145,7 @@ class ResNetConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.data == "cifar10":
+        if self.data == "cifar10" or (self.image_size is None and not self.weights):
             self.image_size = 32
         self._check_reference_flags()
         if self.cosine is None:
@@ -172,8 +173,8 @@ class ResNetConfig(RunConfig):
             arch_features(self.arch, False, 0.0, False)  # a known --arch before its weights are looked up
             self.__dict__["_pretrained"] = resolve_weights(self.arch, self.weights)
             preset = self.pretrained.eval_preset()
-            if preset and self.data == "imagefolder" and not self._changed("image_size"):
-                self.image_size = preset.crop_size  # the weights' crop, unless --image-size says otherwise
+            if self.image_size is None:  # the weights' crop on an image folder, unless --image-size says otherwise
+                self.image_size = preset.crop_size if preset and self.data == "imagefolder" else 32
             if self.cifar_stem:
                 raise ConfigError("{cifar_stem} replaces the stem the {weights} were trained with (and loads none of "
                                   "it); drop {cifar_stem}: with {weights} the default is the pretrained stem")

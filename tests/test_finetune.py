@@ -156,8 +156,9 @@ def test_weights_eval_transforms_become_the_defaults(folder):
     assert steps["Resize"].interpolation == "nearest"  # given: wins
     size, steps = eval_steps("--val-resize-size", "256", "--image-size", "160")  # flags given still win
     assert size == 160 and steps["Resize"].size == [256] and steps["CenterCrop"].size == (160, 160)
-    _, steps = eval_steps("--image-size", "160")  # another crop keeps the weights' resize ratio
-    assert steps["Resize"].size == [round(160 * 232 / 224)]
+    size, steps = eval_steps("--image-size", "160")  # another crop keeps the weights' resize ratio
+    assert size == 160 and steps["Resize"].size == [round(160 * 232 / 224)]
+    assert eval_steps("--image-size", "32")[0] == 32  # given, even at the size used without --weights
 
 
 class ShallowFreeze(ResNetClassifier):
