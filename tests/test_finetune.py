@@ -194,6 +194,37 @@ def test_freeze_hook_param_groups_and_syncbn():
     assert {g["name"] for g in shallow.optimizer_groups()} == {"head"}  # frozen for good: not in the optimizer
 
 
+def test_frozen_backbone_is_outside_ddp_buckets_until_the_rewrap():
+    """A real TunedDDPStrategy on a one-rank gloo group: DDP buckets the head only while the backbone is frozen;
+    after unfreezing, rewrap_ddp buckets all of it (once: the old DDP's hooks are gone) and converts the
+    unfrozen BatchNorm layers for SyncBN."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_recipes.ddp.rewrap import rewrap_ddp
+    from ddp_recipes.ddp.strategy import TunedDDPStrategy
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = ResNetClassifier(num_classes=2, freeze_backbone=True, unfreeze_at_epoch=1)
+        model.set_backbone_frozen(True)
+        strategy = TunedDDPStrategy(parallel_devices=[torch.device("cpu")])
+        strategy._layer_sync = SyncBatchNormPlugin()
+        strategy.model = strategy._setup_model(strategy._layer_sync.apply(model))
+        first = strategy.model
+        assert first._get_ddp_logging_data()["num_parameter_tensors"] == 2  # fc.weight, fc.bias
+        assert not any(isinstance(m, CPUSyncBatchNorm) for m in model.modules())
+        model.set_backbone_frozen(False)
+        assert rewrap_ddp(strategy) and isinstance(strategy.model, DistributedDataParallel)
+        assert strategy.model is not first and strategy.model.module is model
+        assert strategy.model._get_ddp_logging_data()["num_parameter_tensors"] == len(list(model.parameters()))
+        assert sum(isinstance(m, CPUSyncBatchNorm) for m in model.modules()) == 20
+        strategy.model(torch.randn(2, 3, 32, 32)).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--unfreeze-at-epoch", "1"], "--unfreeze-at-epoch unfreezes a frozen backbone; add --freeze-backbone"),
     (["--freeze-backbone", "--backbone-lr-mult", "0.1"], "--backbone-lr-mult has no effect on a backbone frozen for "
@@ -281,37 +312,52 @@ def val_acc_by_epoch(out: Path) -> dict[int, float]:
     return {int(r["epoch"]): float(r["val_acc"]) for r in rows if r.get("val_acc")}
 
 
+@pytest.fixture(scope="module")
+def straight(hub, folder, tmp_path_factory) -> tuple[Path, str]:
+    """The two-phase run never stopped (2 gloo ranks, 2 steps per epoch, the switch before step 5)."""
+    out = tmp_path_factory.mktemp("straight")
+    done = run(["-m", "recipes.resnet", *args(folder, *TWO_PHASE), "--output-dir", str(out)],
+               env={"TORCH_HOME": str(hub)}, timeout=600, check=True)
+    return out, done.stdout + done.stderr
+
+
 @pytest.mark.slow
-def test_two_ranks_kill_and_resume_across_the_unfreeze_point_is_exact(hub, folder, tmp_path):
-    """2 gloo ranks, 2 steps per epoch: epochs 0-1 train the head on a frozen backbone (bit-identical to the
-    file at the kill, after 2 ranks of steps), epoch 2 the whole network (DDP wrapped again, SyncBN for the
-    unfrozen layers). A SIGKILL in the frozen phase and --resume auto crosses the switch and ends bit for bit
-    with the run never stopped; the ranks never drift apart (the pack's param-drift check)."""
-    env = {"TORCH_HOME": str(hub)}
-    straight = tmp_path / "straight"
-    done = run(["-m", "recipes.resnet", *args(folder, *TWO_PHASE), "--output-dir", str(straight)], env=env,
-               timeout=600, check=True)
-    assert "epoch 2: backbone unfrozen" in done.stdout and "param-drift" not in done.stdout + done.stderr
-    assert val_acc_by_epoch(straight)[1] >= 0.75, "the head did not learn on the frozen backbone"
-    tuning = json.loads((straight / "summary.json").read_text())["fine_tuning"]
+def test_two_ranks_frozen_phase_learns_then_the_backbone_trains(hub, straight):
+    """Epochs 0-1 train the head on the frozen backbone, epoch 2 everything (DDP wrapped again, SyncBN for the
+    unfrozen layers); the ranks never drift apart (the pack's param-drift check compares them every epoch)."""
+    out, log = straight
+    assert "epoch 2: backbone unfrozen" in log and "param-drift" not in log
+    assert val_acc_by_epoch(out)[1] >= 0.75, "the head did not learn on the frozen backbone"
+    tuning = json.loads((out / "summary.json").read_text())["fine_tuning"]
     assert [g["name"] for g in tuning["param_groups"]] == ["backbone", "backbone", "head", "head"]
     assert tuning["param_groups"][0]["lr"] == pytest.approx(0.1 * tuning["param_groups"][2]["lr"])
+    assert tuning["param_groups"][0]["frozen_tensors"] == tuning["param_groups"][0]["tensors"]
     assert tuning["backbone_frozen_at_end"] is False
+    final = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert not torch.equal(final["model.layer1.0.conv1.weight"], pretrained(hub)["layer1.0.conv1.weight"])
 
-    split = tmp_path / "split"
-    last = split / "checkpoints" / "last.ckpt"
-    argv = ["-m", "recipes.resnet", *args(folder, *TWO_PHASE), "--output-dir", str(split)]
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["frozen", "trainable"])
+def test_two_ranks_kill_and_resume_across_the_unfreeze_point_is_exact(phase, hub, folder, straight, tmp_path):
+    """SIGKILL in the frozen phase (the checkpoint's backbone is the file's, bit for bit, after steps on 2
+    ranks; the resumed run crosses the switch) or after the switch (the resumed run wraps DDP once, everything
+    trainable): either way --resume auto ends bit for bit with the run never stopped."""
+    env = {"TORCH_HOME": str(hub)}
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    argv = ["-m", "recipes.resnet", *args(folder, *TWO_PHASE), "--output-dir", str(tmp_path)]
     proc = start(argv, env=env)
-    kill_at = random.Random(os.getpid()).randint(1, 3)  # in the frozen phase (steps 1-4)
+    kill_at = random.Random(os.getpid()).randint(1, 3) if phase == "frozen" else 5
     proc.wait_for_step(last, kill_at, timeout=300)
     proc.signal(signal.SIGKILL, group=True)
     proc.finish(timeout=60)
-    assert saved_step(last) < 4, "killed after the switch"
-    assert_backbone_is(last, hub)
+    step = saved_step(last)
+    assert (step < 4) if phase == "frozen" else (4 < step < 6), f"killed at step {step}"
+    if phase == "frozen":
+        assert_backbone_is(last, hub)
     run([*argv, "--resume", "auto"], env=env, timeout=600, check=True)
-    a = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    a = torch.load(straight[0] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     b = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-    assert not torch.equal(a["model.layer1.0.conv1.weight"], pretrained(hub)["layer1.0.conv1.weight"])  # trained

@@ -185,11 +185,11 @@ class ImageClassifier(TrainLossLogging):
             # moments collect its gradients, to be applied at the switch. Wrapped anew, every rank buckets
             # the same parameters, and a run resumed after the switch wraps identically once.
             self.set_backbone_frozen(False)
-            rewrap_ddp(self.trainer.strategy)
+            rewrapped = rewrap_ddp(self.trainer.strategy)
             if self.trainer.is_global_zero:
                 n = sum(p.numel() for m in self.backbone_modules() for p in m.parameters())
-                print(f"epoch {self.current_epoch}: backbone unfrozen ({n:,} parameters now trained, "
-                      "DDP wrapped again)", flush=True)
+                print(f"epoch {self.current_epoch}: backbone unfrozen ({n:,} parameters now trained"
+                      f"{', DDP wrapped again' if rewrapped else ''})", flush=True)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
