@@ -106,6 +106,23 @@ def test_weights_names_resolve_and_others_are_refused(tmp_path):
         resolve_weights("resnet18", str(tmp_path / "missing.pth"))
 
 
+def test_local_files_in_the_common_layouts(tmp_path):
+    """A plain state dict, torchvision's reference checkpoint ({"model": ...}) with DDP's module. prefixes, and
+    a Lightning checkpoint of this pack (state_dict under model.) all give the network's own keys."""
+    from ddp_recipes.modules.pretrained import read_weights
+
+    state = models.resnet18(num_classes=3).state_dict()
+    layouts = {"plain.pth": state, "reference.pth": {"model": {f"module.{k}": v for k, v in state.items()}, "epoch": 3},
+               "pack.ckpt": {"state_dict": {f"model.{k}": v for k, v in state.items()}, "epoch": 1}}
+    for name, content in layouts.items():
+        torch.save(content, tmp_path / name)
+        loaded = read_weights(resolve_weights("resnet18", str(tmp_path / name)))
+        assert loaded.keys() == state.keys() and torch.equal(loaded["fc.weight"], state["fc.weight"]), name
+    torch.save({"epoch": 3}, tmp_path / "nothing.pth")
+    with raises_cli(ConfigError, r"^--weights .*nothing.pth is not a state dict \(a dict of tensors\)"):
+        read_weights(resolve_weights("resnet18", str(tmp_path / "nothing.pth")))
+
+
 def test_loading_replaces_only_the_head_and_names_every_bad_key():
     torch.manual_seed(0)
     source = models.resnet18(num_classes=1000).state_dict()

@@ -167,6 +167,8 @@ def unwrap_state_dict(state: Any, name: str) -> dict[str, torch.Tensor]:
     module's (``module.`` prefixes)."""
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
+        if any(k.startswith("model.") for k in state):  # the network of an ImageClassifier, not its metrics
+            state = {k: v for k, v in state.items() if k.startswith("model.")}
     elif isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
     if not isinstance(state, dict) or not state or not all(torch.is_tensor(v) for v in state.values()):
