@@ -149,6 +149,17 @@ def test_loading_replaces_only_the_head_and_names_every_bad_key():
         load_pretrained(net, source, set(), "w")
 
 
+def test_weights_of_a_model_with_auxiliary_heads(tmp_path, capsys):
+    """GoogLeNet's weights hold aux1/aux2, which the network built without them drops, as torchvision's builder
+    does; built for weights, it converts ImageNet-normalised inputs as it was trained (transform_input)."""
+    torch.manual_seed(0)
+    torch.save(models.googlenet(aux_logits=True, init_weights=True).state_dict(), tmp_path / "googlenet.pth")
+    model = ResNetClassifier(arch="googlenet", num_classes=5, weights=str(tmp_path / "googlenet.pth"))
+    assert model.model.transform_input and model.model.aux1 is None
+    model.load_weights()
+    assert "new head fc (1000 -> 5 outputs, freshly initialised)" in capsys.readouterr().out
+
+
 def test_weights_eval_transforms_become_the_defaults(folder):
     from ddp_recipes.config.cli import parse_config
 
@@ -278,7 +289,9 @@ def test_one_device_fine_tune_through_the_hub_cache(hub, folder, tmp_path, monke
     monkeypatch.setenv("TORCH_HOME", str(hub))
     summary = resnet.main([*args(folder, "--freeze-backbone", "--max-steps", "2"), "--output-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "weights          ResNet18_Weights.IMAGENET1K_V1: 120 tensors loaded; new head fc (1000 -> 2 outputs" in out
+    cached = hub / "hub" / "checkpoints" / HUB_FILE
+    assert (f"weights          ResNet18_Weights.IMAGENET1K_V1 ({cached}): 120 tensors loaded; new head fc (1000 -> 2 "
+            "outputs, freshly initialised)") in out
     assert_backbone_is(tmp_path / "checkpoints" / "last.ckpt", hub)
     tuning = json.loads((tmp_path / "summary.json").read_text())["fine_tuning"]
     assert tuning == summary["fine_tuning"] and tuning["new_head"] == {"fc": "1000 -> 2 outputs, freshly initialised"}

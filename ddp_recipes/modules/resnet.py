@@ -53,6 +53,11 @@ RESNET_FAMILY = tuple(a for a in ARCHS if a.startswith(("resnet", "resnext", "wi
 # init_weights=True is their random-weights default, said explicitly so torchvision does not warn about it.
 ARCH_KWARGS = {"inception_v3": {"aux_logits": False, "init_weights": True},
                "googlenet": {"aux_logits": False, "init_weights": True}}
+# What torchvision's builders change for pretrained weights: these two were trained on inputs normalised to
+# [-1, 1] and convert ImageNet-normalised ones (transform_input); their auxiliary heads are in the weights
+# file but not in the network built without them, so those keys are dropped before loading.
+PRETRAINED_KWARGS = {"inception_v3": {"transform_input": True}, "googlenet": {"transform_input": True}}
+AUX_HEAD_KEYS = {"inception_v3": ("AuxLogits.",), "googlenet": ("aux1.", "aux2.")}
 STAGES = ("layer1", "layer2", "layer3", "layer4")
 # Total downsampling of the torchvision ResNet up to layer4 (tests measure it on the real network):
 # ImageNet stem = conv1 stride 2 x maxpool stride 2, CIFAR stem = none; layer2..layer4 halve again each.
@@ -191,7 +196,8 @@ class ResNetClassifier(ImageClassifier):
     def build_model(self) -> nn.Module:
         """The network, from ``self.hparams``: the one method to override for another architecture."""
         hp = self.hparams
-        return build_arch(hp.arch, hp.num_classes, bool(hp.cifar_stem), float(hp.get("dropout", 0.0)))
+        return build_arch(hp.arch, hp.num_classes, bool(hp.cifar_stem), float(hp.get("dropout", 0.0)),
+                          pretrained=bool(hp.get("weights")))
 
     @staticmethod
     def min_image_size(cifar_stem: bool) -> int:
@@ -227,6 +233,8 @@ class ResNetClassifier(ImageClassifier):
         its shape differs (``num_classes``); any other difference fails in one line."""
         network, weights = self.model, self.pretrained
         state = read_weights(weights)
+        aux = AUX_HEAD_KEYS.get(self.hparams.arch, ()) if type(self).build_model is ResNetClassifier.build_model else ()
+        state = {k: v for k, v in state.items() if not k.startswith(aux)} if aux else state
         own = network.state_dict(keep_vars=True)
         backbone = self._backbone_tensors()
         head = {k for k, t in own.items() if id(t) not in backbone}
@@ -234,8 +242,9 @@ class ResNetClassifier(ImageClassifier):
         rename = {"fc.": "fc.1."} if "fc.weight" in state and "fc.1.weight" in own else None
         report = load_pretrained(network, state, head, weights.name, rename)
         self.fine_tuning.update(weights=weights.name, loaded_tensors=report.loaded, new_head=report.replaced)
-        if self.trainer.is_global_zero:
-            print(f"weights          {weights.name}: {report.describe()}", flush=True)
+        if self._trainer is None or self.trainer.is_global_zero:
+            where = f" ({weights.cache_file})" if weights.cache_file is not None else ""
+            print(f"weights          {weights.name}{where}: {report.describe()}", flush=True)
 
     @override
     def setup(self, stage: str) -> None:
@@ -335,10 +344,12 @@ def _builder_options(arch: str) -> set[str]:
     return options
 
 
-def build_arch(arch: str, num_classes: int, cifar_stem: bool = False, dropout: float = 0.0) -> nn.Module:
-    """``torchvision.models.get_model(arch)`` with random weights, adapted to the recipe's flags."""
+def build_arch(arch: str, num_classes: int, cifar_stem: bool = False, dropout: float = 0.0,
+               pretrained: bool = False) -> nn.Module:
+    """``torchvision.models.get_model(arch)`` with random weights, adapted to the recipe's flags;
+    ``pretrained``: built as torchvision builds it for its weights (loaded afterwards)."""
     arch_features(arch, cifar_stem, dropout, grad_checkpointing=False)
-    kwargs = dict(ARCH_KWARGS.get(arch, {}))
+    kwargs = {**ARCH_KWARGS.get(arch, {}), **(PRETRAINED_KWARGS.get(arch, {}) if pretrained else {})}
     if arch not in RESNET_FAMILY and dropout > 0:
         kwargs["dropout"] = dropout  # the model's own head dropout; 0 keeps torchvision's default
     model = models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
