@@ -35,6 +35,7 @@ from ddp_recipes.config.cli import fail, opt, parse_config
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.modules.classifier import ImageClassifier
 from ddp_recipes.modules.pretrained import FineTuningRecord, PretrainedWeights, read_weights, resolve_weights
 from ddp_recipes.modules.resnet import (
     ARCHS,
@@ -43,6 +44,7 @@ from ddp_recipes.modules.resnet import (
     arch_features,
     check_arch_input,
     check_training_hparams,
+    check_weights_fit,
 )
 from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_dict
 from ddp_recipes.optim.schedules import ReferenceSchedule
@@ -385,7 +387,11 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
                                                   "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout},
                              accepted={"arch": ARCHS})
         if cfg.pretrained is not None and cfg.pretrained.path is not None and not resume:
-            read_weights(cfg.pretrained)  # a file that is no state dict (or would run code) fails before any process
+            # Before any process starts: a file that is no state dict, would run code, or does not fit the network.
+            if own_network(classes.model_class):
+                check_weights_fit(cfg.arch, num_classes, cfg.cifar_stem, cfg.dropout, cfg.pretrained)
+            else:
+                read_weights(cfg.pretrained)
         lr = cfg.plan.lr
         model_kwargs(classes.model_class, model_args(cfg, num_classes, lr, bool(resume)))  # before any process starts
         mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
@@ -442,6 +448,11 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             raise
         last = str(err).strip().splitlines()[-1]  # a DataLoader worker's error carries its traceback first
         fail(f"--data-dir {cfg.data_dir} holds an image that cannot be decoded ({last}); remove or replace it", PROG)
+
+
+def own_network(cls: type[ResNetClassifier]) -> bool:
+    """Whether ``cls`` builds the recipe's network and backbone (so they can be checked before the run)."""
+    return cls.build_model is ResNetClassifier.build_model and cls.backbone_modules is ImageClassifier.backbone_modules
 
 
 def is_image_error(err: OSError) -> bool:

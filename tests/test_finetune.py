@@ -331,6 +331,19 @@ def test_a_weights_file_that_would_run_code_is_refused(folder, tmp_path, capsys)
     assert "--weights" in line and "would run code" in line and "torch.save(model.state_dict(), path)" in line
 
 
+def test_a_weights_file_of_another_arch_fails_before_any_process_starts(folder, tmp_path, capsys):
+    r34 = models.resnet34().state_dict()
+    torch.save(r34, tmp_path / "r34.pth")
+    with pytest.raises(SystemExit) as exc:
+        resnet.main([*args(folder, "--max-steps", "1"), "--weights", str(tmp_path / "r34.pth"),
+                     "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    extra = sorted(set(r34) - set(models.resnet18().state_dict()))
+    assert exc.value.code == 2 and len(err) == 1 and "do not fit this model: unexpected layer1.2.conv1.weight" in err[0]
+    assert all(f" {k}," in err[0] or f" {k} " in err[0] for k in extra), "every unexpected key is named"
+    assert not (tmp_path / "o").exists()
+
+
 # ---- slow: 2 ranks, the two-phase schedule, kill and resume across the switch ---------------------------------
 
 TWO_PHASE = ["--devices", "2", "--max-epochs", "3", "--freeze-backbone", "--unfreeze-at-epoch", "2",

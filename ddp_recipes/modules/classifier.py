@@ -56,6 +56,13 @@ from ddp_recipes.optim.schedules import ReferenceSchedule, lightning_reference_s
 STAGES = ("val", "test")
 
 
+def default_backbone(network: nn.Module) -> list[nn.Module]:
+    """Every child of ``network`` but the last one with parameters (its classifier)."""
+    children = list(network.children())
+    with_params = [i for i, child in enumerate(children) if next(child.parameters(), None) is not None]
+    return [child for i, child in enumerate(children) if not with_params or i != with_params[-1]]
+
+
 class ImageClassifier(TrainLossLogging):
     """An ``(x, y)`` classifier: cross-entropy, SGD, top-1 (and top-5) accuracy exact under DDP.
 
@@ -133,9 +140,7 @@ class ImageClassifier(TrainLossLogging):
         freeze. By default every child of ``self.model`` but the last one with parameters, its classifier
         (``fc`` of a ResNet, ``classifier`` of EfficientNet/ConvNeXt/VGG, ``heads`` of ViT, ``head`` of Swin).
         Override it to keep more trainable (e.g. ``[m.conv1, m.bn1, m.layer1, m.layer2]``)."""
-        children = list(self.model.children())
-        with_params = [i for i, child in enumerate(children) if next(child.parameters(), None) is not None]
-        return [child for i, child in enumerate(children) if not with_params or i != with_params[-1]]
+        return default_backbone(self.model)
 
     # ---- fine-tuning: freezing, the unfreeze epoch, the LR of the backbone -------------------------------
 

@@ -161,6 +161,12 @@ def _is_zip(path: Path) -> bool:
         return f.read(4) == b"PK\x03\x04"
 
 
+def head_keys(network: nn.Module, backbone: list[nn.Module]) -> set[str]:
+    """The state-dict keys of ``network`` outside the ``backbone`` modules: its classifier."""
+    inside = {id(t) for m in backbone for t in [*m.parameters(), *m.buffers()]}
+    return {k for k, t in network.state_dict(keep_vars=True).items() if id(t) not in inside}
+
+
 def unwrap_state_dict(state: Any, name: str) -> dict[str, torch.Tensor]:
     """The network's tensors of a saved file: a plain state dict, torchvision's reference checkpoint
     (``{"model": ...}``), a Lightning checkpoint of this pack (``state_dict`` under ``model.``), or a DDP
@@ -193,14 +199,14 @@ class LoadReport:
 
 
 def load_pretrained(network: nn.Module, state: dict[str, torch.Tensor], head: set[str], name: str,
-                    rename: dict[str, str] | None = None) -> LoadReport:
+                    rename: dict[str, str] | None = None, copy: bool = True) -> LoadReport:
     """Copy ``state`` into ``network``, every key and shape checked: a ``ConfigError`` naming each missing,
     unexpected and mismatched key in one line, nothing loaded then.
 
     ``head``: the state-dict keys of the classifier. Only there may a shape differ, in its first dimension
     (the classes, ``--num-classes``): that layer keeps its fresh initialisation and is reported as replaced.
     ``rename``: key prefixes of the file mapped to the network's (``fc.`` -> ``fc.1.`` when dropout wraps
-    the classifier).
+    the classifier). ``copy=False`` only checks (e.g. a network on the meta device, before any process starts).
     """
     for old, new in (rename or {}).items():
         state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
@@ -217,10 +223,11 @@ def load_pretrained(network: nn.Module, state: dict[str, torch.Tensor], head: se
                                                for k in wrong) if wrong else ""]
         raise ConfigError(f"{{weights}} {lit(name)} do not fit this model: {'; '.join(p for p in parts if p)} (file vs "
                           "model); pass the --arch (and flags) they were trained with, or weights of this model")
-    with torch.no_grad():
-        for key, value in own.items():
-            if key not in replaced:
-                value.copy_(state[key])
+    if copy:
+        with torch.no_grad():
+            for key, value in own.items():
+                if key not in replaced:
+                    value.copy_(state[key])
     layers: dict[str, str] = {}
     for key in replaced:
         layer = key.rpartition(".")[0]

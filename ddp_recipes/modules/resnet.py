@@ -35,10 +35,12 @@ from typing_extensions import override
 
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.modules.classifier import ImageClassifier
+from ddp_recipes.modules.classifier import ImageClassifier, default_backbone
 from ddp_recipes.modules.pretrained import (
+    LoadReport,
     PretrainedWeights,
     fetch_weights,
+    head_keys,
     load_pretrained,
     read_weights,
     resolve_weights,
@@ -231,16 +233,10 @@ class ResNetClassifier(ImageClassifier):
     def load_weights(self) -> None:
         """Load ``weights`` into ``self.model`` (every rank, the same file): the classifier is kept fresh when
         its shape differs (``num_classes``); any other difference fails in one line."""
-        network, weights = self.model, self.pretrained
-        state = read_weights(weights)
-        aux = AUX_HEAD_KEYS.get(self.hparams.arch, ()) if type(self).build_model is ResNetClassifier.build_model else ()
-        state = {k: v for k, v in state.items() if not k.startswith(aux)} if aux else state
-        own = network.state_dict(keep_vars=True)
-        backbone = self._backbone_tensors()
-        head = {k for k, t in own.items() if id(t) not in backbone}
-        # build_arch wraps a ResNet's fc in Sequential(Dropout, fc) for --dropout: fc.* of the file is fc.1.*.
-        rename = {"fc.": "fc.1."} if "fc.weight" in state and "fc.1.weight" in own else None
-        report = load_pretrained(network, state, head, weights.name, rename)
+        weights = self.pretrained
+        own_network = type(self).build_model is ResNetClassifier.build_model
+        report = fit_pretrained(self.model, read_weights(weights), head_keys(self.model, self.backbone_modules()),
+                                weights.name, self.hparams.arch if own_network else None)
         self.fine_tuning.update(weights=weights.name, loaded_tensors=report.loaded, new_head=report.replaced)
         if self._trainer is None or self.trainer.is_global_zero:
             where = f" ({weights.cache_file})" if weights.cache_file is not None else ""
@@ -365,6 +361,29 @@ def build_arch(arch: str, num_classes: int, cifar_stem: bool = False, dropout: f
         # grad checkpointing by stage and the ResNet layout intact.
         model.fc = nn.Sequential(nn.Dropout(dropout), model.fc)
     return model
+
+
+def fit_pretrained(network: nn.Module, state: dict[str, torch.Tensor], head: set[str], name: str,
+                   arch: str | None = None, copy: bool = True) -> LoadReport:
+    """:func:`~ddp_recipes.modules.pretrained.load_pretrained` for a network :func:`build_arch` built (``arch``):
+    the auxiliary heads of GoogLeNet / Inception v3 dropped from the file, a ResNet's ``fc.*`` read as
+    ``fc.1.*`` under ``--dropout``."""
+    aux = AUX_HEAD_KEYS.get(arch, ()) if arch else ()
+    if aux:
+        state = {k: v for k, v in state.items() if not k.startswith(aux)}
+    # build_arch wraps a ResNet's fc in Sequential(Dropout, fc) for --dropout: fc.* of the file is fc.1.*.
+    rename = {"fc.": "fc.1."} if "fc.weight" in state and "fc.1.weight" in network.state_dict() else None
+    return load_pretrained(network, state, head, name, rename, copy=copy)
+
+
+def check_weights_fit(arch: str, num_classes: int, cifar_stem: bool, dropout: float,
+                      weights: PretrainedWeights) -> LoadReport:
+    """The keys and shapes of a local weights file against the recipe's network, built on the meta device (no
+    memory, milliseconds): a file that does not fit fails before any process starts."""
+    state = read_weights(weights)
+    with torch.device("meta"):
+        network = build_arch(arch, num_classes, cifar_stem, dropout, pretrained=True)
+    return fit_pretrained(network, state, head_keys(network, default_backbone(network)), weights.name, arch, copy=False)
 
 
 def check_arch_input(arch: str, num_classes: int, image_size: int, cifar_stem: bool = False,
