@@ -199,6 +199,7 @@ class ResNetConfig(RunConfig):
 
     @property
     def fine_tunes(self) -> bool:
+        """Whether the run fine-tunes (``summary.json`` then has a ``fine_tuning`` record)."""
         return bool(self.weights or self.freeze_backbone or self.backbone_lr_mult != 1.0)
 
     def check_own_data_flags(self) -> None:
