@@ -5,6 +5,8 @@
     python -m recipes.resnet --devices 4 --data imagefolder --data-dir /data/imagenet --arch resnet50 \\
         --image-size 224 --precision bf16-mixed --channels-last --sync-batchnorm --resume auto
     torchrun --nproc-per-node 4 -m recipes.resnet --data cifar10
+    python -m recipes.resnet --devices 4 --data imagefolder --data-dir /data/pets --weights IMAGENET1K_V1 \
+        --freeze-backbone --unfreeze-at-epoch 2 --backbone-lr-mult 0.1 --lr 0.01 --max-epochs 10
 
 Checkpoints: ``<output-dir>/checkpoints/last.ckpt`` at every epoch end, every ``--checkpoint-every-n-steps``
 and on SIGTERM (or SLURM's requeue signal), and ``best.ckpt`` by val_acc when there is a validation set,
@@ -35,6 +37,8 @@ from ddp_recipes.config.cli import fail, opt, parse_config
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.modules.classifier import ImageClassifier
+from ddp_recipes.modules.pretrained import FineTuningRecord, PretrainedWeights, read_weights, resolve_weights
 from ddp_recipes.modules.resnet import (
     ARCHS,
     RESNET_FAMILY,
@@ -42,6 +46,7 @@ from ddp_recipes.modules.resnet import (
     arch_features,
     check_arch_input,
     check_training_hparams,
+    check_weights_fit,
 )
 from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_dict
 from ddp_recipes.optim.schedules import ReferenceSchedule
@@ -69,7 +74,8 @@ class ResNetConfig(RunConfig):
     data: ResNetData = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder "
                                         "(--data-dir/{train,val})")
     data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
-    image_size: int = opt(32, "input side in pixels (cifar10 is always 32)")
+    image_size: int | None = opt(None, "input side in pixels (default: 32, or with --weights and --data imagefolder the "
+                                       "weights' crop, e.g. 224; cifar10 is always 32)")
     num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
     cifar_stem: bool | None = opt(None, "3x3 stem without max-pool for small images (default: on below 64 px for "
                                         "the ResNet family)")
@@ -120,6 +126,17 @@ class ResNetConfig(RunConfig):
                                                      "or constant (--lr-warmup-decay x lr)")
     lr_warmup_decay: float = opt(ReferenceSchedule.lr_warmup_decay, "--lr-scheduler warm-up's starting factor")
     test_only: bool = opt(False, "evaluate the --resume checkpoint (and its EMA weights) on the test set; no training")
+    # Fine-tuning (torchvision's --weights; the freezing and layer-wise LR of timm and Lightning's finetuning).
+    weights: str | None = opt(None, "start from pretrained weights: a torchvision weights name of --arch (IMAGENET1K_V2, "
+                                    "ResNet50_Weights.IMAGENET1K_V2, DEFAULT; from torch's hub cache, downloaded "
+                                    "once per node) or a local state-dict file; their eval transforms become "
+                                    "--data imagefolder's defaults")
+    freeze_backbone: bool = opt(False, "train only the classifier (the model's last layer): the backbone keeps its "
+                                       "weights and its BatchNorm statistics")
+    backbone_lr_mult: float = opt(1.0, "the backbone's LR as a multiple of the classifier's (discriminative "
+                                       "fine-tuning, e.g. 0.1)")
+    unfreeze_at_epoch: int | None = opt(None, "with --freeze-backbone: train the backbone too from this epoch on "
+                                              "(0-based; the two-phase schedule)")
 
     DEFAULT_BATCH_SIZE = 128
     DEFAULT_LR = 0.1
@@ -136,13 +153,15 @@ class ResNetConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.data == "cifar10":
+        if self.data == "cifar10" or (self.image_size is None and not self.weights):
             self.image_size = 32
         self._check_reference_flags()
         if self.cosine is None:
             self.cosine = self.lr_scheduler is None
+        self._check_weights()
         if self.cifar_stem is None:
-            self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY
+            # Pretrained weights come with the stem they were trained with.
+            self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY and not self.weights
         if self.num_classes is not None and self.num_classes < 1:
             raise ConfigError(f"{{num_classes}} must be >= 1 (got {self.num_classes})")
         if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
@@ -154,6 +173,40 @@ class ResNetConfig(RunConfig):
             raise err.renamed(decay="model_ema_decay", update_every="model_ema_steps") from None
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"{{clip_grad_norm}} must be > 0 (got {self.clip_grad_norm})")
+
+    def _check_weights(self) -> None:
+        """Resolve ``--weights`` (no file read) and refuse what cannot combine with fine-tuning."""
+        self.__dict__["_pretrained"] = None
+        if self.weights:
+            arch_features(self.arch, False, 0.0, False)  # a known --arch before its weights are looked up
+            self.__dict__["_pretrained"] = resolve_weights(self.arch, self.weights)
+            preset = self.pretrained.eval_preset()
+            if self.image_size is None:  # the weights' crop on an image folder, unless --image-size says otherwise
+                self.image_size = preset.crop_size if preset and self.data == "imagefolder" else 32
+            if self.cifar_stem:
+                raise ConfigError("{cifar_stem} replaces the stem the {weights} were trained with (and loads none of "
+                                  "it); drop {cifar_stem}: with {weights} the default is the pretrained stem")
+        if self.unfreeze_at_epoch is not None:
+            if self.comm_hook == "powersgd":
+                raise ConfigError("{unfreeze_at_epoch} rebuilds DDP's gradient buckets, which PowerSGD's error "
+                                  "feedback is laid out by; use {comm_hook} none, fp16 or bf16")
+            if self.compile:
+                raise ConfigError("{unfreeze_at_epoch} wraps the model in DDP again mid-run, which is not supported "
+                                  "under {compile} yet; drop {compile} or {unfreeze_at_epoch}")
+            epochs = self.plan.max_epochs
+            if epochs is not None and epochs > 0 and self.unfreeze_at_epoch >= epochs:
+                raise ConfigError(f"{{unfreeze_at_epoch}} {self.unfreeze_at_epoch} is never reached: the run has "
+                                  f"{epochs} epochs (0..{epochs - 1}); lower it or raise {{max_epochs}}")
+
+    @property
+    def pretrained(self) -> PretrainedWeights | None:
+        """``--weights`` resolved when the config was made (None without it)."""
+        return self.__dict__.get("_pretrained")
+
+    @property
+    def fine_tunes(self) -> bool:
+        """Whether the run fine-tunes (``summary.json`` then has a ``fine_tuning`` record)."""
+        return bool(self.weights or self.freeze_backbone or self.backbone_lr_mult != 1.0)
 
     def check_own_data_flags(self) -> None:
         """The recipe's own --data honours the augmentation flags only where they mean something."""
@@ -226,9 +279,19 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
                    random_erase=cfg.random_erase, interpolation=cfg.interpolation)
     crops = dict(train_crop_size=cfg.train_crop_size, val_resize_size=cfg.val_resize_size,
                  val_crop_size=cfg.val_crop_size)
+    preset = cfg.pretrained.eval_preset() if cfg.pretrained is not None else None
+    weights_eval: dict = {}
+    if preset is not None:
+        # The transforms the weights were evaluated with are the defaults; each flag given still wins.
+        weights_eval = dict(mean=preset.mean, std=preset.std)
+        if not cfg._changed("interpolation"):
+            weights_eval["val_interpolation"] = preset.interpolation
+        if cfg.val_resize_size is None:
+            crops["val_resize_size"] = preset.resize_for(cfg.val_crop_size or cfg.image_size)
     if cls is not None:
         offered = dict(data_dir=cfg.data_dir, batch_size=batch, seed=cfg.seed, num_workers=workers,
-                       image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale, **augment, **crops)
+                       image_size=cfg.image_size, min_crop_scale=cfg.min_crop_scale, **augment, **crops,
+                       **weights_eval)
         if cfg.num_classes is not None:
             offered["num_classes"] = cfg.num_classes
         given = cfg._changed("data_dir", "min_crop_scale", *augment, *crops)
@@ -241,13 +304,15 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
     if cfg.data == "cifar10":
         return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed, **augment)
     dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,
-                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment, **crops)
+                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment, **crops,
+                               **weights_eval)
     dm.check_layout()  # before any process starts: a wrong --data-dir fails here, in one line
     return dm
 
 
-def model_args(cfg: ResNetConfig, num_classes: int, lr: float) -> dict:
-    """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults)."""
+def model_args(cfg: ResNetConfig, num_classes: int, lr: float, resumed: bool = False) -> dict:
+    """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults). ``resumed``:
+    no ``weights`` (the checkpoint holds the fine-tuned ones; the pretrained file is not needed again)."""
     args = dict(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
                 momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
                 label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
@@ -259,13 +324,15 @@ def model_args(cfg: ResNetConfig, num_classes: int, lr: float) -> dict:
                      bias_weight_decay=cfg.bias_weight_decay, lr_scheduler=cfg.lr_scheduler,
                      lr_step_size=cfg.lr_step_size, lr_gamma=cfg.lr_gamma, lr_min=cfg.lr_min,
                      lr_warmup_method=cfg.lr_warmup_method, lr_warmup_decay=cfg.lr_warmup_decay,
-                     mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha)
+                     mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha,
+                     weights=None if resumed else cfg.weights, freeze_backbone=cfg.freeze_backbone,
+                     backbone_lr_mult=cfg.backbone_lr_mult, unfreeze_at_epoch=cfg.unfreeze_at_epoch)
     return {**args, **{name: value for name, value in reference.items() if name in cfg._changed(name)}}
 
 
 def build_model(cfg: ResNetConfig, num_classes: int, lr: float,
-                cls: type[ResNetClassifier] = ResNetClassifier) -> ResNetClassifier:
-    return cls(**model_kwargs(cls, model_args(cfg, num_classes, lr)))
+                cls: type[ResNetClassifier] = ResNetClassifier, resumed: bool = False) -> ResNetClassifier:
+    return cls(**model_kwargs(cls, model_args(cfg, num_classes, lr, resumed)))
 
 
 def ema_callback(cfg: ResNetConfig) -> ModelEMA:
@@ -331,8 +398,14 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             check_compatible(checkpoint, resume, {"arch": cfg.arch, "num_classes": num_classes,
                                                   "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout},
                              accepted={"arch": ARCHS})
+        if cfg.pretrained is not None and cfg.pretrained.path is not None and not resume:
+            # Before any process starts: a file that is no state dict, would run code, or does not fit the network.
+            if own_network(classes.model_class):
+                check_weights_fit(cfg.arch, num_classes, cfg.cifar_stem, cfg.dropout, cfg.pretrained)
+            else:
+                read_weights(cfg.pretrained)
         lr = cfg.plan.lr
-        model_kwargs(classes.model_class, model_args(cfg, num_classes, lr))  # before any process starts
+        model_kwargs(classes.model_class, model_args(cfg, num_classes, lr, bool(resume)))  # before any process starts
         mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
         if mixing and not classes.model_class.takes_soft_targets():
             raise ConfigError(f"{{{mixing[0]}}} gives loss() class-probability targets, but {class_path(classes.model_class)} "
@@ -347,7 +420,7 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
         own_data = classes.datamodule is None
         has_val = (cfg.data != "synthetic" or cfg.synthetic_val_samples > 0) if own_data else has_loader(datamodule, "val")
         has_test = has_val if own_data else has_loader(datamodule, "test")
-        model = lambda: build_model(cfg, num_classes, lr, classes.model_class)  # noqa: E731
+        model = lambda: build_model(cfg, num_classes, lr, classes.model_class, bool(resume))  # noqa: E731
         if cfg.test_only:
             if not resume:
                 raise ConfigError("{test_only} needs {resume} PATH (or auto with a checkpoint in {output_dir}): the "
@@ -366,15 +439,21 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             saved["optimizer"] = optimizer_of(saved)
             check_compatible({"hyper_parameters": saved}, resume,
                              {"optimizer": optimizer_of(vars(cfg)), "norm_weight_decay": cfg.norm_weight_decay,
-                              "bias_weight_decay": cfg.bias_weight_decay},
-                             defaults={"norm_weight_decay": 0.0, "bias_weight_decay": 0.0})
+                              "bias_weight_decay": cfg.bias_weight_decay, "freeze_backbone": cfg.freeze_backbone,
+                              "backbone_lr_mult": cfg.backbone_lr_mult, "unfreeze_at_epoch": cfg.unfreeze_at_epoch},
+                             defaults={"norm_weight_decay": 0.0, "bias_weight_decay": 0.0, "freeze_backbone": False,
+                                       "backbone_lr_mult": 1.0, "unfreeze_at_epoch": None})
         run_callbacks = checkpoint_callbacks(cfg, has_val, classes.model_class)
         if cfg.model_ema:
             run_callbacks.append(ema_callback(cfg))
+        extra = {"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume}
+        if cfg.fine_tunes:
+            record = FineTuningRecord()  # fills its dict during the fit; summary.json is written after it
+            run_callbacks.append(record)
+            extra["fine_tuning"] = record.summary
         clip = dict(gradient_clip_val=cfg.clip_grad_norm, gradient_clip_algorithm="norm") if cfg.clip_grad_norm else {}
         return run_fit_test(cfg, model, datamodule, lr, callbacks=[*run_callbacks, *user.callbacks], ckpt_path=resume,
-                            checkpoint=checkpoint, test=has_test, save_final=False, classes=classes,
-                            extra={"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume},
+                            checkpoint=checkpoint, test=has_test, save_final=False, classes=classes, extra=extra,
                             **clip, **user.trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
         fail(err.cli(), PROG)
@@ -383,6 +462,11 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             raise
         last = str(err).strip().splitlines()[-1]  # a DataLoader worker's error carries its traceback first
         fail(f"--data-dir {cfg.data_dir} holds an image that cannot be decoded ({last}); remove or replace it", PROG)
+
+
+def own_network(cls: type[ResNetClassifier]) -> bool:
+    """Whether ``cls`` builds the recipe's network and backbone (so they can be checked before the run)."""
+    return cls.build_model is ResNetClassifier.build_model and cls.backbone_modules is ImageClassifier.backbone_modules
 
 
 def is_image_error(err: OSError) -> bool:

@@ -224,7 +224,7 @@ def test_printed_config_keeps_what_was_asked_so_flags_still_move_it(tmp_path, ca
         resnet.main(["--data", "cifar10", "--print-config"])
     printed = capsys.readouterr().out
     assert "cifar_stem: null" in printed and "cosine: null" in printed
-    assert "# resolved by the recipe: cifar_stem=True, cosine=True" in printed
+    assert "# resolved by the recipe: image_size=32, cifar_stem=True, cosine=True" in printed
     path = tmp_path / "c.yaml"
     path.write_text(printed)
     # The file leaves the schedule and the stem to the recipe, so a flag on top still decides them.

@@ -12,6 +12,7 @@ by :mod:`ddp_recipes.data.augment`, and are the same as before when no option is
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -200,6 +201,8 @@ class ImageFolderDataModule(_ImageDataModule):
     default to ``image_size``, ``val_resize_size`` to the 256/224 ratio of the validation crop, e.g.
     ``train_crop_size=176, val_resize_size=232, val_crop_size=224`` trains at a lower resolution than it
     evaluates (FixRes). ``image_size`` stays the size the recipe checks the model's stem against.
+    ``mean``/``std`` normalise both pipelines (pretrained weights' own statistics); ``val_interpolation`` is the
+    evaluation resize's (default: ``interpolation``), e.g. the one the weights were evaluated with.
     """
 
     def __init__(self, data_dir: str | Path, batch_size: int = 64, image_size: int = 224,
@@ -207,8 +210,12 @@ class ImageFolderDataModule(_ImageDataModule):
                  min_crop_scale: float = 0.08, seed: int = 0, *, auto_augment: AutoAugment | None = None,
                  ra_magnitude: int = 9, augmix_severity: int = 3, random_erase: float = 0.0,
                  train_crop_size: int | None = None, val_resize_size: int | None = None,
-                 val_crop_size: int | None = None, interpolation: Interpolation = "bilinear") -> None:
+                 val_crop_size: int | None = None, interpolation: Interpolation = "bilinear",
+                 mean: Sequence[float] = augment.IMAGENET_MEAN, std: Sequence[float] = augment.IMAGENET_STD,
+                 val_interpolation: Interpolation | None = None) -> None:
         super().__init__(batch_size, num_workers, pin_memory, seed)
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.val_interpolation = interpolation if val_interpolation is None else val_interpolation
         if image_size < 1:
             raise ConfigError(f"{{image_size}} must be >= 1 (got {image_size})")
         if not 0 < min_crop_scale <= 1:
@@ -275,11 +282,11 @@ class ImageFolderDataModule(_ImageDataModule):
         return augment.train_transform(
             self.train_crop_size, min_crop_scale=self.min_crop_scale, auto_augment=self.auto_augment,
             ra_magnitude=self.ra_magnitude, augmix_severity=self.augmix_severity,
-            random_erase=self.random_erase, interpolation=self.interpolation)
+            random_erase=self.random_erase, interpolation=self.interpolation, mean=self.mean, std=self.std)
 
     def val_transform(self) -> v2.Transform:
         return augment.eval_transform(self.val_crop_size, resize_size=self.val_resize_size,
-                                      interpolation=self.interpolation)
+                                      interpolation=self.val_interpolation, mean=self.mean, std=self.std)
 
     @override
     def prepare_data(self) -> None:

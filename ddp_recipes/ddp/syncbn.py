@@ -136,10 +136,12 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None,
     """Replace every BatchNorm*d in ``module`` with ``layer_cls`` (CPUSyncBatchNorm or nn.SyncBatchNorm).
 
     Children are replaced in place; the original class is remembered so :func:`revert_sync_batchnorm`
-    restores BatchNorm1d/2d/3d exactly (torch's own converter forgets it).
+    restores BatchNorm1d/2d/3d exactly (torch's own converter forgets it). A frozen layer
+    (:func:`is_frozen_norm`) is left as it is.
     """
     converted = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, CPUSyncBatchNorm | nn.SyncBatchNorm):
+    if (isinstance(module, _BatchNorm) and not isinstance(module, CPUSyncBatchNorm | nn.SyncBatchNorm)
+            and not is_frozen_norm(module)):
         converted = layer_cls(module.num_features, module.eps, module.momentum, module.affine,
                               module.track_running_stats, process_group)
         _copy_bn_state(module, converted)
@@ -147,6 +149,15 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None,
     for name, child in module.named_children():
         converted.add_module(name, convert_sync_batchnorm(child, process_group, layer_cls))
     return converted
+
+
+def is_frozen_norm(module: _BatchNorm) -> bool:
+    """A BatchNorm layer in eval mode whose parameters are all frozen (a fine-tuned model's frozen backbone).
+
+    It normalises with its running statistics and never updates them, so a synchronised copy would only
+    add a layer that never communicates; kept plain, the frozen part stays exactly the pretrained network.
+    """
+    return not module.training and not any(p.requires_grad for p in module.parameters(recurse=False))
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:

@@ -9,6 +9,11 @@ weight decay on BatchNorm and bias parameters, and torchmetrics accuracy that st
 optimizer split and the metrics, but the CIFAR stem and grad checkpointing by stage need the ResNet layout
 (conv1/maxpool stem, layer1..layer4), and ``dropout`` goes to the model's own ``dropout`` option where it has
 one (before the classifier for EfficientNet, MobileNet, VGG...; inside every block for ViT and Swin).
+
+``weights`` fine-tunes from pretrained weights (:mod:`ddp_recipes.modules.pretrained`): fetched in
+``prepare_data``, loaded on every rank in ``setup`` with every key and shape checked, the classifier replaced
+when ``num_classes`` differs from the weights'. ``freeze_backbone``, ``backbone_lr_mult`` and
+``unfreeze_at_epoch`` are :class:`~ddp_recipes.modules.classifier.ImageClassifier`'s fine-tuning controls.
 """
 
 from __future__ import annotations
@@ -30,7 +35,16 @@ from typing_extensions import override
 
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.modules.classifier import ImageClassifier
+from ddp_recipes.modules.classifier import ImageClassifier, default_backbone
+from ddp_recipes.modules.pretrained import (
+    LoadReport,
+    PretrainedWeights,
+    fetch_weights,
+    head_keys,
+    load_pretrained,
+    read_weights,
+    resolve_weights,
+)
 from ddp_recipes.optim.optimizers import param_groups
 from ddp_recipes.optim.schedules import ReferenceSchedule
 
@@ -41,6 +55,11 @@ RESNET_FAMILY = tuple(a for a in ARCHS if a.startswith(("resnet", "resnext", "wi
 # init_weights=True is their random-weights default, said explicitly so torchvision does not warn about it.
 ARCH_KWARGS = {"inception_v3": {"aux_logits": False, "init_weights": True},
                "googlenet": {"aux_logits": False, "init_weights": True}}
+# What torchvision's builders change for pretrained weights: these two were trained on inputs normalised to
+# [-1, 1] and convert ImageNet-normalised ones (transform_input); their auxiliary heads are in the weights
+# file but not in the network built without them, so those keys are dropped before loading.
+PRETRAINED_KWARGS = {"inception_v3": {"transform_input": True}, "googlenet": {"transform_input": True}}
+AUX_HEAD_KEYS = {"inception_v3": ("AuxLogits.",), "googlenet": ("aux1.", "aux2.")}
 STAGES = ("layer1", "layer2", "layer3", "layer4")
 # Total downsampling of the torchvision ResNet up to layer4 (tests measure it on the real network):
 # ImageNet stem = conv1 stride 2 x maxpool stride 2, CIFAR stem = none; layer2..layer4 halve again each.
@@ -99,6 +118,23 @@ def check_training_hparams(hp: Mapping[str, Any]) -> None:
         raise ConfigError("{nesterov} needs {momentum} > 0")
     if hp.get("lr_scheduler"):
         ReferenceSchedule.of(hp, hp.get("warmup_epochs", 0.0))  # checks them
+    check_finetune_hparams(hp)
+
+
+def check_finetune_hparams(hp: Mapping[str, Any]) -> None:
+    """``freeze_backbone``, ``backbone_lr_mult`` and ``unfreeze_at_epoch``: each must have an effect."""
+    freeze, mult, epoch = hp.get("freeze_backbone", False), hp.get("backbone_lr_mult", 1.0), hp.get("unfreeze_at_epoch")
+    if not (math.isfinite(mult) and mult > 0):
+        raise ConfigError(f"{{backbone_lr_mult}} must be > 0 (got {mult}); to train no backbone parameter, pass "
+                          "{freeze_backbone}")
+    if epoch is not None and not freeze:
+        raise ConfigError("{unfreeze_at_epoch} unfreezes a frozen backbone; add {freeze_backbone}")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1):
+        raise ConfigError(f"{{unfreeze_at_epoch}} must be an epoch >= 1 (got {epoch}); without it the backbone "
+                          "stays frozen")
+    if freeze and epoch is None and mult != 1.0:
+        raise ConfigError("{backbone_lr_mult} has no effect on a backbone frozen for the whole run; add "
+                          "{unfreeze_at_epoch} or drop {backbone_lr_mult}")
 
 
 class ResNetClassifier(ImageClassifier):
@@ -117,10 +153,15 @@ class ResNetClassifier(ImageClassifier):
                  lr_gamma: float = ReferenceSchedule.lr_gamma, lr_min: float = ReferenceSchedule.lr_min,
                  lr_warmup_method: str = ReferenceSchedule.lr_warmup_method,
                  lr_warmup_decay: float = ReferenceSchedule.lr_warmup_decay, mixup_alpha: float = 0.0,
-                 cutmix_alpha: float = 0.0) -> None:
+                 cutmix_alpha: float = 0.0, weights: str | None = None, freeze_backbone: bool = False,
+                 backbone_lr_mult: float = 1.0, unfreeze_at_epoch: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self._check_hparams()
+        # Resolved (not read) now: a bad name fails at construction; the file is fetched in prepare_data.
+        self.pretrained: PretrainedWeights | None = resolve_weights(arch, weights) if weights else None
+        #: What the run fine-tunes from (weights, new head, schedule), for the set-up print and summary.json.
+        self.fine_tuning: dict[str, Any] = {}
         # Built here, not in setup(): every rank builds the same module and DDP broadcasts rank 0's weights.
         self.model = self.build_model()
         if grad_checkpointing:
@@ -157,7 +198,8 @@ class ResNetClassifier(ImageClassifier):
     def build_model(self) -> nn.Module:
         """The network, from ``self.hparams``: the one method to override for another architecture."""
         hp = self.hparams
-        return build_arch(hp.arch, hp.num_classes, bool(hp.cifar_stem), float(hp.get("dropout", 0.0)))
+        return build_arch(hp.arch, hp.num_classes, bool(hp.cifar_stem), float(hp.get("dropout", 0.0)),
+                          pretrained=bool(hp.get("weights")))
 
     @staticmethod
     def min_image_size(cifar_stem: bool) -> int:
@@ -183,7 +225,38 @@ class ResNetClassifier(ImageClassifier):
                          f"{cls.min_image_size(True)} px) or larger images")
 
     @override
+    def prepare_data(self) -> None:
+        """Fetch ``weights`` into torch's hub cache: Lightning runs this on local rank 0 of each node only."""
+        if self.pretrained is not None:
+            fetch_weights(self.pretrained)
+
+    def load_weights(self) -> None:
+        """Load ``weights`` into ``self.model`` (every rank, the same file): the classifier is kept fresh when
+        its shape differs (``num_classes``); any other difference fails in one line."""
+        weights = self.pretrained
+        own_network = type(self).build_model is ResNetClassifier.build_model
+        report = fit_pretrained(self.model, read_weights(weights), head_keys(self.model, self.backbone_modules()),
+                                weights.name, self.hparams.arch if own_network else None)
+        self.fine_tuning.update(weights=weights.name, loaded_tensors=report.loaded, new_head=report.replaced)
+        if self._trainer is None or self.trainer.is_global_zero:
+            where = f" ({weights.cache_file})" if weights.cache_file is not None else ""
+            print(f"weights          {weights.name}{where}: {report.describe()}", flush=True)
+
+    @override
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.pretrained is not None and not getattr(self, "_weights_loaded", False):
+            self._weights_loaded = True  # once: a second fit() continues from the trained weights
+            self.load_weights()
+        super().setup(stage)  # freezing (ImageClassifier), after the weights
+        hp = self.hparams
+        if stage == "fit" and hp.get("freeze_backbone"):
+            epoch = self._unfreeze_epoch()
+            self.fine_tuning.update(freeze_backbone=True, unfreeze_at_epoch=epoch)
+            if self.trainer.is_global_zero:
+                until = (f"until epoch {epoch}, then trained at LR x {hp.get('backbone_lr_mult', 1.0):g}" if epoch
+                         else "for the whole run")
+                print(f"backbone         frozen {until} (BatchNorm in eval mode; outside SyncBN and DDP's gradient "
+                      "buckets)", flush=True)
         # Every rank checks, so a bad flag fails loudly everywhere instead of training on padding.
         datamodule = getattr(self.trainer, "datamodule", None)
         image_size = getattr(datamodule, "image_size", None)
@@ -267,10 +340,12 @@ def _builder_options(arch: str) -> set[str]:
     return options
 
 
-def build_arch(arch: str, num_classes: int, cifar_stem: bool = False, dropout: float = 0.0) -> nn.Module:
-    """``torchvision.models.get_model(arch)`` with random weights, adapted to the recipe's flags."""
+def build_arch(arch: str, num_classes: int, cifar_stem: bool = False, dropout: float = 0.0,
+               pretrained: bool = False) -> nn.Module:
+    """``torchvision.models.get_model(arch)`` with random weights, adapted to the recipe's flags;
+    ``pretrained``: built as torchvision builds it for its weights (loaded afterwards)."""
     arch_features(arch, cifar_stem, dropout, grad_checkpointing=False)
-    kwargs = dict(ARCH_KWARGS.get(arch, {}))
+    kwargs = {**ARCH_KWARGS.get(arch, {}), **(PRETRAINED_KWARGS.get(arch, {}) if pretrained else {})}
     if arch not in RESNET_FAMILY and dropout > 0:
         kwargs["dropout"] = dropout  # the model's own head dropout; 0 keeps torchvision's default
     model = models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
@@ -286,6 +361,29 @@ def build_arch(arch: str, num_classes: int, cifar_stem: bool = False, dropout: f
         # grad checkpointing by stage and the ResNet layout intact.
         model.fc = nn.Sequential(nn.Dropout(dropout), model.fc)
     return model
+
+
+def fit_pretrained(network: nn.Module, state: dict[str, torch.Tensor], head: set[str], name: str,
+                   arch: str | None = None, copy: bool = True) -> LoadReport:
+    """:func:`~ddp_recipes.modules.pretrained.load_pretrained` for a network :func:`build_arch` built (``arch``):
+    the auxiliary heads of GoogLeNet / Inception v3 dropped from the file, a ResNet's ``fc.*`` read as
+    ``fc.1.*`` under ``--dropout``."""
+    aux = AUX_HEAD_KEYS.get(arch, ()) if arch else ()
+    if aux:
+        state = {k: v for k, v in state.items() if not k.startswith(aux)}
+    # build_arch wraps a ResNet's fc in Sequential(Dropout, fc) for --dropout: fc.* of the file is fc.1.*.
+    rename = {"fc.": "fc.1."} if "fc.weight" in state and "fc.1.weight" in network.state_dict() else None
+    return load_pretrained(network, state, head, name, rename, copy=copy)
+
+
+def check_weights_fit(arch: str, num_classes: int, cifar_stem: bool, dropout: float,
+                      weights: PretrainedWeights) -> LoadReport:
+    """The keys and shapes of a local weights file against the recipe's network, built on the meta device (no
+    memory, milliseconds): a file that does not fit fails before any process starts."""
+    state = read_weights(weights)
+    with torch.device("meta"):
+        network = build_arch(arch, num_classes, cifar_stem, dropout, pretrained=True)
+    return fit_pretrained(network, state, head_keys(network, default_backbone(network)), weights.name, arch, copy=False)
 
 
 def check_arch_input(arch: str, num_classes: int, image_size: int, cifar_stem: bool = False,

@@ -3,6 +3,8 @@
 ``build_optimizer`` gives the reference's ``--opt`` choices their exact settings (RMSprop with the
 TF-style ``eps=0.0316, alpha=0.9``; AdamW without momentum). ``param_groups`` gives normalization
 parameters and biases their own weight decay (``--norm-weight-decay``, ``--bias-weight-decay``).
+``split_backbone`` gives a fine-tuned network's backbone its own groups and learning rate
+(``--backbone-lr-mult``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torchvision.ops._utils import split_normalization_params
 from ddp_recipes.config.choices import OPTIMIZERS, check_choice
 from ddp_recipes.errors import ConfigError
 
-__all__ = ["OPTIMIZERS", "build_optimizer", "param_groups"]
+__all__ = ["OPTIMIZERS", "build_optimizer", "param_groups", "split_backbone"]
 
 
 def param_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float | None = None,
@@ -80,3 +82,32 @@ def build_optimizer(name: str, param_groups: list[dict] | list[nn.Parameter], lr
         return torch.optim.RMSprop(param_groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
                                    eps=0.0316, alpha=0.9)
     return torch.optim.AdamW(param_groups, lr=lr, weight_decay=weight_decay)
+
+
+def split_backbone(groups: list[dict] | list[nn.Parameter], backbone: set[int], lr: float,
+                   backbone_lr_mult: float = 1.0) -> list[dict]:
+    """Each of ``groups`` split in its backbone part (the parameters whose ``id`` is in ``backbone``) and the
+    rest, the head: backbone groups first, each named ``"backbone"`` and at ``backbone_lr_mult`` times its LR
+    (the group's own ``lr``, else ``lr``), then the head groups, named ``"head"``; every other setting (weight
+    decay, ...) kept, empty groups left out. The discriminative learning rates of fine-tuning (Howard & Ruder
+    2018): an LR schedule scales every group by the same factor, so the ratio holds throughout.
+    """
+    if not (math.isfinite(backbone_lr_mult) and backbone_lr_mult > 0):
+        raise ConfigError(f"{{backbone_lr_mult}} must be > 0 (got {backbone_lr_mult}; to train no backbone "
+                          "parameter, freeze them: {freeze_backbone})", "backbone_lr_mult")
+    as_dicts = [g if isinstance(g, dict) else {"params": [g]} for g in groups]
+    if groups and not isinstance(groups[0], dict):  # a plain list of parameters: one group
+        as_dicts = [{"params": list(groups)}]
+    parts: dict[str, list[dict]] = {"backbone": [], "head": []}
+    for group in as_dicts:
+        params = list(group["params"])
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for name, chosen in (("backbone", [p for p in params if id(p) in backbone]),
+                             ("head", [p for p in params if id(p) not in backbone])):
+            if not chosen:
+                continue
+            part = {**settings, "params": chosen, "name": name}
+            if name == "backbone":
+                part["lr"] = float(settings.get("lr", lr)) * backbone_lr_mult
+            parts[name].append(part)
+    return parts["backbone"] + parts["head"]
