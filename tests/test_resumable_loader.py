@@ -134,3 +134,41 @@ def test_a_run_ends_while_its_sigterm_ignoring_workers_are_alive(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+USER_PROCESS_SCRIPT = """
+import multiprocessing
+import signal
+import sys
+import time
+
+import ddp_recipes.data.resumable  # noqa: F401  (the pack imported, no loader made)
+
+
+def upload(ready, done_file):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the user's own choice: finish the upload whatever comes
+    ready.set()
+    time.sleep(2)
+    open(done_file, "w").write("uploaded")
+
+
+if __name__ == "__main__":
+    ready = multiprocessing.Event()
+    proc = multiprocessing.Process(target=upload, args=(ready, sys.argv[1]), daemon=True)
+    proc.start()
+    ready.wait()
+    print("done", flush=True)
+"""
+
+
+def test_a_users_own_daemon_that_ignores_sigterm_is_left_to_finish(tmp_path):
+    """The exit handler is for loader workers only: a script's own daemon process that ignores SIGTERM is
+    joined by multiprocessing as before (importing the pack must not SIGKILL it mid-work)."""
+    import subprocess
+    import sys
+
+    script, done = tmp_path / "user.py", tmp_path / "uploaded.txt"
+    script.write_text(USER_PROCESS_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(done)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+    assert done.exists(), "the user's process was killed at exit"

@@ -40,6 +40,7 @@ from ddp_recipes.data.resumable import (
     ResumableSampler,
     SeededDataset,
     ignore_preemption_signals,
+    kill_loader_workers_at_exit,
 )
 from ddp_recipes.data.samplers import ExactDistributedSampler
 
@@ -51,6 +52,7 @@ class WorkerInit:
 
     def __init__(self, user: Any = None) -> None:
         self.user = user
+        kill_loader_workers_at_exit()  # made in the training process, for loaders with workers
 
     def __call__(self, worker_id: int) -> None:
         ignore_preemption_signals(worker_id)

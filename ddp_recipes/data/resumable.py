@@ -25,7 +25,7 @@ from __future__ import annotations
 import atexit
 import math
 import multiprocessing
-import multiprocessing.util  # noqa: F401  (its exit handler is registered on import: before ours, below)
+import multiprocessing.util  # noqa: F401  (its exit handler is registered on import: before ours, see kill_loader_workers_at_exit)
 import random
 import signal
 from collections.abc import Iterator, Sized
@@ -230,17 +230,21 @@ def _ignores_sigterm(pid: int) -> bool:
 
 
 def _kill_workers_left_at_exit() -> None:
-    """At interpreter exit, SIGKILL the daemon children that ignore SIGTERM, before multiprocessing joins them.
+    """At interpreter exit, SIGKILL the DataLoader workers that ignore SIGTERM, before multiprocessing joins them.
 
     A loader iterator still alive at exit (persistent workers held by a reference cycle, freed only by the
     GC after the exit handlers) never shuts its workers down; multiprocessing's own exit handler then
     sends its daemon children SIGTERM, which workers started with :func:`ignore_preemption_signals`
-    ignore, and joins them, which never returns: a finished run that hangs at exit. Such a child can do
-    nothing with SIGTERM anyway, and loader workers hold nothing to save, so they are killed outright;
-    children that honour SIGTERM are left to multiprocessing.
+    ignore, and joins them, which never returns: a finished run that hangs at exit. Such a worker can do
+    nothing with SIGTERM anyway and holds nothing to save, so it is killed outright. Only torch's loader
+    workers: any other child (a script's own uploader that ignores SIGTERM to finish its work) and workers
+    that honour SIGTERM are left to multiprocessing, which joins them as it always did.
     """
     stuck = [p for p in multiprocessing.active_children()
              if p.daemon and p.pid is not None and _ignores_sigterm(p.pid)]
+    if stuck:  # rare: only then look for the live loader iterators whose workers these are
+        workers = _live_loader_worker_pids()
+        stuck = [p for p in stuck if p.pid in workers]
     if stuck and hasattr(signal, "SIGCHLD"):
         # torch's SIGCHLD handler would raise "DataLoader worker ... killed" into whatever exit code runs next.
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -248,8 +252,27 @@ def _kill_workers_left_at_exit() -> None:
         process.kill()
 
 
-# Exit handlers run last registered first: this one before multiprocessing's (imported above).
-atexit.register(_kill_workers_left_at_exit)
+def _live_loader_worker_pids() -> set[int]:
+    """The pids of the workers of every multi-process DataLoader iterator still alive (a Process object
+    forgets its target once started, so a worker is known by its iterator)."""
+    import gc
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    return {w.pid for obj in gc.get_objects() if isinstance(obj, _MultiProcessingDataLoaderIter)
+            for w in getattr(obj, "_workers", ()) if w.pid is not None}
+
+
+_reaper = {"registered": False}
+
+
+def kill_loader_workers_at_exit() -> None:
+    """Register :func:`_kill_workers_left_at_exit` (once per process), when the pack makes a loader whose
+    workers ignore SIGTERM: not at import, so a process that only imports the pack keeps its exit as it was.
+    Exit handlers run last registered first: this one before multiprocessing's (imported above)."""
+    if not _reaper["registered"]:
+        _reaper["registered"] = True
+        atexit.register(_kill_workers_left_at_exit)
 
 
 class ResumableDataLoader(DataLoader):
@@ -376,6 +399,8 @@ def resumable_loader(dataset: Dataset, batch_size: int, seed: int, num_replicas:
     seeded = SeededDataset(dataset, seed)
     sampler = ResumableSampler(seeded, num_replicas=num_replicas, rank=rank, seed=seed)
     kwargs.setdefault("worker_init_fn", ignore_preemption_signals)
+    if num_workers > 0:
+        kill_loader_workers_at_exit()
     return ResumableDataLoader(seeded, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                                pin_memory=pin_memory, persistent_workers=num_workers > 0, collate_fn=collate_fn,
                                generator=torch.Generator().manual_seed(seed), **kwargs)

@@ -22,7 +22,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_recipes.data.resumable import ignore_preemption_signals, resumable_loader
+from ddp_recipes.data.resumable import (
+    ignore_preemption_signals,
+    kill_loader_workers_at_exit,
+    resumable_loader,
+)
 
 
 def _world() -> tuple[int, int]:
@@ -66,6 +70,8 @@ def exact_eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0,
     """
     world, _ = _world()
     sampler = ExactDistributedSampler(dataset) if world > 1 else None
+    if num_workers > 0:
+        kill_loader_workers_at_exit()
     # A private generator: building the iterator must not draw from the global RNG that training's
     # dropout uses, or a resumed run (whose eval workers start anew) would drift from an uninterrupted one.
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=num_workers,
