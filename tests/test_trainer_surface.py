@@ -235,3 +235,30 @@ def test_lightning_cli_two_ranks_with_the_registry_name(tmp_path):
     assert facts["strategy"] == "TunedDDPStrategy" and facts["world_size"] == 2 and facts["backend"] == "gloo"
     assert facts["global_step"] == 8 and facts["gradient_as_bucket_view"] is True
     assert facts["rank_max_abs_diff"] == 0.0 and facts["moved_from_start"] > 0
+
+
+@needs_mnist
+def test_a_users_model_checkpoint_on_the_recipes_metric_runs_beside_best_ckpt(tmp_path):
+    """A ModelCheckpoint of the user's own monitoring val_acc (max), as the recipe's best.ckpt does, used to stop
+    the run at Trainer construction ("more than one stateful callback of type ModelCheckpoint")."""
+    out, mine = tmp_path / "out", tmp_path / "mine"
+    spec = f"{{class_path: ModelCheckpoint, init_args: {{monitor: val_acc, mode: max, dirpath: '{mine}'}}}}"
+    mnist.main([*DATA, "--output-dir", str(out), "--max-steps", "4", "--val-size", "64", "--callbacks", spec,
+                "--trainer", "val_check_interval=2", "--trainer", "num_sanity_val_steps=0",
+                "--trainer", "enable_progress_bar=false"], logger=False)
+    assert (out / "checkpoints" / "best.ckpt").is_file()
+    assert [p.suffix for p in mine.iterdir()] == [".ckpt"]
+    import torch
+
+    states = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["callbacks"]
+    assert sum(key.startswith("ModelCheckpoint{") for key in states) == 1  # the user's, under its own key
+
+
+def test_best_ckpt_state_saved_under_model_checkpoints_key_still_restores():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ddp_recipes.train.checkpoints import BestCheckpoint
+
+    best = BestCheckpoint(dirpath="x", filename="best", monitor="val_acc", mode="max")
+    assert best.state_key != ModelCheckpoint(monitor="val_acc", mode="max").state_key
+    assert best._legacy_state_key == ModelCheckpoint(monitor="val_acc", mode="max").state_key

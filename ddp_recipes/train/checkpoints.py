@@ -17,6 +17,19 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.storage import location
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """The recipe's ``best.ckpt``: a ModelCheckpoint under a state key of its own (led by this class's name), so
+    a user's ModelCheckpoint on the same metric (``--callbacks ModelCheckpoint`` with ``monitor: val_acc``)
+    runs beside it: Lightning refuses two stateful callbacks with one key. Checkpoints that kept best.ckpt's
+    state under ModelCheckpoint's key still restore it."""
+
+    @property
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        # Lightning looks a callback's state up by state_key, then by this: the recipe's checkpoints from
+        # before this class kept best.ckpt's state under ModelCheckpoint's own key.
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+
 def checkpoint_callbacks(cfg: RunConfig, has_val: bool, model_class: type | None = None) -> list[Callback]:
     """``last.ckpt`` at each epoch end, every ``--checkpoint-every-n-steps`` and on preemption; ``best.ckpt``
     by the model class's ``monitor`` (``val_acc``) when there is validation. Both in
@@ -25,7 +38,7 @@ def checkpoint_callbacks(cfg: RunConfig, has_val: bool, model_class: type | None
     callbacks: list[Callback] = [LastCheckpoint(folder, every_n_steps=cfg.checkpoint_every_n_steps)]
     if has_val:
         monitor = getattr(model_class, "monitor", "val_acc")
-        callbacks.append(ModelCheckpoint(dirpath=str(folder), filename="best", monitor=monitor,
+        callbacks.append(BestCheckpoint(dirpath=str(folder), filename="best", monitor=monitor,
                                          mode="min" if monitor.endswith("loss") else "max",
                                          save_top_k=1, save_last=False, enable_version_counter=False))
     return callbacks
