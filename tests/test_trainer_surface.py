@@ -130,6 +130,9 @@ def test_print_config_round_trips_trainer_and_callbacks(tmp_path, capsys):
         (mnist, ["--trainer", "callbacks=x"], {}, "use --callbacks"),
         (mnist, ["--trainer", "log_every_n_steps=5"], {}, "use --log-every-n-steps"),
         (mnist, ["--trainer", "logger=false"], {}, "use --logger"),
+        (mnist, ["--trainer", "overfit_batches=2"], {}, "overfit_batches is the recipe's own setting; use --trainer "
+         "limit_train_batches=N"),
+        (resnet, [], {"trainer_kwargs": {"overfit_batches": 0.1}}, "overfit_batches .* resumable loader"),
         (mnist, ["--trainer", "val_chek_interval=2"], {}, "no such argument; did you mean val_check_interval"),
         (mnist, ["--trainer", "limit_val_batches=lots"], {}, "limit_val_batches='lots': lightning.Trainer takes float | int"),
         (mnist, ["--trainer", "limit_val_batches"], {}, "--trainer takes KEY=VALUE"),
