@@ -98,3 +98,48 @@ def test_launcher_pid_reaches_children_only(monkeypatch):
     preemption.tag_children_with_launcher(launcher)
     launcher._call_children_scripts()
     assert seen["pid"] == str(os.getpid()) and preemption.LAUNCHER_PID_VAR not in os.environ
+
+
+GROUP_AT_EXIT_SCRIPT = """
+import atexit
+import sys
+
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+from ddp_recipes.ddp.strategy import destroy_group_at_exit, keep_group_at_exit
+
+steps = sys.argv[1].split(",")
+# Registered first, so it runs last: whether the group outlived every other exit handler.
+atexit.register(lambda: print("group", "alive" if dist.is_initialized() else "destroyed", flush=True))
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+if "lightning_nccl" in steps:
+    atexit.register(_destroy_dist_connection)  # what Lightning registers when the backend is NCCL
+for step in steps:
+    if step == "run":
+        destroy_group_at_exit()  # TunedDDPStrategy.setup_environment, each fit/test
+    elif step == "fail":
+        keep_group_at_exit()  # TunedDDPStrategy.on_exception
+"""
+
+
+@pytest.mark.parametrize(("steps", "expected"), [
+    ("run", "destroyed"),
+    ("run,fail", "alive"),
+    # Lightning's own NCCL exit handler must not tear the group down after a failure either.
+    ("lightning_nccl,run,fail", "alive"),
+    # A failed run, then one that succeeds in the same process (a script retrying): destroyed again.
+    ("run,fail,run", "destroyed"),
+])
+def test_the_group_is_destroyed_at_exit_unless_the_last_run_failed(tmp_path, steps, expected):
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_AT_EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), steps, str(free_port())], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["group", expected], proc.stdout + proc.stderr

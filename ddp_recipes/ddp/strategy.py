@@ -391,8 +391,10 @@ def destroy_group_at_exit() -> None:
     that succeeded: gloo's threads still hold work whose tensors need the GIL once Python is tearing down,
     and the rank dies with "terminate called without an active exception" (SIGABRT), which torchrun
     reports as a failed job (pytorch/pytorch#179291). ``atexit`` runs while the interpreter is whole; the
-    handler is a no-op when the group is gone already (a user's own ``destroy_process_group``).
+    handler is a no-op when the group is gone already (a user's own ``destroy_process_group``). Called at
+    each run's set-up: a run that succeeds after a failed one in the same process destroys it again.
     """
+    _group_at_exit["destroy"] = True
     if not _group_at_exit["registered"]:
         _group_at_exit["registered"] = True
         atexit.register(_destroy_group_unless_failed)
@@ -400,8 +402,10 @@ def destroy_group_at_exit() -> None:
 
 def keep_group_at_exit() -> None:
     """After a failure, leave the group to the process's end: a failing rank may still have a collective in
-    flight that waits for peers stuck in another one, and a teardown would wait with it (torchtitan#1342)."""
+    flight that waits for peers stuck in another one, and a teardown would wait with it (torchtitan#1342).
+    Lightning's own exit handler for NCCL groups is taken off too (it would tear the group down regardless)."""
     _group_at_exit["destroy"] = False
+    atexit.unregister(_destroy_dist_connection)
 
 
 def _destroy_group_unless_failed() -> None:
