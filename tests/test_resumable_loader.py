@@ -63,6 +63,23 @@ def test_a_step_editing_its_batch_changes_nothing_else():
     assert_same(epoch_batches(loader, 1), reference_batches(data, 1, 0, 1))
 
 
+def test_the_epoch_copy_is_freed_when_its_epoch_ends():
+    """The loader keeps its last iterator (its position is read from it) through validation, test and after
+    fit; the epoch's copy, up to a rank's whole epoch, must not stay with it once its batches are gone."""
+    import gc
+    import weakref
+
+    loader = resumable_loader(dataset(), BATCH, SEED, num_replicas=1, rank=0, collate_fn=keep_batch)
+    loader.sampler.set_epoch(0)
+    batches = list(loader)
+    copy = weakref.ref(batches[0][0]._base)
+    assert copy() is not None and loader.state_dict()["samples_seen"] == N
+    del batches
+    gc.collect()
+    assert copy() is None, "the finished epoch's copy is still alive"
+    assert loader.state_dict()["samples_seen"] == N  # the position is still there
+
+
 def test_over_the_memory_cap_each_batch_is_gathered_alone(monkeypatch):
     monkeypatch.setattr(samplers, "EPOCH_GATHER_MAX_BYTES", 100)
     data = dataset()

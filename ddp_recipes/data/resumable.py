@@ -381,6 +381,9 @@ class _IndexTensorIter(_SingleProcessDataLoaderIter):
             self._epoch = gather(order) if gather is not None else None
         start, end = self._at, self._at + self._batch
         if start >= len(order) or (self._drop_last and end > len(order)):
+            # The epoch's copy goes with its last batch: the loader keeps its last iterator (for its position)
+            # through validation, test and after fit, and the copy is up to EPOCH_GATHER_MAX_BYTES.
+            self._epoch = None
             raise StopIteration
         self._at = end
         if self._epoch is not None:
