@@ -265,3 +265,16 @@ def test_best_ckpt_state_saved_under_model_checkpoints_key_still_restores():
     best = BestCheckpoint(dirpath="x", filename="best", monitor="val_acc", mode="max")
     assert best.state_key != ModelCheckpoint(monitor="val_acc", mode="max").state_key
     assert best._legacy_state_key == ModelCheckpoint(monitor="val_acc", mode="max").state_key
+
+
+@needs_mnist
+def test_a_users_progress_bar_replaces_the_recipes(tmp_path):
+    """Lightning takes one progress bar: a user's (here another refresh rate) used to stop the run at Trainer
+    construction ("multiple progress bar callbacks"); it replaces the recipe's."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    probe = Probe()
+    mnist.main([*DATA, "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "--callbacks",
+                "{class_path: TQDMProgressBar, init_args: {refresh_rate: 1}}"], callbacks=[probe], logger=False)
+    bars = [c for c in probe.seen["callbacks"] if issubclass(c, TQDMProgressBar)]
+    assert len(bars) == 1

@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 
 from ddp_recipes.atomic import write_json_atomic
 from ddp_recipes.checkpointing.checkpoint import (
@@ -52,8 +52,10 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, checkp
         callbacks = [*(callbacks or []), TrackerRun(run_params(cfg))]
     kwargs.setdefault("default_root_dir", cfg.output_dir)
     kwargs.setdefault("log_every_n_steps", cfg.log_every_n_steps)
-    # A bar redrawn every step costs more than an MLP step on MNIST; 20 steps is still live.
-    progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) else []
+    # A bar redrawn every step costs more than an MLP step on MNIST; 20 steps is still live. A user's own bar
+    # (--callbacks) replaces it: Lightning refuses two.
+    own_bar = any(isinstance(c, ProgressBar) for c in callbacks or [])
+    progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) and not own_bar else []
     return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=[*progress, *(callbacks or [])], **kwargs)
 
 
