@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor
+from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateFinder, LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from ddp_recipes.config.cli import parse_config
@@ -144,6 +144,9 @@ def test_print_config_round_trips_trainer_and_callbacks(tmp_path, capsys):
          "--callbacks EarlyStopping\\(monitor='val_acc', mode='up'\\): "),
         (mnist, [], {"trainer_kwargs": {"strategy": "ddp"}}, "main\\(trainer_kwargs=...\\) strategy .* --comm-hook"),
         (mnist, [], {"callbacks": ["LearningRateMonitor"]}, "main\\(callbacks=...\\) takes lightning Callback instances"),
+        (mnist, ["--callbacks", "BatchSizeFinder"], {}, "--callbacks BatchSizeFinder changes the batch size .* --batch-size"),
+        (resnet, [], {"callbacks": [LearningRateFinder()]}, "main\\(callbacks=...\\) LearningRateFinder changes the "
+         "learning rate .* --lr instead"),
         (resnet, ["--trainer", "gradient_clip_val=1"], {}, "use --clip-grad-norm"),
     ],
 )

@@ -50,7 +50,25 @@ def open_surface(cfg: RunConfig, callbacks: Any = None, logger: Any = None,
     kwargs = {**check_trainer_settings(dict(trainer_kwargs or {}), cfg.TRAINER_OWNED, source=source), **cfg.trainer}
     if logger is not None:
         kwargs["logger"] = logger
-    return UserSurface([*(build_callback(spec) for spec in cfg.callbacks), *given], kwargs)
+    built = [build_callback(spec) for spec in cfg.callbacks]
+    for callback, source in [*((c, "{callbacks}") for c in built), *((c, "main(callbacks=...)") for c in given)]:
+        _refuse_tuner(callback, source)
+    return UserSurface([*built, *given], kwargs)
+
+
+# Lightning's tuners rewrite what the run planned before the first step: the per-device batch (and so the
+# global batch, the LR scaled from it, the resume position's arithmetic and summary.json) or the LR.
+_TUNERS = {"BatchSizeFinder": "the batch size the run planned (global batch, LR scaling, resume position); set "
+                              "{batch_size} or {global_batch_size}",
+           "LearningRateFinder": "the learning rate the run planned (scaled to the global batch); set {lr}"}
+
+
+def _refuse_tuner(callback: Callback, source: str) -> None:
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+    for cls in (BatchSizeFinder, LearningRateFinder):
+        if isinstance(callback, cls):
+            raise ConfigError(f"{source} {lit(type(callback).__name__)} changes {_TUNERS[cls.__name__]} instead")
 
 
 def _as_callbacks(callbacks: Any) -> list[Callback]:
