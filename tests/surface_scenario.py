@@ -47,4 +47,4 @@ class Tally(Callback):
 
 
 if __name__ == "__main__":
-    mnist.main(sys.argv[1:], callbacks=[Tally()], trainer_kwargs={"limit_val_batches": 2, "log_every_n_steps": 5})
+    mnist.main(sys.argv[1:], callbacks=[Tally()], trainer_kwargs={"limit_val_batches": 2})
