@@ -115,6 +115,28 @@ def test_two_ranks_log_once_and_resume_continues_the_same_tracker_runs(data, tmp
     assert [int(r["step"]) for r in rows] == [1, 3, 5, 7, 9]  # the first run's rows kept, the new ones after
 
 
+def test_resume_from_another_output_dir_leaves_that_dirs_runs_alone(data, tmp_path):
+    """``--resume PATH`` to a checkpoint of another output dir: the checkpoint's version folder is there, and
+    this dir's folder of the same number is another run's. It was continued (cut at the checkpoint's step,
+    its later rows and events dropped, the resumed run's appended); it stays whole, and a new version
+    starts."""
+    def argv(out: Path, *extra: str) -> list[str]:
+        return [*args(data, out, "--logger", "csv,tensorboard", *extra), "--devices", "1", "--batch-size", "64"]
+
+    other, there = tmp_path / "other", tmp_path / "there"
+    mnist.main(argv(other, "--max-steps", "8"))
+    before = (other / "logs" / "version_0" / "metrics.csv").read_text()
+    tb_before = scalars(other / "tensorboard" / "version_0")
+    mnist.main(argv(there, "--max-steps", "4"))
+    with pytest.warns(UserWarning, match="outside --output-dir"):
+        mnist.main(argv(other, "--max-steps", "6", "--resume", str(there / "final.ckpt")))
+    assert (other / "logs" / "version_0" / "metrics.csv").read_text() == before
+    assert scalars(other / "tensorboard" / "version_0") == tb_before
+    trackers = json.loads((other / "summary.json").read_text())["trackers"]
+    assert trackers["csv"]["version"] == trackers["tensorboard"]["version"] == 1
+    assert [int(r["step"]) for r in csv_rows(other / "logs" / "version_1" / "metrics.csv") if r["train_loss"]] == [5]
+
+
 def test_bad_tracker_flags_fail_in_one_line(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     cases = [(["--logger", "neptune"], "--logger must be none or a comma-separated list"),

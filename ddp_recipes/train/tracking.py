@@ -87,14 +87,36 @@ def logging_rank() -> bool:
     return rank_zero_only.rank == 0 and (node == "0" or "RANK" in os.environ or "SLURM_PROCID" in os.environ)
 
 
-def _csv(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
+def _continued_version(cfg: RunConfig, tracker: str, folder: str, recorded: dict[str, Any] | None) -> Any:
+    """The checkpoint's CSV/TensorBoard version to continue, or None for a new one: a checkpoint of another
+    output dir (``--resume PATH``) has its version folder there, and this output dir's folder of that number
+    is another run's, which continuing would cut at the checkpoint's step."""
     version = recorded.get("version") if recorded else None
+    if version is None:
+        return None
+    theirs = (recorded or {}).get("log_dir")
+    mine = os.path.join(cfg.output_dir, folder, version if isinstance(version, str) else f"version_{version}")
+    if theirs is None or _same_path(str(theirs), mine):
+        return version
+    rank_zero_warn(f"{tracker}: the checkpoint's run is {theirs}, outside --output-dir {cfg.output_dir}; logging to "
+                   f"a new version in {os.path.join(cfg.output_dir, folder)}")
+    return None
+
+
+def _same_path(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _csv(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
+    version = _continued_version(cfg, "csv", CSV_DIR, recorded)
     return ContinuedCSVLogger(cfg.output_dir, name=CSV_DIR, version=version,
                               resume_step=step if version is not None else None)
 
 
 def _tensorboard(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
-    version = recorded.get("version") if recorded else None
+    version = _continued_version(cfg, "tensorboard", TENSORBOARD_DIR, recorded)
     # purge_step: events a run killed after its last checkpoint logged past it are hidden, so the resumed
     # run's steps are the only ones there. No hp_metric placeholder: TrackerRun writes the hparams session.
     extra = {"purge_step": step + 1} if version is not None and step is not None else {}
