@@ -212,6 +212,41 @@ def test_live_metrics_carry_flops_and_mfu_where_the_peak_is_known(tmp_path):
         assert float(row["train/step_time"]) > 0 and float(row["train/lr"]) == pytest.approx(0.01)
 
 
+def test_live_lr_is_the_steps_own_and_the_heads_in_a_fine_tuning_split(tmp_path):
+    """``train/lr`` during warm-up is the LR the logged step ran at (what Lightning's LearningRateMonitor logs
+    at that step; it was the next step's: the step schedule moves on before the batch ends), and with a
+    backbone / head split (``backbone_lr_mult``) it is the head's, the run's ``--lr`` (it was the first group's,
+    the backbone's); the backbone's is ``train/lr/backbone``."""
+    import torch
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+    from ddp_recipes.modules.mnist import MNISTClassifier
+    from ddp_recipes.train.trainer import build_trainer
+
+    model = MNISTClassifier(warmup_epochs=1.0)
+    model.hparams["backbone_lr_mult"] = 0.1
+    trainer = build_trainer(accelerator="cpu", devices=1, max_steps=8, logger=CSVLogger(tmp_path, name="logs"),
+                            log_every_n_steps=2, callbacks=[ThroughputMeter(), LearningRateMonitor("step")],
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)
+    data = TensorBatchDataset(torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,)))
+    trainer.fit(model, DataLoader(data, batch_size=16, collate_fn=keep_batch))
+    by_step: dict[int, dict[str, float]] = {}
+    for row in csv_rows(tmp_path / "logs" / "version_0" / "metrics.csv"):
+        by_step.setdefault(int(row["step"]), {}).update({k: float(v) for k, v in row.items() if v and k != "step"})
+    logged = sorted(s for s, row in by_step.items() if "train/lr" in row)
+    assert logged == [1, 3, 5, 7]
+    for step in logged:
+        row = by_step[step]
+        assert row["train/lr"] == pytest.approx(row["lr-SGD/head"]), (step, row)
+        assert row["train/lr/backbone"] == pytest.approx(row["lr-SGD/backbone"]) == pytest.approx(0.1 * row["train/lr"])
+        assert "train/lr/head" not in row and "train/lr/pg1" not in row
+    assert by_step[1]["train/lr"] < by_step[7]["train/lr"] < 0.01  # still warming up
+
+
 def sigterm_then_resume(argv: list[str], out: Path) -> int:
     """Run ``argv``, SIGTERM its launcher once a checkpoint past step 4 exists, resume with ``--resume auto``
     to the end; returns the step the preempted run saved."""
