@@ -137,6 +137,28 @@ def test_resume_from_another_output_dir_leaves_that_dirs_runs_alone(data, tmp_pa
     assert [int(r["step"]) for r in csv_rows(other / "logs" / "version_1" / "metrics.csv") if r["train_loss"]] == [5]
 
 
+def test_resumed_at_an_epoch_end_logs_at_the_steps_of_the_run_never_stopped(tmp_path):
+    """A run that stopped at an epoch's end (``--max-steps`` reached there; a SIGTERM during the epoch's last
+    validation saves the same checkpoint) and continued with ``--resume auto``: Lightning restarted the step
+    it logs at one ahead, so every later point (loss, validation, live metrics) was one step late, one more
+    per such resume. Now at the steps of the run never stopped (1 device, 6 steps per epoch)."""
+    data = write_mnist_subset(tmp_path / "mnist", n_train=256, n_test=64)
+
+    def argv(out: Path, *extra: str) -> list[str]:
+        return [*args(data, out, "--val-size", "64", *extra), "--devices", "1"]
+
+    def points(out: Path) -> dict[str, list[int]]:
+        rows = csv_rows(out / "logs" / "version_0" / "metrics.csv")
+        return {key: [int(r["step"]) for r in rows if r.get(key)] for key in ("train_loss", "val_acc",
+                                                                              "train/samples_per_sec")}
+
+    mnist.main(argv(tmp_path / "resumed", "--max-steps", "6"))
+    mnist.main(argv(tmp_path / "resumed", "--max-steps", "15", "--resume", "auto"))
+    mnist.main(argv(tmp_path / "straight", "--max-steps", "15"))
+    assert points(tmp_path / "straight")["val_acc"] == [5, 11]
+    assert points(tmp_path / "resumed") == points(tmp_path / "straight")
+
+
 def test_bad_tracker_flags_fail_in_one_line(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     cases = [(["--logger", "neptune"], "--logger must be none or a comma-separated list"),

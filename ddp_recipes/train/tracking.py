@@ -308,6 +308,7 @@ class TrackerRun(Callback):
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = params
         self._trainer: L.Trainer | None = None
+        self._check_step = False
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -325,6 +326,17 @@ class TrackerRun(Callback):
         pass  # read before the Trainer exists (build_loggers), where the loggers are made
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_step = trainer.ckpt_path is not None
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._check_step:  # once per fit, at its first batch: one flag per step otherwise
+            self._check_step = False
+            align_logging_step(trainer, pl_module)
+
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
@@ -336,6 +348,18 @@ class TrackerRun(Callback):
         found = identities(trainer.loggers)
         if found:
             rank_zero_info("tracking " + "; ".join(f"{name} {_where(name, run)}" for name, run in found.items()))
+
+
+def align_logging_step(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Resumed from a checkpoint written where training stopped at an epoch's end (``--max-steps`` reached
+    there, or a preemption during that epoch's last validation), Lightning 2.6 restarts with the step it logs
+    at (``_batches_that_stepped``) one ahead of ``global_step``: every point of the continued tracker run
+    (losses, validation, live metrics) one step later than in the run never stopped, one more per such
+    resume. With one optimizer under automatic optimization the two are equal at every batch start."""
+    loop = trainer.fit_loop.epoch_loop
+    if (pl_module.automatic_optimization and len(trainer.optimizers) == 1
+            and loop._batches_that_stepped != trainer.global_step):
+        loop._batches_that_stepped = trainer.global_step
 
 
 def _where(name: str, run: dict[str, Any]) -> str:
