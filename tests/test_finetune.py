@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from PIL import Image
 from torch import nn
 from torchvision import models
@@ -348,6 +349,43 @@ def test_a_weights_file_of_another_arch_fails_before_any_process_starts(folder, 
 
 TWO_PHASE = ["--devices", "2", "--max-epochs", "3", "--freeze-backbone", "--unfreeze-at-epoch", "2",
              "--backbone-lr-mult", "0.1", "--sync-batchnorm", "--checkpoint-every-n-steps", "1"]
+
+
+class _SigtermBeforeStep(Callback):
+    """SIGTERM to this process as the batch of optimizer step ``step`` starts: on one device the preemption
+    handler acts at that step's end (a 2-rank vote lands a step later), so the checkpoint is at ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_preempted_at_the_last_batch_before_the_switch_resumes_into_the_unfreeze(hub, folder, tmp_path,
+                                                                                 monkeypatch):
+    """Preempted at the last batch of epoch 1 (saved on that batch's end, the backbone still frozen), the run
+    resumed with --resume auto starts epoch 2 as a Lightning restart, without on_train_epoch_start: the
+    backbone stayed frozen for the rest of the run. It unfreezes at the switch and ends as the run never
+    stopped (1 device, 4 steps per epoch)."""
+    monkeypatch.setenv("TORCH_HOME", str(hub))
+    argv = args(folder, "--devices", "1", "--max-epochs", "3", "--freeze-backbone", "--unfreeze-at-epoch", "2",
+                "--checkpoint-every-n-steps", "1", "--num-workers", "1")
+    straight = resnet.main([*argv, "--output-dir", str(tmp_path / "straight")])
+    assert straight["fine_tuning"]["backbone_frozen_at_end"] is False
+    out = tmp_path / "preempted"
+    with pytest.raises(SystemExit) as exc:
+        resnet.main([*argv, "--output-dir", str(out)], callbacks=[_SigtermBeforeStep(8)])
+    assert exc.value.code == 128 + signal.SIGTERM
+    saved = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert (saved["global_step"], saved["epoch"], saved["backbone_frozen"]) == (8, 1, True)
+    resumed = resnet.main([*argv, "--output-dir", str(out), "--resume", "auto"])
+    assert resumed["fine_tuning"]["backbone_frozen_at_end"] is False
+    a = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    b = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
 def val_acc_by_epoch(out: Path) -> dict[int, float]:

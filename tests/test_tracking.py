@@ -115,6 +115,50 @@ def test_two_ranks_log_once_and_resume_continues_the_same_tracker_runs(data, tmp
     assert [int(r["step"]) for r in rows] == [1, 3, 5, 7, 9]  # the first run's rows kept, the new ones after
 
 
+def test_resume_from_another_output_dir_leaves_that_dirs_runs_alone(data, tmp_path):
+    """``--resume PATH`` to a checkpoint of another output dir: the checkpoint's version folder is there, and
+    this dir's folder of the same number is another run's. It was continued (cut at the checkpoint's step,
+    its later rows and events dropped, the resumed run's appended); it stays whole, and a new version
+    starts."""
+    def argv(out: Path, *extra: str) -> list[str]:
+        return [*args(data, out, "--logger", "csv,tensorboard", *extra), "--devices", "1", "--batch-size", "64"]
+
+    other, there = tmp_path / "other", tmp_path / "there"
+    mnist.main(argv(other, "--max-steps", "8"))
+    before = (other / "logs" / "version_0" / "metrics.csv").read_text()
+    tb_before = scalars(other / "tensorboard" / "version_0")
+    mnist.main(argv(there, "--max-steps", "4"))
+    with pytest.warns(UserWarning, match="outside --output-dir"):
+        mnist.main(argv(other, "--max-steps", "6", "--resume", str(there / "final.ckpt")))
+    assert (other / "logs" / "version_0" / "metrics.csv").read_text() == before
+    assert scalars(other / "tensorboard" / "version_0") == tb_before
+    trackers = json.loads((other / "summary.json").read_text())["trackers"]
+    assert trackers["csv"]["version"] == trackers["tensorboard"]["version"] == 1
+    assert [int(r["step"]) for r in csv_rows(other / "logs" / "version_1" / "metrics.csv") if r["train_loss"]] == [5]
+
+
+def test_resumed_at_an_epoch_end_logs_at_the_steps_of_the_run_never_stopped(tmp_path):
+    """A run that stopped at an epoch's end (``--max-steps`` reached there; a SIGTERM during the epoch's last
+    validation saves the same checkpoint) and continued with ``--resume auto``: Lightning restarted the step
+    it logs at one ahead, so every later point (loss, validation, live metrics) was one step late, one more
+    per such resume. Now at the steps of the run never stopped (1 device, 6 steps per epoch)."""
+    data = write_mnist_subset(tmp_path / "mnist", n_train=256, n_test=64)
+
+    def argv(out: Path, *extra: str) -> list[str]:
+        return [*args(data, out, "--val-size", "64", *extra), "--devices", "1"]
+
+    def points(out: Path) -> dict[str, list[int]]:
+        rows = csv_rows(out / "logs" / "version_0" / "metrics.csv")
+        return {key: [int(r["step"]) for r in rows if r.get(key)] for key in ("train_loss", "val_acc",
+                                                                              "train/samples_per_sec")}
+
+    mnist.main(argv(tmp_path / "resumed", "--max-steps", "6"))
+    mnist.main(argv(tmp_path / "resumed", "--max-steps", "15", "--resume", "auto"))
+    mnist.main(argv(tmp_path / "straight", "--max-steps", "15"))
+    assert points(tmp_path / "straight")["val_acc"] == [5, 11]
+    assert points(tmp_path / "resumed") == points(tmp_path / "straight")
+
+
 def test_bad_tracker_flags_fail_in_one_line(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     cases = [(["--logger", "neptune"], "--logger must be none or a comma-separated list"),
@@ -188,6 +232,41 @@ def test_live_metrics_carry_flops_and_mfu_where_the_peak_is_known(tmp_path):
         assert device == pytest.approx(meter.flops_per_sample * float(row["train/device/samples_per_sec"]))
         assert float(row["train/device/mfu"]) == pytest.approx(device / 1e12)
         assert float(row["train/step_time"]) > 0 and float(row["train/lr"]) == pytest.approx(0.01)
+
+
+def test_live_lr_is_the_steps_own_and_the_heads_in_a_fine_tuning_split(tmp_path):
+    """``train/lr`` during warm-up is the LR the logged step ran at (what Lightning's LearningRateMonitor logs
+    at that step; it was the next step's: the step schedule moves on before the batch ends), and with a
+    backbone / head split (``backbone_lr_mult``) it is the head's, the run's ``--lr`` (it was the first group's,
+    the backbone's); the backbone's is ``train/lr/backbone``."""
+    import torch
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+    from ddp_recipes.modules.mnist import MNISTClassifier
+    from ddp_recipes.train.trainer import build_trainer
+
+    model = MNISTClassifier(warmup_epochs=1.0)
+    model.hparams["backbone_lr_mult"] = 0.1
+    trainer = build_trainer(accelerator="cpu", devices=1, max_steps=8, logger=CSVLogger(tmp_path, name="logs"),
+                            log_every_n_steps=2, callbacks=[ThroughputMeter(), LearningRateMonitor("step")],
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)
+    data = TensorBatchDataset(torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,)))
+    trainer.fit(model, DataLoader(data, batch_size=16, collate_fn=keep_batch))
+    by_step: dict[int, dict[str, float]] = {}
+    for row in csv_rows(tmp_path / "logs" / "version_0" / "metrics.csv"):
+        by_step.setdefault(int(row["step"]), {}).update({k: float(v) for k, v in row.items() if v and k != "step"})
+    logged = sorted(s for s, row in by_step.items() if "train/lr" in row)
+    assert logged == [1, 3, 5, 7]
+    for step in logged:
+        row = by_step[step]
+        assert row["train/lr"] == pytest.approx(row["lr-SGD/head"]), (step, row)
+        assert row["train/lr/backbone"] == pytest.approx(row["lr-SGD/backbone"]) == pytest.approx(0.1 * row["train/lr"])
+        assert "train/lr/head" not in row and "train/lr/pg1" not in row
+    assert by_step[1]["train/lr"] < by_step[7]["train/lr"] < 0.01  # still warming up
 
 
 def sigterm_then_resume(argv: list[str], out: Path) -> int:

@@ -186,6 +186,18 @@ class ImageClassifier(TrainLossLogging):
 
     @override
     def on_train_epoch_start(self) -> None:
+        self._unfreeze_if_due()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Resumed from a checkpoint saved at the last batch of the epoch before the switch (on_train_batch_end:
+        # a preemption, or the --checkpoint-every-n-steps cadence), Lightning starts the next epoch as a
+        # restart and calls no on_train_epoch_start for it: the switch is also checked before each batch.
+        # Every rank restored the same checkpoint, so all of them re-wrap at the same batch. One compare.
+        if self.backbone_frozen:
+            self._unfreeze_if_due()
+
+    def _unfreeze_if_due(self) -> None:
         epoch = self._unfreeze_epoch()
         if self.backbone_frozen and epoch is not None and self.current_epoch >= epoch:
             # Re-wrapping, not "trainable with LR 0 while frozen": a zero LR would keep the frozen part in

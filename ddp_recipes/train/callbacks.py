@@ -37,7 +37,7 @@ class ThroughputMeter(Callback):
     intervals since the last report go to the loggers at the step Lightning logs the training loss at, named
     as Lightning's ``ThroughputMonitor`` names them: ``train/samples_per_sec`` (global),
     ``train/device/samples_per_sec``, ``train/step_time`` (seconds per optimizer step),
-    ``train/input_wait_fraction``, ``train/lr``, and where the device's peak is known
+    ``train/input_wait_fraction``, ``train/lr`` (:func:`learning_rates`), and where the device's peak is known
     ``train/device/flops_per_sec`` and ``train/device/mfu``. On CUDA an interval the device has not reached
     yet goes into the next report. Every other step costs one integer compare; no report reads the device.
     """
@@ -60,6 +60,7 @@ class ThroughputMeter(Callback):
         self._pending: deque[tuple[int, Any, Any, float | None]] = deque()  # intervals the device has not reached
         self._last: Any = None
         self._first_start: Any = None
+        self._lrs: dict[str, float] | None = None  # the report's learning rates, read at its step's start
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -88,6 +89,10 @@ class ThroughputMeter(Callback):
             first = batch[0] if isinstance(batch, list | tuple) and batch else batch
             if torch.is_tensor(first):
                 self.example = torch.empty(first.shape, dtype=first.dtype, device="meta")
+        if self._live and trainer.global_step + 1 >= self._next_log:
+            # The LR of the step about to be taken (a step schedule moves it on before on_train_batch_end),
+            # as Lightning's LearningRateMonitor logs it: the micro-batches of a report's last step only.
+            self._lrs = learning_rates(trainer)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -108,10 +113,7 @@ class ThroughputMeter(Callback):
         step = trainer.global_step
         self._next_log = (step // self._every + 1) * self._every
         window, self._reported = self.intervals[self._reported:], len(self.intervals)
-        metrics: dict[str, float] = {}
-        for i, group in enumerate(trainer.optimizers[0].param_groups if trainer.optimizers else []):
-            if isinstance(group.get("lr"), int | float):  # a tensor LR would be a device read
-                metrics["train/lr" if i == 0 else f"train/lr/pg{i}"] = float(group["lr"])
+        metrics: dict[str, float] = dict(self._lrs or {})
         seconds = sum(t for _, t, _ in window)
         if window and seconds > 0:
             rate = sum(n for n, _, _ in window) / seconds
@@ -185,6 +187,23 @@ class ThroughputMeter(Callback):
             return None
         return min(1.0, sum(w for _, _, w in steady) / seconds)
 
+
+
+def learning_rates(trainer: L.Trainer) -> dict[str, float]:
+    """The first optimizer's LRs: ``train/lr`` is the first group's, or, in a fine-tuning split (groups named
+    ``backbone`` / ``head``), the first head group's (the run's ``--lr``; the backbone's is a multiple of it);
+    the other groups as ``train/lr/<name>`` (their ``name``, one metric per name) or ``train/lr/pg<i>``."""
+    groups = trainer.optimizers[0].param_groups if trainer.optimizers else []
+    # a tensor LR would be a device read
+    found = [(i, g.get("name"), float(g["lr"])) for i, g in enumerate(groups) if isinstance(g.get("lr"), int | float)]
+    if not found:
+        return {}
+    main = next((f for f in found if f[1] != "backbone"), found[0])
+    lrs = {"train/lr": main[2]}
+    for i, name, lr in found:
+        if i != main[0] and not (name is not None and name == main[1]):
+            lrs.setdefault(f"train/lr/{name}" if isinstance(name, str) and name else f"train/lr/pg{i}", lr)
+    return lrs
 
 
 class PlannedBatch(Callback):

@@ -87,14 +87,36 @@ def logging_rank() -> bool:
     return rank_zero_only.rank == 0 and (node == "0" or "RANK" in os.environ or "SLURM_PROCID" in os.environ)
 
 
-def _csv(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
+def _continued_version(cfg: RunConfig, tracker: str, folder: str, recorded: dict[str, Any] | None) -> Any:
+    """The checkpoint's CSV/TensorBoard version to continue, or None for a new one: a checkpoint of another
+    output dir (``--resume PATH``) has its version folder there, and this output dir's folder of that number
+    is another run's, which continuing would cut at the checkpoint's step."""
     version = recorded.get("version") if recorded else None
+    if version is None:
+        return None
+    theirs = (recorded or {}).get("log_dir")
+    mine = os.path.join(cfg.output_dir, folder, version if isinstance(version, str) else f"version_{version}")
+    if theirs is None or _same_path(str(theirs), mine):
+        return version
+    rank_zero_warn(f"{tracker}: the checkpoint's run is {theirs}, outside --output-dir {cfg.output_dir}; logging to "
+                   f"a new version in {os.path.join(cfg.output_dir, folder)}")
+    return None
+
+
+def _same_path(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def _csv(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
+    version = _continued_version(cfg, "csv", CSV_DIR, recorded)
     return ContinuedCSVLogger(cfg.output_dir, name=CSV_DIR, version=version,
                               resume_step=step if version is not None else None)
 
 
 def _tensorboard(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
-    version = recorded.get("version") if recorded else None
+    version = _continued_version(cfg, "tensorboard", TENSORBOARD_DIR, recorded)
     # purge_step: events a run killed after its last checkpoint logged past it are hidden, so the resumed
     # run's steps are the only ones there. No hp_metric placeholder: TrackerRun writes the hparams session.
     extra = {"purge_step": step + 1} if version is not None and step is not None else {}
@@ -286,6 +308,7 @@ class TrackerRun(Callback):
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = params
         self._trainer: L.Trainer | None = None
+        self._check_step = False
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -303,6 +326,17 @@ class TrackerRun(Callback):
         pass  # read before the Trainer exists (build_loggers), where the loggers are made
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_step = trainer.ckpt_path is not None
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._check_step:  # once per fit, at its first batch: one flag per step otherwise
+            self._check_step = False
+            align_logging_step(trainer, pl_module)
+
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
@@ -314,6 +348,18 @@ class TrackerRun(Callback):
         found = identities(trainer.loggers)
         if found:
             rank_zero_info("tracking " + "; ".join(f"{name} {_where(name, run)}" for name, run in found.items()))
+
+
+def align_logging_step(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Resumed from a checkpoint written where training stopped at an epoch's end (``--max-steps`` reached
+    there, or a preemption during that epoch's last validation), Lightning 2.6 restarts with the step it logs
+    at (``_batches_that_stepped``) one ahead of ``global_step``: every point of the continued tracker run
+    (losses, validation, live metrics) one step later than in the run never stopped, one more per such
+    resume. With one optimizer under automatic optimization the two are equal at every batch start."""
+    loop = trainer.fit_loop.epoch_loop
+    if (pl_module.automatic_optimization and len(trainer.optimizers) == 1
+            and loop._batches_that_stepped != trainer.global_step):
+        loop._batches_that_stepped = trainer.global_step
 
 
 def _where(name: str, run: dict[str, Any]) -> str:
