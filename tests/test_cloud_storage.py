@@ -240,3 +240,44 @@ def test_build_trainer_on_a_bucket_continues_with_ckpt_path_last(s3, tmp_path, m
                        ["Body"].read())
     assert entry["global_step"] == 5
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["--wandb-offline", "WANDB_MODE=offline"])
+def test_an_offline_wandb_run_on_a_bucket_is_refused_before_anything_is_written(s3, tmp_path, monkeypatch, capsys, how):
+    """An offline W&B run is a local folder: with a URL output dir it went to ./s3:/bucket/... in the cwd."""
+    pytest.importorskip("wandb")
+    from recipes import resnet
+
+    monkeypatch.chdir(tmp_path)
+    out = s3.bucket("wandb-offline") + "/run"
+    extra = [how] if how.startswith("--") else []
+    if not extra:
+        monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(SystemExit) as info:
+        resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", "--output-dir", out,
+                     "--logger", "csv,wandb", *extra])
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m recipes.resnet: error: --logger wandb offline with --output-dir s3://wandb-offline/run")
+    assert "--wandb-offline" in line
+    assert list(tmp_path.iterdir()) == []
+    assert s3.keys("wandb-offline") == []
+
+
+def test_an_online_wandb_run_on_a_bucket_stages_its_files_outside_the_working_directory(s3, tmp_path, monkeypatch):
+    """Online, W&B streams to its server and only stages files locally: not in a ./s3: folder of the cwd."""
+    pytest.importorskip("wandb")
+    from ddp_recipes.storage import cache_dir
+    from ddp_recipes.train.tracking import build_loggers
+    from recipes.resnet import ResNetConfig
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = ResNetConfig(accelerator="cpu", data="synthetic", output_dir="s3://wandb-online/run", logger="wandb")
+    (logger,) = build_loggers(cfg)
+    assert logger.save_dir is not None and not logger.save_dir.startswith("s3:")
+    assert logger.save_dir.startswith(str(cache_dir()))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "staging"))
+    (logger,) = build_loggers(cfg)
+    assert logger.save_dir == str(tmp_path / "staging")

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.storage import cache_dir, is_url
 
 CSV_DIR = "logs"  # <output-dir>/logs/version_N/metrics.csv (the folder recipes always wrote)
 TENSORBOARD_DIR = "tensorboard"  # <output-dir>/tensorboard/version_N/events.out.tfevents.*
@@ -155,11 +156,20 @@ def _wandb(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) ->
                 raise ConfigError(f"{{{name}}} {lit(now)} but the checkpoint's W&B run {run_id} is in {lit(saved)}; "
                                   f"pass {{{name}}} {lit(saved)} to continue it", name)
     extra: dict[str, Any] = {"entity": cfg.wandb_entity} if cfg.wandb_entity else {}
+    save_dir = cfg.output_dir
+    if is_url(cfg.output_dir):  # W&B writes a local folder: Path-joined, a URL becomes ./s3:/bucket/... in the cwd
+        if cfg.wandb_offline or os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+            raise ConfigError(f"{{logger}} wandb offline with {{output_dir}} {lit(cfg.output_dir)}: an offline W&B "
+                              "run is a local folder, which an object store cannot hold; pass a local {output_dir}, "
+                              "or drop {wandb_offline} (and WANDB_MODE=offline) to stream the run to the W&B server",
+                              "wandb_offline")
+        # Online, the folder only stages what W&B streams to its server: $WANDB_DIR, else this process's cache.
+        save_dir = os.environ.get("WANDB_DIR") or os.fspath(cache_dir() / "wandb")
     if cfg.wandb_offline:
         # wandb.init's own switch: Lightning's offline=True would set WANDB_MODE in this process's environment.
         extra["mode"] = "offline"
     # resume="allow" (Lightning's): with the checkpoint's id, the same run continues; a new id otherwise.
-    return WandbLogger(project=project, name=cfg.run_name, save_dir=cfg.output_dir, id=run_id, log_model=False,
+    return WandbLogger(project=project, name=cfg.run_name, save_dir=save_dir, id=run_id, log_model=False,
                        **extra)
 
 
