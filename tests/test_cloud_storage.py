@@ -132,6 +132,30 @@ def test_a_store_that_stays_down_fails_in_one_line(s3, monkeypatch):
     assert "\n" not in str(info.value)
 
 
+def test_retries_are_reported_once_per_job_not_once_per_rank(s3, monkeypatch, capsys):
+    """Every rank reads the store (the resume check, the download): a store down for a while must not print
+    the retry line in every one of 16 ranks. Rank 0 reports; a rank that gives up still fails loudly."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from ddp_recipes import storage
+
+    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    url = s3.bucket("ranks") + "/x.json"
+    for rank, lines in ((1, 0), (0, 2)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        s3.fail(2)
+        storage.put_bytes(url, b"{}")
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("storage: ")]
+        assert len(said) == lines and len(s3.faults.failed) == 2, (rank, said)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    s3.fail(100)
+    try:
+        with pytest.raises(storage.StorageError, match="failed after 3 attempts"):
+            storage.retrying("upload of " + url, lambda: storage.filesystem(url)[0].pipe_file(url, b"{}"), attempts=3)
+    finally:
+        s3.reset_faults()
+
+
 @pytest.mark.parametrize("resume", ["none", "auto"])
 def test_a_missing_bucket_is_one_line_naming_the_flag_and_exit_2(s3, tmp_path, monkeypatch, capsys, resume):
     from recipes import resnet
