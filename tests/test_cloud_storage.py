@@ -305,3 +305,19 @@ def test_an_online_wandb_run_on_a_bucket_stages_its_files_outside_the_working_di
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "staging"))
     (logger,) = build_loggers(cfg)
     assert logger.save_dir == str(tmp_path / "staging")
+
+
+def test_a_url_checkpoint_is_never_unpickled_even_when_the_caller_asks(s3):
+    """``trainer.fit/test(ckpt_path=URL, weights_only=False)`` reaches the checkpoint IO with False: a file from
+    a store must still not run code."""
+    import pickle
+
+    from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO
+
+    run = s3.bucket("unpickle") + "/run"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({**checkpoint(3, 0), "extra": fractions.Fraction(1, 3)}, f"{run}/odd.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match="fractions.Fraction"):
+        io.load_checkpoint(f"{run}/odd.ckpt", weights_only=False)
+    io.save_checkpoint(checkpoint(4, 0), f"{run}/plain.ckpt")
+    assert io.load_checkpoint(f"{run}/plain.ckpt", weights_only=False)["global_step"] == 4

@@ -54,7 +54,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
         if is_url(path):  # the copy read_checkpoint already downloaded and verified, or a new one
-            path = remote.fetch(os.fspath(path))
+            local = remote.fetch(os.fspath(path))
+            # weights_only whatever the caller asked (fit/test(..., weights_only=False) arrives here as False):
+            # a file from a store never runs code; the pack's plain-data types are allowed.
+            with plain_data():
+                return super().load_checkpoint(local, map_location=map_location, weights_only=True)
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     @override
