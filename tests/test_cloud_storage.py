@@ -321,3 +321,31 @@ def test_a_url_checkpoint_is_never_unpickled_even_when_the_caller_asks(s3):
         io.load_checkpoint(f"{run}/odd.ckpt", weights_only=False)
     io.save_checkpoint(checkpoint(4, 0), f"{run}/plain.ckpt")
     assert io.load_checkpoint(f"{run}/plain.ckpt", weights_only=False)["global_step"] == 4
+
+
+def test_a_users_model_checkpoint_on_a_bucket_keeps_every_checkpoint_it_keeps_locally(s3, tmp_path, monkeypatch):
+    """On a URL the name (``epoch=0.ckpt``) is a manifest and an object: Lightning's version counter asked
+    its filesystem whether the name exists, saw nothing, and overwrote ``epoch=0.ckpt`` instead of writing
+    ``epoch=0-v1.ckpt``: of 3 checkpoints ``save_top_k=-1`` kept 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_recipes import build_trainer
+
+    monkeypatch.chdir(tmp_path)
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+
+    def kept(root: str) -> list[str]:
+        mine = ModelCheckpoint(dirpath=f"{root}/mine", filename="{epoch}", every_n_train_steps=2, save_top_k=-1,
+                               monitor="step", mode="max")
+        trainer = build_trainer(devices=1, accelerator="cpu", seed=0, max_steps=6, default_root_dir=root,
+                                logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                diagnostics=False, callbacks=[mine])
+        trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+        return sorted(path.rsplit("/", 1)[-1] for path in mine.best_k_models)
+
+    local = kept(str(tmp_path / "local"))
+    assert local == ["epoch=0-v1.ckpt", "epoch=0-v2.ckpt", "epoch=0.ckpt"]
+    assert kept(s3.bucket("versions") + "/run") == local
+    manifests = [k.removeprefix("run/mine/") for k in s3.keys("versions", "run/mine/") if k.endswith(".manifest.json")]
+    assert manifests == [f"{name}.manifest.json" for name in local]
