@@ -199,6 +199,32 @@ def test_refused_credentials_fail_before_training_naming_the_flag(s3, tmp_path, 
     assert "check the credentials" in line and line.endswith("or pass another --output-dir")
 
 
+def test_a_refused_resume_url_names_resume_not_output_dir(s3, tmp_path, monkeypatch, capsys):
+    """``--resume s3://...`` with a local ``--output-dir``: a refused read is about ``--resume``."""
+    import urllib.request
+
+    from recipes import resnet
+
+    def authenticate(after: str) -> None:
+        request = urllib.request.Request(f"{s3.endpoint}/moto-api/reset-auth", data=after.encode(), method="POST",
+                                         headers={"Content-Type": "text/plain"})
+        urllib.request.urlopen(request, timeout=30).read()
+
+    monkeypatch.chdir(tmp_path)
+    s3.bucket("locked-resume")
+    authenticate("0")
+    try:
+        with pytest.raises(SystemExit) as info:
+            resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", "--output-dir",
+                         str(tmp_path / "out"), "--resume", "s3://locked-resume/run/checkpoints/last.ckpt"])
+    finally:
+        authenticate("inf")
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m recipes.resnet: error: --resume: lookup of s3://locked-resume/run/checkpoints/"), line
+    assert "--output-dir" not in line
+
+
 def test_a_missing_client_package_names_the_extra(monkeypatch):
     import fsspec  # noqa: F401 (loads fsspec.registry)
 

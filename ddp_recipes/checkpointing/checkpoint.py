@@ -29,7 +29,7 @@ from typing_extensions import override
 from ddp_recipes.atomic import atomic_write
 from ddp_recipes.checkpointing import remote
 from ddp_recipes.errors import CheckpointError, lit
-from ddp_recipes.storage import Url, check_store, is_url
+from ddp_recipes.storage import StorageError, Url, check_store, is_url
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -79,7 +79,10 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
             check_store(os.fspath(output_dir), "output_dir")
         return newest_checkpoint(output_dir)
     if is_url(resume):
-        remote.resolve_url(resume)  # raises naming --resume when there is nothing there
+        try:
+            remote.resolve_url(resume)  # raises naming --resume when there is nothing there
+        except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
+            raise err.renamed(output_dir="resume") from err.__cause__
         return resume
     if not Path(resume).is_file():
         raise CheckpointError(f"{{resume}} {lit(resume)}: no such checkpoint file; pass an existing .ckpt, auto or none")
@@ -179,6 +182,8 @@ def read_checkpoint(path: str) -> dict[str, Any]:
                           "it is refused: pass a checkpoint written by this pack, or {resume} none") from None
     except CheckpointError:
         raise
+    except StorageError as err:  # the download of a URL checkpoint failed for good
+        raise err.renamed(output_dir="resume") from err.__cause__
     except Exception as err:  # truncated zip, pickle garbage, wrong format: all mean "not a checkpoint"
         raise CheckpointError(f"{{resume}} {lit(path)} is not a readable checkpoint ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); "
