@@ -168,7 +168,8 @@ class SeesPublished:
     def __call__(self, filepath: str, trainer: Any) -> bool:
         if not is_url(filepath):
             return type(self.callback).file_exists(self.callback, filepath, trainer)
-        return trainer.strategy.broadcast(exists(filepath))
+        # Rank 0 asks the store (it is the one that writes), the others take its answer.
+        return trainer.strategy.broadcast(exists(filepath) if trainer.is_global_zero else False)
 
 
 def see_published(callbacks: list[Any]) -> None:
