@@ -116,6 +116,29 @@ def test_a_run_on_a_bucket_rides_out_503s_and_resumes_from_it(s3, tmp_path, monk
     assert stored["steps"] == 5
 
 
+@needs_mnist
+def test_the_csv_logs_on_a_bucket_ride_out_503s_too(s3, tmp_path, monkeypatch, capsys):
+    """Lightning's CSVLogger writes metrics.csv (and hparams.yaml) through fsspec on every flush, past the
+    pack's retries: one 503 on a log write killed the run. Each flush is now one whole-file upload, retried."""
+    import csv
+    import io
+
+    from ddp_recipes import storage
+    from recipes import mnist
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    out = s3.bucket("flaky-logs") + "/run"
+    s3.fail(3, after=lambda method, path: method == "PUT" and path.endswith("/metrics.csv"))
+    summary = mnist.main([*MNIST, "--max-steps", "4", "--log-every-n-steps", "1", "--output-dir", out])
+    assert summary["steps"] == 4 and len(s3.faults.failed) == 3
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("storage: ")]
+    assert any("metrics.csv" in line and "retrying with backoff" in line for line in said), said
+    body = s3.client().get_object(Bucket="flaky-logs", Key="run/logs/version_0/metrics.csv")["Body"].read().decode()
+    steps = sorted({int(row["step"]) for row in csv.DictReader(io.StringIO(body)) if row.get("train_loss")})
+    assert steps == [0, 1, 2, 3], body[:500]
+
+
 def test_a_store_that_stays_down_fails_in_one_line(s3, monkeypatch):
     from ddp_recipes import storage
 

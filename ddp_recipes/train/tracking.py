@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.util
+import io
 import os
 from typing import Any
 
@@ -26,13 +27,14 @@ from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.storage import cache_dir, is_url
+from ddp_recipes.storage import cache_dir, is_url, put_bytes, retrying
 
 CSV_DIR = "logs"  # <output-dir>/logs/version_N/metrics.csv (the folder recipes always wrote)
 TENSORBOARD_DIR = "tensorboard"  # <output-dir>/tensorboard/version_N/events.out.tfevents.*
@@ -186,30 +188,70 @@ class ContinuedCSVLogger(CSVLogger):
     @override
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None and self.resume_step is not None:
+        if self._experiment is None and (self.resume_step is not None or is_url(self.root_dir)):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuedWriter(self.log_dir, self.resume_step)
         return super().experiment
 
 
 class _ContinuedWriter(ExperimentWriter):
-    def __init__(self, log_dir: str, resume_step: int) -> None:
+    """Lightning's writer, continuing a version's ``metrics.csv`` from ``resume_step`` (None: a fresh one).
+
+    On a URL each flush is one whole-file upload through the pack's retries (Lightning appends through
+    fsspec, outside them: one 503 on a log write ended the run, and a retried append could repeat rows)."""
+
+    def __init__(self, log_dir: str, resume_step: int | None) -> None:
         self.resume_step = resume_step
+        self._rows: list[dict[str, Any]] = []  # on a URL: every row the store's metrics.csv holds
         super().__init__(log_dir)
 
     @override
     def _check_log_dir_exists(self) -> None:
+        if self.resume_step is None:
+            super()._check_log_dir_exists()  # a fresh version: Lightning's rule (an old file is replaced)
+            return
         if not self._fs.isfile(self.metrics_file_path):
             return
         with self._fs.open(self.metrics_file_path, "r", newline="") as file:
             reader = csv.DictReader(file)
             keys = list(reader.fieldnames or [])
             rows = [row for row in reader if _row_step(row) <= self.resume_step]
-        with self._fs.open(self.metrics_file_path, "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-        self.metrics_keys = keys
+        self.metrics_keys, self._rows = keys, rows
+        self._write(rows)
+
+    @override
+    def save(self) -> None:
+        if not is_url(self.log_dir):
+            super().save()
+            return
+        if not self.metrics:
+            return
+        self._record_new_keys()
+        rows = [*self._rows, *self.metrics]
+        self._write(rows)
+        self._rows, self.metrics = rows, []
+
+    @override
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        if not is_url(self.log_dir):
+            super().log_hparams(params)
+            return
+        self.hparams.update(params)
+        where = f"{self.log_dir}/{self.NAME_HPARAMS_FILE}"
+        retrying(f"upload of {where}", lambda: save_hparams_to_yaml(where, self.hparams))  # a whole file: idempotent
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        if not is_url(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "w", newline="") as file:
+                writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+                writer.writeheader()
+                writer.writerows(rows)
+            return
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
+        writer.writeheader()
+        writer.writerows(rows)
+        put_bytes(self.metrics_file_path, text.getvalue().encode())  # one request: retried, idempotent
 
 
 def _row_step(row: dict[str, str]) -> float:
