@@ -25,9 +25,9 @@ from typing import Any
 import lightning as L
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
