@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.storage import cache_dir, is_url, put_bytes, retrying
+from ddp_recipes.storage import cache_dir, is_url, location, put_bytes, retrying
 
 CSV_DIR = "logs"  # <output-dir>/logs/version_N/metrics.csv (the folder recipes always wrote)
 TENSORBOARD_DIR = "tensorboard"  # <output-dir>/tensorboard/version_N/events.out.tfevents.*
@@ -109,10 +109,10 @@ def mlflow_uri(cfg: RunConfig) -> str:
     uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    if "://" in cfg.output_dir:
+    if is_url(cfg.output_dir):
         raise ConfigError(f"{{logger}} mlflow with {{output_dir}} {lit(cfg.output_dir)}: the default store is a local "
                           "SQLite file; pass {tracking_uri} (a tracking server)", "tracking_uri")
-    return "sqlite:///" + os.path.abspath(os.path.join(cfg.output_dir, MLFLOW_DB))
+    return "sqlite:///" + os.path.abspath(location(cfg.output_dir) / MLFLOW_DB)  # file:// is a local folder
 
 
 def _mlflow(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
@@ -127,7 +127,7 @@ def _mlflow(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -
         _check_mlflow_run(uri, run_id)
     local = uri.startswith("sqlite:///") and not cfg.tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI")
     # A local store keeps its artifacts beside it (MLflow's default is ./mlruns under the working directory).
-    artifacts = "file:" + os.path.abspath(os.path.join(cfg.output_dir, "mlartifacts")) if local else None
+    artifacts = "file:" + os.path.abspath(location(cfg.output_dir) / "mlartifacts") if local else None
     return ContinuedMLFlowLogger(experiment_name=cfg.experiment_name, run_name=cfg.run_name, tracking_uri=uri,
                                  run_id=run_id, artifact_location=artifacts)
 
