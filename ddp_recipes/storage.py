@@ -5,7 +5,7 @@ Path does, so code that writes ``out / "summary.json"`` serves both (``Path("s3:
 the double slash into a local folder named ``s3:``). Every operation on a URL goes through
 :func:`retrying`: the client libraries (botocore, gcsfs) retry a few times on their own; what still fails
 with a transient error (timeout, 5xx, throttling) is retried here with exponential backoff and reported in
-one line, and anything else (a missing bucket, bad credentials) fails at once. :func:`check_store` proves
+one line (on rank 0), and anything else (a missing bucket, bad credentials) fails at once. :func:`check_store` proves
 a URL usable before training starts.
 
 Downloads land in a per-process local cache (``DDP_RECIPES_CACHE_DIR``, else a temp folder removed at
@@ -148,15 +148,26 @@ def retrying(what: str, call: Callable[[], T], *, param: str = "output_dir", att
                 again = f" after {attempt} attempts" if attempt > 1 else ""
                 raise StorageError(f"{{{param}}}: {lit(what)} failed{again} ({lit(_reason(err))})", param) from err
             delay = min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (attempt - 1)) * random.uniform(0.75, 1.25)
-            if attempt == 1:
+            if attempt == 1 and _reporting_rank():
                 print(f"storage: {what}: {_reason(err)}; retrying with backoff (up to {attempts} attempts)",
                       file=sys.stderr, flush=True)
             time.sleep(delay)
         else:
-            if attempt > 1:
+            if attempt > 1 and _reporting_rank():
                 print(f"storage: {what}: done after {attempt} attempts", file=sys.stderr, flush=True)
             return result
     raise AssertionError("unreachable")
+
+
+def _reporting_rank() -> bool:
+    """Whether this process reports retries: rank 0 only (every rank reads the store; one that gives up
+    still fails loudly). Lightning's rank once it is known, else the launcher's variables; read without
+    importing Lightning (the doctor resolves URLs without it)."""
+    module = sys.modules.get("lightning_utilities.core.rank_zero")
+    rank = getattr(getattr(module, "rank_zero_only", None), "rank", None)
+    if rank is None:
+        rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID") if k in os.environ), 0)
+    return str(rank) == "0"
 
 
 # ---- operations on URLs ----------------------------------------------------------------------------------

@@ -116,6 +116,29 @@ def test_a_run_on_a_bucket_rides_out_503s_and_resumes_from_it(s3, tmp_path, monk
     assert stored["steps"] == 5
 
 
+@needs_mnist
+def test_the_csv_logs_on_a_bucket_ride_out_503s_too(s3, tmp_path, monkeypatch, capsys):
+    """Lightning's CSVLogger writes metrics.csv (and hparams.yaml) through fsspec on every flush, past the
+    pack's retries: one 503 on a log write killed the run. Each flush is now one whole-file upload, retried."""
+    import csv
+    import io
+
+    from ddp_recipes import storage
+    from recipes import mnist
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    out = s3.bucket("flaky-logs") + "/run"
+    s3.fail(3, after=lambda method, path: method == "PUT" and path.endswith("/metrics.csv"))
+    summary = mnist.main([*MNIST, "--max-steps", "4", "--log-every-n-steps", "1", "--output-dir", out])
+    assert summary["steps"] == 4 and len(s3.faults.failed) == 3
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("storage: ")]
+    assert any("metrics.csv" in line and "retrying with backoff" in line for line in said), said
+    body = s3.client().get_object(Bucket="flaky-logs", Key="run/logs/version_0/metrics.csv")["Body"].read().decode()
+    steps = sorted({int(row["step"]) for row in csv.DictReader(io.StringIO(body)) if row.get("train_loss")})
+    assert steps == [0, 1, 2, 3], body[:500]
+
+
 def test_a_store_that_stays_down_fails_in_one_line(s3, monkeypatch):
     from ddp_recipes import storage
 
@@ -130,6 +153,30 @@ def test_a_store_that_stays_down_fails_in_one_line(s3, monkeypatch):
     line = info.value.cli()
     assert line.startswith("--output-dir: upload of s3://down/x.json failed after 3 attempts (")
     assert "\n" not in str(info.value)
+
+
+def test_retries_are_reported_once_per_job_not_once_per_rank(s3, monkeypatch, capsys):
+    """Every rank reads the store (the resume check, the download): a store down for a while must not print
+    the retry line in every one of 16 ranks. Rank 0 reports; a rank that gives up still fails loudly."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from ddp_recipes import storage
+
+    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    url = s3.bucket("ranks") + "/x.json"
+    for rank, lines in ((1, 0), (0, 2)):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        s3.fail(2)
+        storage.put_bytes(url, b"{}")
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("storage: ")]
+        assert len(said) == lines and len(s3.faults.failed) == 2, (rank, said)
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    s3.fail(100)
+    try:
+        with pytest.raises(storage.StorageError, match="failed after 3 attempts"):
+            storage.retrying("upload of " + url, lambda: storage.filesystem(url)[0].pipe_file(url, b"{}"), attempts=3)
+    finally:
+        s3.reset_faults()
 
 
 @pytest.mark.parametrize("resume", ["none", "auto"])
@@ -173,6 +220,32 @@ def test_refused_credentials_fail_before_training_naming_the_flag(s3, tmp_path, 
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("python -m recipes.resnet: error: --output-dir s3://locked/run: access denied (")
     assert "check the credentials" in line and line.endswith("or pass another --output-dir")
+
+
+def test_a_refused_resume_url_names_resume_not_output_dir(s3, tmp_path, monkeypatch, capsys):
+    """``--resume s3://...`` with a local ``--output-dir``: a refused read is about ``--resume``."""
+    import urllib.request
+
+    from recipes import resnet
+
+    def authenticate(after: str) -> None:
+        request = urllib.request.Request(f"{s3.endpoint}/moto-api/reset-auth", data=after.encode(), method="POST",
+                                         headers={"Content-Type": "text/plain"})
+        urllib.request.urlopen(request, timeout=30).read()
+
+    monkeypatch.chdir(tmp_path)
+    s3.bucket("locked-resume")
+    authenticate("0")
+    try:
+        with pytest.raises(SystemExit) as info:
+            resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", "--output-dir",
+                         str(tmp_path / "out"), "--resume", "s3://locked-resume/run/checkpoints/last.ckpt"])
+    finally:
+        authenticate("inf")
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m recipes.resnet: error: --resume: lookup of s3://locked-resume/run/checkpoints/"), line
+    assert "--output-dir" not in line
 
 
 def test_a_missing_client_package_names_the_extra(monkeypatch):
@@ -240,3 +313,88 @@ def test_build_trainer_on_a_bucket_continues_with_ckpt_path_last(s3, tmp_path, m
                        ["Body"].read())
     assert entry["global_step"] == 5
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["--wandb-offline", "WANDB_MODE=offline"])
+def test_an_offline_wandb_run_on_a_bucket_is_refused_before_anything_is_written(s3, tmp_path, monkeypatch, capsys, how):
+    """An offline W&B run is a local folder: with a URL output dir it went to ./s3:/bucket/... in the cwd."""
+    pytest.importorskip("wandb")
+    from recipes import resnet
+
+    monkeypatch.chdir(tmp_path)
+    out = s3.bucket("wandb-offline") + "/run"
+    extra = [how] if how.startswith("--") else []
+    if not extra:
+        monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(SystemExit) as info:
+        resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", "--output-dir", out,
+                     "--logger", "csv,wandb", *extra])
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m recipes.resnet: error: --logger wandb offline with --output-dir s3://wandb-offline/run")
+    assert "--wandb-offline" in line
+    assert list(tmp_path.iterdir()) == []
+    assert s3.keys("wandb-offline") == []
+
+
+def test_an_online_wandb_run_on_a_bucket_stages_its_files_outside_the_working_directory(s3, tmp_path, monkeypatch):
+    """Online, W&B streams to its server and only stages files locally: not in a ./s3: folder of the cwd."""
+    pytest.importorskip("wandb")
+    from ddp_recipes.storage import cache_dir
+    from ddp_recipes.train.tracking import build_loggers
+    from recipes.resnet import ResNetConfig
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = ResNetConfig(accelerator="cpu", data="synthetic", output_dir="s3://wandb-online/run", logger="wandb")
+    (logger,) = build_loggers(cfg)
+    assert logger.save_dir is not None and not logger.save_dir.startswith("s3:")
+    assert logger.save_dir.startswith(str(cache_dir()))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "staging"))
+    (logger,) = build_loggers(cfg)
+    assert logger.save_dir == str(tmp_path / "staging")
+
+
+def test_a_url_checkpoint_is_never_unpickled_even_when_the_caller_asks(s3):
+    """``trainer.fit/test(ckpt_path=URL, weights_only=False)`` reaches the checkpoint IO with False: a file from
+    a store must still not run code."""
+    import pickle
+
+    from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO
+
+    run = s3.bucket("unpickle") + "/run"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({**checkpoint(3, 0), "extra": fractions.Fraction(1, 3)}, f"{run}/odd.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match="fractions.Fraction"):
+        io.load_checkpoint(f"{run}/odd.ckpt", weights_only=False)
+    io.save_checkpoint(checkpoint(4, 0), f"{run}/plain.ckpt")
+    assert io.load_checkpoint(f"{run}/plain.ckpt", weights_only=False)["global_step"] == 4
+
+
+def test_a_users_model_checkpoint_on_a_bucket_keeps_every_checkpoint_it_keeps_locally(s3, tmp_path, monkeypatch):
+    """On a URL the name (``epoch=0.ckpt``) is a manifest and an object: Lightning's version counter asked
+    its filesystem whether the name exists, saw nothing, and overwrote ``epoch=0.ckpt`` instead of writing
+    ``epoch=0-v1.ckpt``: of 3 checkpoints ``save_top_k=-1`` kept 1."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_recipes import build_trainer
+
+    monkeypatch.chdir(tmp_path)
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+
+    def kept(root: str) -> list[str]:
+        mine = ModelCheckpoint(dirpath=f"{root}/mine", filename="{epoch}", every_n_train_steps=2, save_top_k=-1,
+                               monitor="step", mode="max")
+        trainer = build_trainer(devices=1, accelerator="cpu", seed=0, max_steps=6, default_root_dir=root,
+                                logger=False, enable_progress_bar=False, enable_model_summary=False,
+                                diagnostics=False, callbacks=[mine])
+        trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+        return sorted(path.rsplit("/", 1)[-1] for path in mine.best_k_models)
+
+    local = kept(str(tmp_path / "local"))
+    assert local == ["epoch=0-v1.ckpt", "epoch=0-v2.ckpt", "epoch=0.ckpt"]
+    assert kept(s3.bucket("versions") + "/run") == local
+    manifests = [k.removeprefix("run/mine/") for k in s3.keys("versions", "run/mine/") if k.endswith(".manifest.json")]
+    assert manifests == [f"{name}.manifest.json" for name in local]

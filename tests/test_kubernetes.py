@@ -46,6 +46,10 @@ def check_container(container: dict, gpus: int, grace: int) -> None:
     env = {e["name"]: e for e in container.get("env", [])}
     assert "DDP_RECIPES_CACHE_DIR" in env
     assert grace >= 120  # one step and one checkpoint upload, with room
+    # torchrun SIGKILLs its workers --shutdown-timeout after its own SIGTERM (30 s unless told): the pod's
+    # grace period is the ranks' only if torchrun waits for them nearly as long, and leaves itself time to exit.
+    shutdown = int(env["PET_SHUTDOWN_TIMEOUT"]["value"])
+    assert 120 <= shutdown < grace, (shutdown, grace)
 
 
 def test_pytorchjob_manifest():

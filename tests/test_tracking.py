@@ -177,6 +177,16 @@ def test_bad_tracker_flags_fail_in_one_line(tmp_path, capsys, monkeypatch):
         assert not out.exists()  # nothing written, nothing started
 
 
+def test_a_file_url_output_dir_keeps_mlflows_default_store_in_it(tmp_path):
+    """``--output-dir file:///...`` is a local folder (the checkpoints and summary strip the prefix): MLflow's
+    default store was refused as if it were a bucket."""
+    from ddp_recipes.train.tracking import mlflow_uri
+    from recipes import mnist
+
+    cfg = mnist.MNISTConfig(output_dir=f"file://{tmp_path}/run", accelerator="cpu", logger="mlflow")
+    assert mlflow_uri(cfg) == f"sqlite:///{tmp_path}/run/mlflow.db"
+
+
 def test_resume_with_other_trackers_or_store_fails_clearly(tmp_path):
     from ddp_recipes.train.tracking import build_loggers
 

@@ -29,7 +29,7 @@ from typing_extensions import override
 from ddp_recipes.atomic import atomic_write
 from ddp_recipes.checkpointing import remote
 from ddp_recipes.errors import CheckpointError, lit
-from ddp_recipes.storage import Url, check_store, is_url
+from ddp_recipes.storage import StorageError, Url, check_store, is_url
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -54,7 +54,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
         if is_url(path):  # the copy read_checkpoint already downloaded and verified, or a new one
-            path = remote.fetch(os.fspath(path))
+            local = remote.fetch(os.fspath(path))
+            # weights_only whatever the caller asked (fit/test(..., weights_only=False) arrives here as False):
+            # a file from a store never runs code; the pack's plain-data types are allowed.
+            with plain_data():
+                return super().load_checkpoint(local, map_location=map_location, weights_only=True)
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     @override
@@ -75,7 +79,10 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
             check_store(os.fspath(output_dir), "output_dir")
         return newest_checkpoint(output_dir)
     if is_url(resume):
-        remote.resolve_url(resume)  # raises naming --resume when there is nothing there
+        try:
+            remote.resolve_url(resume)  # raises naming --resume when there is nothing there
+        except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
+            raise err.renamed(output_dir="resume") from err.__cause__
         return resume
     if not Path(resume).is_file():
         raise CheckpointError(f"{{resume}} {lit(resume)}: no such checkpoint file; pass an existing .ckpt, auto or none")
@@ -175,6 +182,8 @@ def read_checkpoint(path: str) -> dict[str, Any]:
                           "it is refused: pass a checkpoint written by this pack, or {resume} none") from None
     except CheckpointError:
         raise
+    except StorageError as err:  # the download of a URL checkpoint failed for good
+        raise err.renamed(output_dir="resume") from err.__cause__
     except Exception as err:  # truncated zip, pickle garbage, wrong format: all mean "not a checkpoint"
         raise CheckpointError(f"{{resume}} {lit(path)} is not a readable checkpoint ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); "

@@ -33,6 +33,7 @@ from ddp_recipes.storage import (
     Url,
     cache_dir,
     download,
+    is_url,
     listing,
     put_bytes,
     put_file,
@@ -146,6 +147,38 @@ def resolve_url(url: str) -> tuple[Url, dict[str, Any] | None]:
         return url, None
     raise CheckpointError(f"{{resume}} {lit(url)}: no such checkpoint (no object, no {MANIFEST} manifest); pass "
                           "an existing checkpoint URL, auto or none")
+
+
+def exists(url: str) -> bool:
+    """Whether a checkpoint is saved as ``url``: its manifest, or a plain object of that name."""
+    return size(manifest_url(url)) is not None or size(url) is not None
+
+
+class SeesPublished:
+    """A ``ModelCheckpoint``'s ``file_exists`` that knows a name on a URL is a manifest plus an object.
+
+    Lightning's version counter (``epoch=0.ckpt`` taken: save ``epoch=0-v1.ckpt``; the same for ``save_last``)
+    asks the callback's filesystem whether the name exists: on a URL only the manifest does, so each save
+    overwrote the last one. A class, not a closure: the callback stays picklable (the spawn launcher).
+    """
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+
+    def __call__(self, filepath: str, trainer: Any) -> bool:
+        if not is_url(filepath):
+            return type(self.callback).file_exists(self.callback, filepath, trainer)
+        # Rank 0 asks the store (it is the one that writes), the others take its answer.
+        return trainer.strategy.broadcast(exists(filepath) if trainer.is_global_zero else False)
+
+
+def see_published(callbacks: list[Any]) -> None:
+    """Give every ``ModelCheckpoint`` among ``callbacks`` a :class:`SeesPublished` ``file_exists``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in callbacks:
+        if isinstance(callback, ModelCheckpoint) and not isinstance(vars(callback).get("file_exists"), SeesPublished):
+            callback.file_exists = SeesPublished(callback)
 
 
 _fetched: dict[str, Path] = {}

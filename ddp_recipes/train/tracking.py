@@ -18,12 +18,14 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.util
+import io
 import os
 from typing import Any
 
 import lightning as L
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
@@ -32,6 +34,7 @@ from typing_extensions import override
 
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.storage import cache_dir, is_url, location, put_bytes, retrying
 
 CSV_DIR = "logs"  # <output-dir>/logs/version_N/metrics.csv (the folder recipes always wrote)
 TENSORBOARD_DIR = "tensorboard"  # <output-dir>/tensorboard/version_N/events.out.tfevents.*
@@ -128,10 +131,10 @@ def mlflow_uri(cfg: RunConfig) -> str:
     uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    if "://" in cfg.output_dir:
+    if is_url(cfg.output_dir):
         raise ConfigError(f"{{logger}} mlflow with {{output_dir}} {lit(cfg.output_dir)}: the default store is a local "
                           "SQLite file; pass {tracking_uri} (a tracking server)", "tracking_uri")
-    return "sqlite:///" + os.path.abspath(os.path.join(cfg.output_dir, MLFLOW_DB))
+    return "sqlite:///" + os.path.abspath(location(cfg.output_dir) / MLFLOW_DB)  # file:// is a local folder
 
 
 def _mlflow(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
@@ -146,7 +149,7 @@ def _mlflow(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -
         _check_mlflow_run(uri, run_id)
     local = uri.startswith("sqlite:///") and not cfg.tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI")
     # A local store keeps its artifacts beside it (MLflow's default is ./mlruns under the working directory).
-    artifacts = "file:" + os.path.abspath(os.path.join(cfg.output_dir, "mlartifacts")) if local else None
+    artifacts = "file:" + os.path.abspath(location(cfg.output_dir) / "mlartifacts") if local else None
     return ContinuedMLFlowLogger(experiment_name=cfg.experiment_name, run_name=cfg.run_name, tracking_uri=uri,
                                  run_id=run_id, artifact_location=artifacts)
 
@@ -177,11 +180,20 @@ def _wandb(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) ->
                 raise ConfigError(f"{{{name}}} {lit(now)} but the checkpoint's W&B run {run_id} is in {lit(saved)}; "
                                   f"pass {{{name}}} {lit(saved)} to continue it", name)
     extra: dict[str, Any] = {"entity": cfg.wandb_entity} if cfg.wandb_entity else {}
+    save_dir = cfg.output_dir
+    if is_url(cfg.output_dir):  # W&B writes a local folder: Path-joined, a URL becomes ./s3:/bucket/... in the cwd
+        if cfg.wandb_offline or os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+            raise ConfigError(f"{{logger}} wandb offline with {{output_dir}} {lit(cfg.output_dir)}: an offline W&B "
+                              "run is a local folder, which an object store cannot hold; pass a local {output_dir}, "
+                              "or drop {wandb_offline} (and WANDB_MODE=offline) to stream the run to the W&B server",
+                              "wandb_offline")
+        # Online, the folder only stages what W&B streams to its server: $WANDB_DIR, else this process's cache.
+        save_dir = os.environ.get("WANDB_DIR") or os.fspath(cache_dir() / "wandb")
     if cfg.wandb_offline:
         # wandb.init's own switch: Lightning's offline=True would set WANDB_MODE in this process's environment.
         extra["mode"] = "offline"
     # resume="allow" (Lightning's): with the checkpoint's id, the same run continues; a new id otherwise.
-    return WandbLogger(project=project, name=cfg.run_name, save_dir=cfg.output_dir, id=run_id, log_model=False,
+    return WandbLogger(project=project, name=cfg.run_name, save_dir=save_dir, id=run_id, log_model=False,
                        **extra)
 
 
@@ -198,30 +210,70 @@ class ContinuedCSVLogger(CSVLogger):
     @override
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None and self.resume_step is not None:
+        if self._experiment is None and (self.resume_step is not None or is_url(self.root_dir)):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _ContinuedWriter(self.log_dir, self.resume_step)
         return super().experiment
 
 
 class _ContinuedWriter(ExperimentWriter):
-    def __init__(self, log_dir: str, resume_step: int) -> None:
+    """Lightning's writer, continuing a version's ``metrics.csv`` from ``resume_step`` (None: a fresh one).
+
+    On a URL each flush is one whole-file upload through the pack's retries (Lightning appends through
+    fsspec, outside them: one 503 on a log write ended the run, and a retried append could repeat rows)."""
+
+    def __init__(self, log_dir: str, resume_step: int | None) -> None:
         self.resume_step = resume_step
+        self._rows: list[dict[str, Any]] = []  # on a URL: every row the store's metrics.csv holds
         super().__init__(log_dir)
 
     @override
     def _check_log_dir_exists(self) -> None:
+        if self.resume_step is None:
+            super()._check_log_dir_exists()  # a fresh version: Lightning's rule (an old file is replaced)
+            return
         if not self._fs.isfile(self.metrics_file_path):
             return
         with self._fs.open(self.metrics_file_path, "r", newline="") as file:
             reader = csv.DictReader(file)
             keys = list(reader.fieldnames or [])
             rows = [row for row in reader if _row_step(row) <= self.resume_step]
-        with self._fs.open(self.metrics_file_path, "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-        self.metrics_keys = keys
+        self.metrics_keys, self._rows = keys, rows
+        self._write(rows)
+
+    @override
+    def save(self) -> None:
+        if not is_url(self.log_dir):
+            super().save()
+            return
+        if not self.metrics:
+            return
+        self._record_new_keys()
+        rows = [*self._rows, *self.metrics]
+        self._write(rows)
+        self._rows, self.metrics = rows, []
+
+    @override
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        if not is_url(self.log_dir):
+            super().log_hparams(params)
+            return
+        self.hparams.update(params)
+        where = f"{self.log_dir}/{self.NAME_HPARAMS_FILE}"
+        retrying(f"upload of {where}", lambda: save_hparams_to_yaml(where, self.hparams))  # a whole file: idempotent
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        if not is_url(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "w", newline="") as file:
+                writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+                writer.writeheader()
+                writer.writerows(rows)
+            return
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
+        writer.writeheader()
+        writer.writerows(rows)
+        put_bytes(self.metrics_file_path, text.getvalue().encode())  # one request: retried, idempotent
 
 
 def _row_step(row: dict[str, str]) -> float:

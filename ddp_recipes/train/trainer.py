@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpointIO
 from ddp_recipes.checkpointing.preemption import LIBRARY_RESUME, LastCheckpoint, find_last_checkpoint
+from ddp_recipes.checkpointing.remote import see_published
 from ddp_recipes.checkpointing.resume import ResumeState
 from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun, launched_per_pod
@@ -166,6 +167,7 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
     )
     if last is not None and last.dirpath is None:
         last.dirpath = location(trainer.default_root_dir) / CHECKPOINT_DIR
+    see_published(trainer.checkpoint_callbacks)  # ModelCheckpoint's version counter on a URL
     if lifecycle is not None:  # a recipe's loaders are resumable already and left alone; a user's are adopted
         adopt_user_loaders(trainer)
         find_last_checkpoint(trainer)
