@@ -11,6 +11,7 @@ from ddp_recipes.bench.__main__ import BenchConfig, main
 from tests import launch
 
 
+@pytest.mark.slow  # over 30 s: the fast suite keeps its 10-minute budget
 def test_tiny_end_to_end_writes_all_outputs(tmp_path):
     out = tmp_path / "bench"
     # threads=None: the bench sets each run's thread budget itself, from what it finds

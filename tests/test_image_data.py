@@ -220,6 +220,7 @@ class _RecordLoss(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+@pytest.mark.slow  # over 30 s: the fast suite keeps its 10-minute budget
 def test_resnet_learns_digits_from_png_folder(digits):
     # 16 px (not 32): a quarter of the compute on shared CPU cores, and the CIFAR stem still leaves layer4
     # 2x2. min_crop_scale=1: RandomResizedCrop still runs (whole image, random aspect), but an 8% crop of

@@ -93,6 +93,7 @@ def straight_run(tmp_path_factory) -> Path:
 # ---- a rank dies -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 30 s: the fast suite keeps its 10-minute budget
 def test_killed_rank_ends_the_run_and_resume_auto_matches(straight_run, tmp_path):
     """SIGKILL rank 1 during step 3 (last checkpoint: step 2): rank 0 exits non-zero within the timeout
     saying a peer was lost; the rerun with --resume auto ends with the uninterrupted run's weights."""

@@ -80,7 +80,8 @@ def straight(images, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("devices", [2, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow  # over 30 s each: the fast suite keeps its 10-minute budget
+@pytest.mark.parametrize("devices", [2, 1])
 def test_sigkill_at_random_step_then_resume_auto_is_exact(devices, images, straight, tmp_path):
     """2 ranks; 1 rank with gradient accumulation (a kill mid-window resumes at the window's start)."""
     argv = [*args(images, devices, *RUNS[devices], "--checkpoint-every-n-steps", "1"), "--output-dir", str(tmp_path)]
@@ -139,6 +140,7 @@ def test_slurm_sigusr1_saves_requeues_and_exits(images, tmp_path):
     assert line and "SLURM job 4242 requeued" in line[0] and "Traceback" not in err
 
 
+@pytest.mark.slow  # over 30 s: the fast suite keeps its 10-minute budget
 def test_resize_two_ranks_to_one_keeps_the_lr_curve(images, tmp_path):
     """2 ranks x 4, stopped after epoch 1; resumed on 1 rank with the global batch kept (4 x 2 accumulation):
     the LR of the first resumed step is the one the 2-rank run used at that step."""
@@ -172,6 +174,7 @@ def test_resize_with_another_global_batch_applies_the_new_lr(images, tmp_path):
     assert ckpt["lr_schedulers"][0]["base_lrs"] == pytest.approx([0.05 * 4 / 256] * 2)
 
 
+@pytest.mark.slow  # over 30 s: the fast suite keeps its 10-minute budget
 @pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 def test_powersgd_state_is_checkpointed(tmp_path):
     """PowerSGD (from iteration 10) on 2 ranks, SIGKILLed after it started compressing: the resumed run ends
