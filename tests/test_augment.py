@@ -18,6 +18,7 @@ from ddp_recipes.data import augment
 from ddp_recipes.data.augment import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    auto_augment_policy,
     batch_mixer,
     eval_transform,
     normalize_transform,
@@ -128,7 +129,11 @@ def test_flip_probability_and_interpolation():
     for mode in INTERPOLATIONS:
         crop = _steps(train_transform(16, interpolation=mode))[0]
         resize = _steps(eval_transform(16, interpolation=mode))[0]
-        assert crop.interpolation == resize.interpolation == mode
+        # The enum, never the string: torchvision 0.26 (the lent GPU machine's) raises on "bilinear".
+        assert crop.interpolation is resize.interpolation is v2.InterpolationMode(mode)
+        for name in AUTO_AUGMENTS:
+            if not (name == "augmix" and mode == "bicubic"):
+                assert type(auto_augment_policy(name, interpolation=mode).interpolation) is v2.InterpolationMode
 
 
 def test_eval_sizes():
