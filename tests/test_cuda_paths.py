@@ -99,6 +99,24 @@ def test_a_peer_that_finishes_is_not_a_lost_one():
     assert first.returncode == 0 and "slept to the end" in first.stdout, first.stderr[-2000:]
 
 
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])
+def test_at_three_ranks_or_more_every_survivor_blames_the_dead_rank(world):
+    """Rank 1 dies; its watcher is rank 0, which hosts the store. Every survivor must name rank 1, none find
+    the store gone and blame rank 0 (rank 0 exits only once the others have read the news)."""
+    port = free_port()
+    procs = [start(["-m", "tests.peerwatch_scenarios", "ring", rank, world], port=port, quiet=None,
+                   env={"MASTER_ADDR": "127.0.0.1"}) for rank in range(world)]
+    done = [p.finish(timeout=120) for p in procs]
+    assert done[1].returncode == 3, done[1].stderr[-2000:]
+    for rank, proc in enumerate(done):
+        if rank == 1:
+            continue
+        lines = [line for line in proc.stderr.splitlines() if PEER_FAILURE_PREFIX in line]
+        assert proc.returncode == 1 and "slept to the end" not in proc.stdout, proc.stderr[-2000:]
+        assert len(lines) == 1 and lines[0].startswith(f"[rank {rank}] "), proc.stderr
+        assert "rank 1 silent for" in lines[0] and "unreachable" not in lines[0], lines
+
+
 def test_the_watch_runs_on_nccl_only():
     assert TunedDDPStrategy(process_group_backend="gloo").start_peer_watch() is None
     assert stale_after(None) == 120.0 and stale_after(1800) == 120.0 and stale_after(60) == 30.0
