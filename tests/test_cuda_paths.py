@@ -72,6 +72,24 @@ def test_strategy_checks_bf16_first_thing_in_the_rank(monkeypatch):
         strategy.setup_environment()
 
 
+def test_one_device_checks_bf16_in_its_rank_too(monkeypatch, restore_tf32):
+    """One device runs Lightning's own strategy, not TunedDDPStrategy: the check must still run at set-up."""
+    import lightning.fabric.accelerators.cuda as lightning_cuda
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.trainer import call
+
+    from ddp_recipes.train.trainer import build_trainer
+
+    _fake_gpu(monkeypatch, "Tesla V100-SXM2-16GB", (7, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(lightning_cuda, "num_cuda_devices", lambda: 1)
+    trainer = build_trainer(accelerator="cuda", devices=1, precision="bf16-mixed", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert type(trainer.strategy) is SingleDeviceStrategy and trainer.strategy.root_device.type == "cuda"
+    with pytest.raises(ConfigError, match="Tesla V100-SXM2-16GB is 7.0: use precision 16-mixed"):
+        call._call_callback_hooks(trainer, "setup", stage="fit")
+
+
 # ---- item 6: a lost peer on NCCL ends every rank with the pack's line ------------------------------------
 
 def _run_pair(case: str) -> list[subprocess.CompletedProcess]:
