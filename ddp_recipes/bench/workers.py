@@ -138,7 +138,7 @@ def run_pack(w: Workload, out: str) -> None:
                             callbacks=[timer, *([diagnostics] if diagnostics else [])])
     module = build_module(w)
     if w.compile:
-        module = torch.compile(module)  # what --compile does: Lightning compiles forward inside DDP's forward
+        module = torch.compile(module)  # what --compile does: Lightning compiles forward and the step methods
     data = None
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import MNISTDataModule
