@@ -79,7 +79,6 @@ def stop_processes(procs: list[Any], grace_s: float) -> None:
 HEARTBEAT_S = 5.0  # how often each rank proves it is alive through the rendezvous store
 STALE_CAP_S = 120.0  # a peer silent this long is lost (capped below the collective timeout, see stale_after)
 _WATCH_PREFIX = "ddp_recipes/peerwatch/"
-ACK_WAIT_BEATS = 3  # how long rank 0 keeps the store up for the others to read a loss (in heartbeats)
 
 
 def stale_after(timeout_s: float | None) -> float:
@@ -98,9 +97,9 @@ class PeerWatch:
     watches the next rank's (a ring: three store requests per rank per beat at any world size); a counter that
     stops for ``stale_s`` means that rank is gone. The finder posts it under one shared key that every watcher
     reads, so every rank prints the message and exits (code 1) within about one beat of each other. Rank 0
-    hosts the store: it exits last, once every other live rank has read the news (or after
-    ``ACK_WAIT_BEATS`` beats), so that no rank finds the store gone and blames rank 0 for another rank's
-    death. A rank that stops normally posts ``done``, and a store that stays unreachable for ``stale_s``
+    hosts the store: it exits last, once every other live rank has read the news (or after ``stale_s``: a
+    rank that has not read it by then is lost too), so that no rank finds the store gone and blames rank 0
+    for another rank's death. A rank that stops normally posts ``done``, and a store that stays unreachable for ``stale_s``
     (its host, rank 0, died) counts as a lost rank 0. Runs outside the step: no cost on the training path.
     """
 
@@ -168,10 +167,10 @@ class PeerWatch:
         os._exit(1)  # the main thread is blocked in a collective: nothing short of exiting ends it
 
     def _keep_store_up(self, lost_rank: int) -> None:
-        """Rank 0 hosts the store: wait until every other live rank has read the loss (bounded), so none of
-        them finds the store gone first and blames rank 0."""
+        """Rank 0 hosts the store: wait until every other live rank has read the loss (at most ``stale_s``), so
+        none of them finds the store gone first and blames rank 0."""
         others = self.world_size - 1 - (lost_rank != 0)
-        deadline = time.monotonic() + ACK_WAIT_BEATS * self.interval_s
+        deadline = time.monotonic() + self.stale_s
         while time.monotonic() < deadline:
             try:
                 if self.store.add(f"{_WATCH_PREFIX}read", 0) >= others:
