@@ -44,8 +44,12 @@ def _types(pipeline: v2.Compose) -> list[type]:
 
 
 def _describe(t: v2.Transform) -> tuple[type, dict[str, Any]]:
-    """A transform's class and public settings (size, scale, p, mean, interpolation, ...)."""
-    return type(t), {k: v for k, v in vars(t).items() if not k.startswith("_") and k != "training"}
+    """A transform's class and public settings (size, scale, p, mean, interpolation, ...); an interpolation as
+    its enum (torchvision 0.29 keeps a default as the string, 0.26 as the enum)."""
+    settings = {k: v for k, v in vars(t).items() if not k.startswith("_") and k != "training"}
+    if isinstance(settings.get("interpolation"), str):
+        settings["interpolation"] = v2.InterpolationMode(settings["interpolation"])
+    return type(t), settings
 
 
 def _same(a: v2.Compose, b: v2.Compose) -> bool:
