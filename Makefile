@@ -3,8 +3,13 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 BENCH_ARGS ?=
+# Where there is no .venv (a lent GPU machine holding only the working tree), the machine's own python3.
+RUN_PY := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+# The lent GPU machine's stack on CPU (.ci/gpu-stack.txt), built from scratch by `make test-stack`.
+STACK_VENV ?= .venv-gpu-stack
+STACK_PY ?= $(shell .ci/find-python 3.12)
 
-.PHONY: help install test test-slow test-gpu gpu-check bench lint clean
+.PHONY: help install test test-slow test-gpu test-stack gpu-check bench lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -22,10 +27,23 @@ test-slow:  ## the slow CPU tests (accuracy targets, longer runs)
 	$(BIN)/python -m pytest -q -m slow
 
 test-gpu:  ## the GPU tier: 1-GPU tests, and 2+-GPU (NCCL) tests that skip below 2 GPUs; skips cleanly on CPU
-	$(BIN)/python -m pytest -q -m gpu
+	$(RUN_PY) -m pytest -q -m gpu
 
-gpu-check:  ## the GPU slot's one script (<= 8 min): gpu tier, CUDA kill+resume, sync debug, ResNet-50 pack vs raw, 2+ GPUs: bench -> bench-results/gpu-report.{json,md}; exit 1 on any failed check
-	$(BIN)/python -m ddp_recipes.bench.gpucheck
+test-stack: $(STACK_VENV)/.installed  ## the fast suite on the lent GPU machine's stack (Python 3.12, .ci/gpu-stack.txt), on CPU, from source
+	$(STACK_VENV)/bin/python -m pip list --format=freeze | grep -iE '^(torch|torchvision|torchmetrics|lightning|numpy)=='
+	$(STACK_VENV)/bin/python -m pytest -q
+
+# Built from scratch (about 3 GB: torch's CUDA wheels), again whenever the pins change.
+$(STACK_VENV)/.installed: .ci/gpu-stack.txt
+	@test -n "$(STACK_PY)" || { echo "make test-stack: no Python 3.12 (pass STACK_PY=/path/to/python3.12)" >&2; exit 2; }
+	rm -rf $(STACK_VENV)
+	$(STACK_PY) -m venv $(STACK_VENV)
+	# Plain pip, exactly the pinned set; the pack itself is not installed: it runs from this checkout.
+	$(STACK_VENV)/bin/pip install --no-input -r .ci/gpu-stack.txt
+	touch $@
+
+gpu-check:  ## the GPU slot's one command (7 min, no install needed): sync-debug, ResNet-50 pack vs raw with MFU, gpu tier, CUDA kill+resume, compiled runs, 2+ GPUs: bench -> bench-results/gpu-report.{json,md}; exit 0 pass, 1 fail, 3 incomplete, 4 no verdict
+	$(RUN_PY) -m ddp_recipes.bench.gpucheck
 
 bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writes bench-results/)
 	$(BIN)/python -m ddp_recipes.bench $(BENCH_ARGS)
@@ -33,5 +51,5 @@ bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writ
 lint:  ## ruff check
 	$(BIN)/ruff check ddp_recipes recipes tests examples
 
-clean:  ## remove build and run outputs (keeps .venv)
+clean:  ## remove build and run outputs (keeps .venv and .venv-gpu-stack)
 	rm -rf build *.egg-info bench-results runs .pytest_cache

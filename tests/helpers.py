@@ -38,6 +38,26 @@ def write_mnist_subset(dest: Path, n_train: int, n_test: int) -> Path:
     return dest
 
 
+def write_synthetic_mnist(dest: Path, n_train: int, n_test: int, seed: int = 0) -> Path:
+    """Write an MNIST-layout folder of made-up, learnable digits (class k: a bright 7x7 patch at the k-th of ten
+    places, over noise) for tests that must not need the shared data: it does not travel to a GPU machine."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    raw = dest / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", n_train), ("t10k", n_test)):
+        labels = rng.integers(0, 10, count, dtype=np.uint8)
+        images = rng.integers(0, 60, (count, 28, 28), dtype=np.uint8)
+        for i, k in enumerate(labels):
+            row, col = divmod(int(k), 5)
+            images[i, 3 + 12 * row:10 + 12 * row, 1 + 5 * col:8 + 5 * col] = 255
+        header = np.array([2051, count, 28, 28], dtype=">i4").tobytes()
+        (raw / f"{split}-images-idx3-ubyte").write_bytes(header + images.tobytes())
+        (raw / f"{split}-labels-idx1-ubyte").write_bytes(np.array([2049, count], dtype=">i4").tobytes() + labels.tobytes())
+    return dest
+
+
 def cli_text(err: BaseException) -> str:
     """The one line the CLI prints for a library error: parameters spelled as ``--flags``. The library's own
     message names the parameter (``devices``); only the CLI layer turns it into ``--devices``."""

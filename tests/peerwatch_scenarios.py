@@ -2,6 +2,9 @@
 
 The watch runs on gloo here, exactly as TunedDDPStrategy starts it on NCCL (the backend name is the only
 thing faked): the main thread sleeps outside any collective, so only the watch can end it.
+
+``python -m tests.peerwatch_scenarios ring RANK WORLD``: the watch alone on a bare TCPStore (rank 0 hosts it,
+as the process group's rank 0 does), no Lightning: rank 1 dies, every other rank must end blaming rank 1.
 """
 
 from __future__ import annotations
@@ -40,5 +43,25 @@ def main(case: str, rank: int) -> None:
     print(f"rank {rank} slept to the end", flush=True)
 
 
+def ring(rank: int, world: int) -> None:
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
+                          timeout=timedelta(seconds=60))
+    # 3 s: a loaded test machine may stall a process for a second or two; that must not read as a death.
+    watch = failures.PeerWatch(store, rank, world, stale_s=3.0, hint=lambda what: f"{failures.PEER_FAILURE_PREFIX}: {what}",
+                               interval_s=0.2)
+    watch.start()
+    store.add("ready", 1)
+    while store.add("ready", 0) < world:  # every rank beating before rank 1 dies
+        time.sleep(0.05)
+    time.sleep(0.5)
+    if rank == 1:
+        os._exit(3)
+    time.sleep(20)
+    print(f"rank {rank} slept to the end", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    if sys.argv[1] == "ring":
+        ring(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main(sys.argv[1], int(sys.argv[2]))

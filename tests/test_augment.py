@@ -18,6 +18,7 @@ from ddp_recipes.data import augment
 from ddp_recipes.data.augment import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    auto_augment_policy,
     batch_mixer,
     eval_transform,
     normalize_transform,
@@ -43,8 +44,12 @@ def _types(pipeline: v2.Compose) -> list[type]:
 
 
 def _describe(t: v2.Transform) -> tuple[type, dict[str, Any]]:
-    """A transform's class and public settings (size, scale, p, mean, interpolation, ...)."""
-    return type(t), {k: v for k, v in vars(t).items() if not k.startswith("_") and k != "training"}
+    """A transform's class and public settings (size, scale, p, mean, interpolation, ...); an interpolation as
+    its enum (torchvision 0.29 keeps a default as the string, 0.26 as the enum)."""
+    settings = {k: v for k, v in vars(t).items() if not k.startswith("_") and k != "training"}
+    if isinstance(settings.get("interpolation"), str):
+        settings["interpolation"] = v2.InterpolationMode(settings["interpolation"])
+    return type(t), settings
 
 
 def _same(a: v2.Compose, b: v2.Compose) -> bool:
@@ -128,7 +133,11 @@ def test_flip_probability_and_interpolation():
     for mode in INTERPOLATIONS:
         crop = _steps(train_transform(16, interpolation=mode))[0]
         resize = _steps(eval_transform(16, interpolation=mode))[0]
-        assert crop.interpolation == resize.interpolation == mode
+        # The enum, never the string: torchvision 0.26 (the lent GPU machine's) raises on "bilinear".
+        assert crop.interpolation is resize.interpolation is v2.InterpolationMode(mode)
+        for name in AUTO_AUGMENTS:
+            if not (name == "augmix" and mode == "bicubic"):
+                assert type(auto_augment_policy(name, interpolation=mode).interpolation) is v2.InterpolationMode
 
 
 def test_eval_sizes():

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ddp_recipes.bench.synthetic import RankShard, shard_size
-from ddp_recipes.bench.workers import AutocastForward, Workload, autocast_dtype, build_dataset
+from ddp_recipes.bench.workers import AutocastForward, Workload, autocast_dtype, build_dataset, dp_loop
 
 
 class SeesDtype(nn.Module):
@@ -77,6 +77,76 @@ def test_one_process_without_a_group_materializes_everything_lazily():
     assert data.tensors is None and data.nbytes() == 0
     x, _ = data[3]  # first fetch builds it: no process group -> rank 0 of 1
     assert data.world_size == 1 and len(data.tensors[0]) == 10 and x.shape == (2,)
+
+
+class ThreadReplica(nn.Module):
+    """What nn.DataParallel does with a replica, on CPU: its forward in a thread of its own, which sees none
+    of the caller's autocast (``replica``: what the thread runs, default the wrapped module itself)."""
+
+    def __init__(self, module: nn.Module, replica=None) -> None:
+        super().__init__()
+        self.module, self.replica = module, replica
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _forward_in_thread(self.replica(self.module) if self.replica else self.module, x)
+
+
+DP_TINY = Workload(recipe="resnet", arch="resnet18", image_size=16, batch_size=4, steps=2, warmup_steps=1,
+                   precision="bf16-mixed")
+
+
+def test_bench_dp_reports_the_dtype_its_replica_threads_computed_in(tmp_path):
+    import json
+
+    out = tmp_path / "dp.json"
+    dp_loop(DP_TINY, torch.device("cpu"), str(out), parallel=ThreadReplica)
+    run = json.loads(out.read_text())
+    assert run["impl"] == "dp" and run["autocast_dtype"] == "bfloat16" and run["measured_steps"] == 2
+
+
+def test_bench_dp_refuses_a_replica_that_computed_in_another_dtype(tmp_path):
+    """A replica thread that runs the bare network (autocast lost): the run says so instead of reporting the
+    dtype it asked for."""
+    unwrapped = lambda module: module.module  # noqa: E731 - AutocastForward's inner network, as a lost wrap
+    with pytest.raises(SystemExit, match="replicas computed in float32, not bfloat16"):
+        dp_loop(DP_TINY, torch.device("cpu"), str(tmp_path / "dp.json"), parallel=lambda net: ThreadReplica(net, unwrapped))
+    assert not (tmp_path / "dp.json").exists()
+
+
+def test_synthetic_fetch_copies_its_indices_without_blocking():
+    """The batch's indices reach the device with a non-blocking copy (pinned first on CUDA): a pageable,
+    blocking one synchronises the host with the GPU at every step (sync-debug's finding). Seen on CPU through
+    the meta device, which dispatches the same copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copies: list[dict] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.copies.append(dict(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    data = RankShard(10, (2,), seed=0, device="meta")
+    data.materialize()
+    with Copies() as seen:
+        x, y = data.__getitems__([1, 12])
+    assert x.shape == (2, 2) and x.device.type == "meta"
+    assert [(c["device"].type, c["non_blocking"]) for c in seen.copies] == [("meta", True)]
+
+
+def test_synthetic_data_is_not_seeded_per_batch():
+    """In-memory synthetic samples draw no random numbers: the pack's resumable loader then neither seeds nor
+    saves and restores RNG state per batch (the raw loop does neither), and its sampler yields plain ints."""
+    from ddp_recipes.data.resumable import ResumableSampler, SeededDataset, draws_random_numbers
+
+    data = RankShard(8, (2,), seed=0)
+    assert draws_random_numbers(data) is False
+    seeded = SeededDataset(data, seed=0)
+    assert seeded.draws_random_numbers is False
+    assert all(type(i) is int for i in ResumableSampler(seeded, num_replicas=1, rank=0))
 
 
 # ---- the loader bench's nvJPEG fallback (reached on CPU: torchvision's CPU decode_jpeg rejects the same

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 from pathlib import Path
@@ -25,9 +26,19 @@ TINY_RESNET = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "1
                "--synthetic-val-samples", "32", "--batch-size", "16"]
 
 
-# A user's command, from the examples folder (the user's project), on a free port; no PYTHONPATH: only what
-# a user has, the installed pack and the working directory. It must exit 0.
-USER = dict(cwd=EXAMPLES, pythonpath=False, check=True)
+
+def _pack_installed() -> bool:
+    try:
+        importlib.metadata.distribution("ddp-recipes")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# A user's command, from the examples folder (the user's project), on a free port, with only what a user
+# has: the installed pack and the working directory (no PYTHONPATH); where the pack runs from a source
+# checkout, not installed (the lent GPU machine), the PYTHONPATH to it that such a user sets. It must exit 0.
+USER = dict(cwd=EXAMPLES, pythonpath=not _pack_installed(), check=True)
 
 
 def mnist_flags(out: Path, *extra: str) -> list[str]:

@@ -72,6 +72,24 @@ def test_strategy_checks_bf16_first_thing_in_the_rank(monkeypatch):
         strategy.setup_environment()
 
 
+def test_one_device_checks_bf16_in_its_rank_too(monkeypatch, restore_tf32):
+    """One device runs Lightning's own strategy, not TunedDDPStrategy: the check must still run at set-up."""
+    import lightning.fabric.accelerators.cuda as lightning_cuda
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.trainer import call
+
+    from ddp_recipes.train.trainer import build_trainer
+
+    _fake_gpu(monkeypatch, "Tesla V100-SXM2-16GB", (7, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(lightning_cuda, "num_cuda_devices", lambda: 1)
+    trainer = build_trainer(accelerator="cuda", devices=1, precision="bf16-mixed", logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    assert type(trainer.strategy) is SingleDeviceStrategy and trainer.strategy.root_device.type == "cuda"
+    with pytest.raises(ConfigError, match="Tesla V100-SXM2-16GB is 7.0: use precision 16-mixed"):
+        call._call_callback_hooks(trainer, "setup", stage="fit")
+
+
 # ---- item 6: a lost peer on NCCL ends every rank with the pack's line ------------------------------------
 
 def _run_pair(case: str) -> list[subprocess.CompletedProcess]:
@@ -97,6 +115,24 @@ def test_a_peer_that_finishes_is_not_a_lost_one():
     first, finished = _run_pair("finish")
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert first.returncode == 0 and "slept to the end" in first.stdout, first.stderr[-2000:]
+
+
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])
+def test_at_three_ranks_or_more_every_survivor_blames_the_dead_rank(world):
+    """Rank 1 dies; its watcher is rank 0, which hosts the store. Every survivor must name rank 1, none find
+    the store gone and blame rank 0 (rank 0 exits only once the others have read the news)."""
+    port = free_port()
+    procs = [start(["-m", "tests.peerwatch_scenarios", "ring", rank, world], port=port, quiet=None,
+                   env={"MASTER_ADDR": "127.0.0.1"}) for rank in range(world)]
+    done = [p.finish(timeout=120) for p in procs]
+    assert done[1].returncode == 3, done[1].stderr[-2000:]
+    for rank, proc in enumerate(done):
+        if rank == 1:
+            continue
+        lines = [line for line in proc.stderr.splitlines() if PEER_FAILURE_PREFIX in line]
+        assert proc.returncode == 1 and "slept to the end" not in proc.stdout, proc.stderr[-2000:]
+        assert len(lines) == 1 and lines[0].startswith(f"[rank {rank}] "), proc.stderr
+        assert "rank 1 silent for" in lines[0] and "unreachable" not in lines[0], lines
 
 
 def test_the_watch_runs_on_nccl_only():

@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from PIL import Image
 from torch import nn
 from torchvision import models
+from torchvision.transforms import InterpolationMode
 
 from ddp_recipes.ddp.syncbn import CPUSyncBatchNorm, SyncBatchNormPlugin
 from ddp_recipes.errors import ConfigError
@@ -179,10 +180,10 @@ def test_weights_eval_transforms_become_the_defaults(folder):
     # EfficientNet-B0's weights were evaluated with bicubic resizing at 256 -> 224: evaluation follows them,
     # training keeps --interpolation's default.
     _, steps = eval_steps(arch="efficientnet_b0", weights="IMAGENET1K_V1")
-    assert steps["Resize"].size == [256] and steps["Resize"].interpolation == "bicubic"
-    assert steps["train"]["RandomResizedCrop"].interpolation == "bilinear"
+    assert steps["Resize"].size == [256] and steps["Resize"].interpolation is InterpolationMode.BICUBIC
+    assert steps["train"]["RandomResizedCrop"].interpolation is InterpolationMode.BILINEAR
     _, steps = eval_steps("--interpolation", "nearest", arch="efficientnet_b0", weights="IMAGENET1K_V1")
-    assert steps["Resize"].interpolation == "nearest"  # given: wins
+    assert steps["Resize"].interpolation is InterpolationMode.NEAREST  # given: wins
     size, steps = eval_steps("--val-resize-size", "256", "--image-size", "160")  # flags given still win
     assert size == 160 and steps["Resize"].size == [256] and steps["CenterCrop"].size == (160, 160)
     size, steps = eval_steps("--image-size", "160")  # another crop keeps the weights' resize ratio

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import SHARED_DATA
+from tests.helpers import write_synthetic_mnist
 from tests.launch import run, start
 
 pytestmark = pytest.mark.gpu
@@ -198,11 +198,11 @@ def test_tf32_in_force_and_off_with_the_flag(restore_tf32):
 
 
 @one_gpu
-@pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 def test_compile_on_cuda_trains_like_eager(tmp_path):
     from recipes import mnist
 
-    common = ["--accelerator", "gpu", "--data-dir", str(SHARED_DATA), "--no-download", "--max-steps", "20",
+    data = write_synthetic_mnist(tmp_path / "data", n_train=2048, n_test=256)  # ../shared does not travel here
+    common = ["--accelerator", "gpu", "--data-dir", str(data), "--no-download", "--max-steps", "20",
               "--seed", "3", "--no-tf32"]
     eager = mnist.main([*common, "--output-dir", str(tmp_path / "eager")])
     compiled = mnist.main([*common, "--output-dir", str(tmp_path / "compiled"), "--compile"])
@@ -257,6 +257,23 @@ def test_bench_raw_path_on_one_gpu(tmp_path):
     raw = run_worker("raw", 1, BENCH_TINY, tmp_path)
     assert raw["impl"] == "raw" and raw["devices"] == 1 and raw["measured_steps"] == 5
     assert raw["global_samples_per_s"] > 0 and raw["peak_mem_mb_per_rank"][0] > 0  # it ran on the GPU
+
+
+@one_gpu
+def test_synthetic_bench_data_fetches_without_a_host_sync():
+    """The bench's per-step fetch on CUDA: the indices go over pinned and non-blocking, so sync-debug's
+    "error" mode (any synchronizing call raises) lets a whole batch through."""
+    from ddp_recipes.bench.synthetic import RankShard
+
+    data = RankShard(64, (3, 8, 8), seed=0, device="cuda")
+    data.materialize()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x, y = data.__getitems__(list(range(0, 64, 8)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.is_cuda and x.shape == (8, 3, 8, 8) and y.shape == (8,)
 
 
 @one_gpu
@@ -381,6 +398,7 @@ def test_bench_dp_path_on_two_gpus(tmp_path):
     dp = run_worker("dp", 2, BENCH_TINY, tmp_path)
     assert dp["impl"] == "dp" and dp["devices"] == 2 and dp["global_samples_per_s"] > 0
     assert len(dp["peak_mem_mb_per_rank"]) == 2 and min(dp["peak_mem_mb_per_rank"]) > 0  # both GPUs worked
+    assert dp["autocast_dtype"] == "bfloat16"  # what the replicas' layers were seen computing in
 
 
 @one_gpu
@@ -401,3 +419,8 @@ def test_resume_restores_the_own_cuda_generator(tmp_path):
     dm = SyntheticImageDataModule(num_samples=8, image_size=8)
     dm.trainer = L.Trainer(accelerator="gpu", devices=1, logger=False, enable_checkpointing=False)
     assert dm.pin_memory is True
+    from ddp_recipes.data.mnist import MNISTDataModule
+
+    mnist_dm = MNISTDataModule(tmp_path)
+    mnist_dm.trainer = dm.trainer
+    assert mnist_dm.pin_memory is True  # the MNIST DataModule pins on CUDA too

@@ -1,139 +1,223 @@
-"""gpu-check's logic on CPU: budgets and timeouts, verdicts, the report files and the exit code.
+"""gpu-check on CPU: verdicts, budgets and timeouts, whole process trees killed, the order of the checks, the
+machine's own verdict (no CUDA; a driver that shows a GPU torch does not see), the report and the exit codes.
 
-The GPU checks themselves run only on a GPU (``make gpu-check``); here fake checks stand in for them.
+The GPU checks run only on a GPU; here small fake checks stand in for them: real commands that sleep,
+start children in sessions of their own, leave orphans behind and exit with a code, run through the real
+runner. That exercises the runner itself, no back-end is mocked.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
+import signal
+import stat
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddp_recipes.bench import gpucheck as gc
-from tests.launch import run
+from ddp_recipes.bench import gpucheck_report as report
+from ddp_recipes.bench import gpucheck_runner as runner
+from ddp_recipes.bench.gpucheck_machine import Driver, Machine, compile_problem
+from ddp_recipes.bench.proctree import alive
+from tests.launch import ROOT, run, start
 
 PY = sys.executable
+QUIET = dict(progress=lambda _: None)
+
+# A check's command that starts a child in a session of its own (as tests/launch.py does) and an orphan (its
+# parent exits at once, in another session too), writes their pids, then sleeps or exits with CODE.
+FAMILY = textwrap.dedent("""
+    import subprocess, sys, time
+    out, then = sys.argv[1], sys.argv[2]
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    child = subprocess.Popen(sleep, start_new_session=True)
+    orphan = sys.executable, "-c", ("import subprocess, sys; p = subprocess.Popen(%r, start_new_session=True, "
+                                    "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)") % (sleep,)
+    mid = subprocess.run(orphan, capture_output=True, text=True)
+    open(out, "w").write(f"{child.pid} {mid.stdout.strip()}")
+    if then == "sleep":
+        time.sleep(120)
+    sys.exit(int(then))
+""")
 
 
-def fake(name: str, code: str, timeout_s: float = 30, **kw) -> gc.Check:
-    return gc.Check(name, f"fake {name}", [PY, "-c", code], timeout_s=timeout_s, **kw)
+def family(tmp_path: Path, name: str, then: str, timeout_s: float = 60, **kw) -> tuple[runner.Check, Path]:
+    script, pids = tmp_path / "family.py", tmp_path / f"{name}.pids"
+    script.write_text(FAMILY)
+    return runner.Check(name, f"fake {name}", [PY, str(script), str(pids), then], timeout_s=timeout_s, **kw), pids
 
 
-def test_a_check_past_its_timeout_fails_and_its_process_group_is_killed(tmp_path):
-    pid_file = tmp_path / "child.pid"
-    # The check starts a grandchild (as Lightning starts ranks) and both sleep far past the timeout.
-    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+def fake(name: str, code: str, timeout_s: float = 60, **kw) -> runner.Check:
+    return runner.Check(name, f"fake {name}", [PY, "-c", code], timeout_s=timeout_s, **kw)
+
+
+def pids_of(path: Path) -> list[int]:
+    return [int(p) for p in path.read_text().split()]
+
+
+def all_gone(pids: list[int], within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
+# ---- the runner: verdicts, timeouts, budget, process trees ----------------------------------------------
+
+SETUP_S = 8  # long enough for the fake check to start its family (four Python processes) on a loaded machine
+
+
+def test_a_hang_past_its_own_timeout_fails_and_its_whole_tree_dies(tmp_path):
+    check, pids = family(tmp_path, "hang", "sleep", timeout_s=SETUP_S)
     started = time.monotonic()
-    [result] = gc.run_checks([fake("sleepy", code, timeout_s=2)], gpus=1, out_dir=tmp_path, progress=lambda _: None)
-    assert time.monotonic() - started < 30
-    assert result["verdict"] == "fail" and "timed out after 2 s" in result["reason"]
-    child = int(pid_file.read_text())
-    assert not alive(child), "the check's grandchild outlived its timeout"
+    [result] = runner.run_checks([check], gpus=1, out_dir=tmp_path, budget_s=300, **QUIET)
+    assert time.monotonic() - started < SETUP_S + 45 and pids.exists(), result
+    assert result["verdict"] == "fail" and f"timed out after {SETUP_S} s, its own limit" in result["reason"]
+    assert "4 process(es) killed" in result["reason"]  # the command, its child, the orphan, and the shepherd
+    assert all_gone(pids_of(pids)), "a process of the check outlived its timeout (own session, or orphaned)"
 
 
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for a reaper (an orphan's reaper may be slow, or absent in a container)."""
-    time.sleep(0.3)
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
-def test_the_total_budget_cuts_a_timeout_then_skips_what_is_left(tmp_path, monkeypatch):
-    monkeypatch.setattr(gc, "MIN_START_S", 0.5)
+def test_the_budget_cut_is_incomplete_not_a_failure_and_the_rest_is_not_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_START_S", 1.0)
+    check, pids = family(tmp_path, "long", "sleep", timeout_s=100)
     lines: list[str] = []
-    checks = [fake("long", "import time; time.sleep(60)", timeout_s=100), fake("next", "pass")]
-    first, second = gc.run_checks(checks, gpus=1, out_dir=tmp_path, budget_s=2.0, progress=lines.append)
-    assert first["verdict"] == "fail" and "timed out after 2 s" in first["reason"]  # 2 s budget, not 100 s
-    assert second["verdict"] == "skipped" and "total budget of 2 s spent" in second["reason"]
-    assert any(line.startswith("[gpu-check 1/2] long:") for line in lines)  # progress lines
+    first, second = runner.run_checks([check, fake("next", "pass")], gpus=1, out_dir=tmp_path, budget_s=SETUP_S,
+                                      progress=lines.append)
+    assert first["verdict"] == "incomplete" and first["reason"].startswith("the budget ran out")
+    assert "its own limit is 100 s" in first["reason"]
+    assert second["verdict"] == "incomplete" and second["reason"].startswith("not started:")
+    assert all_gone(pids_of(pids))
+    assert lines[0].startswith(f"[gpu-check 1/2] long: fake long (timeout {SETUP_S} s,")  # progress lines
 
 
-def test_gpu_counts_skip_with_the_reason(tmp_path):
-    checks = [fake("one", "pass"), fake("two", "pass", min_gpus=2)]
-    none = gc.run_checks(checks, gpus=0, out_dir=tmp_path, progress=lambda _: None)
-    assert [(r["verdict"], r["reason"]) for r in none] == [("skipped", "no CUDA device")] * 2
-    one = gc.run_checks(checks, gpus=1, out_dir=tmp_path, progress=lambda _: None)
-    assert [r["verdict"] for r in one] == ["pass", "skipped"] and one[1]["reason"] == "needs 2+ GPUs (1 visible)"
+def test_what_a_check_leaves_running_is_killed_and_reported(tmp_path):
+    check, pids = family(tmp_path, "leaky", "0")
+    [result] = runner.run_checks([check], gpus=1, out_dir=tmp_path, budget_s=300, **QUIET)
+    assert result["verdict"] == "pass"  # it did what it names; its leftovers are gone and said
+    assert "left 2 process(es) running at its end, killed" in result["reason"]
+    assert len(result["data"]["leftovers"]) == 2
+    assert all_gone(pids_of(pids)), "a leftover would skew the next check's figures"
 
 
-def test_exit_code_and_a_judge_that_cannot_read_its_output(tmp_path):
-    bad = fake("bad", "import sys; print('boom'); sys.exit(3)")
+def test_exit_codes_and_unreadable_results_fail(tmp_path):
+    check, pids = family(tmp_path, "bad", "3")
     unreadable = fake("unreadable", "pass", judge=gc.throughput_judge)  # writes no run.json
-    r_bad, r_unreadable = gc.run_checks([bad, unreadable], gpus=1, out_dir=tmp_path, progress=lambda _: None)
-    assert r_bad["verdict"] == "fail" and r_bad["reason"].startswith("exit 3") and "boom" in r_bad["reason"]
-    assert r_unreadable["verdict"] == "fail" and "could not read its result" in r_unreadable["reason"]
+    bad, unread = runner.run_checks([check, unreadable], gpus=1, out_dir=tmp_path, budget_s=300, **QUIET)
+    assert bad["verdict"] == "fail" and bad["reason"].startswith("exit 3")
+    assert unread["verdict"] == "fail" and "could not read its result" in unread["reason"]
+    assert all_gone(pids_of(pids))
 
+
+def test_what_this_machine_cannot_run_is_no_verdict_with_the_reason(tmp_path):
+    checks = [fake("one", "pass"), fake("two", "pass", min_gpus=2), fake("compiled", "pass", compiled=True)]
+    none = runner.run_checks(checks, gpus=0, out_dir=tmp_path, budget_s=300, **QUIET)
+    assert [(r["verdict"], r["reason"]) for r in none] == [("no verdict", "no CUDA device")] * 3
+    one = runner.run_checks(checks, gpus=1, out_dir=tmp_path, budget_s=300, compile_problem="no C compiler", **QUIET)
+    assert [r["verdict"] for r in one] == ["pass", "no verdict", "no verdict"]
+    assert one[1]["reason"] == "needs 2+ GPUs (1 visible)"
+    assert one[2]["reason"] == "torch.compile cannot build code here: no C compiler"
+
+
+def test_the_report_is_rewritten_after_every_check(tmp_path):
+    seen: list[list[str]] = []
+    runner.run_checks([fake("a", "pass"), fake("b", "pass")], gpus=1, out_dir=tmp_path, budget_s=300,
+                      after_each=lambda done: seen.append([r["name"] for r in done]), **QUIET)
+    assert seen == [["a"], ["a", "b"]]
+
+
+# ---- pytest checks ------------------------------------------------------------------------------------
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="{n}" failures="{f}"
 errors="0" skipped="{s}">{cases}</testsuite></testsuites>"""
 
 
-def junit(work: Path, passed: int, failed: int, skipped: int) -> None:
+def junit(work: Path, passed: int, failed: int, skipped: int) -> Path:
     cases = "<testcase name='ok'/>" * passed
     cases += "<testcase name='test_bad'><failure message='AssertionError: 1 != 2'/></testcase>" * failed
     cases += "<testcase name='nccl'><skipped message='needs 2+ CUDA GPUs'/></testcase>" * skipped
     work.mkdir(parents=True, exist_ok=True)
     (work / "junit.xml").write_text(JUNIT.format(n=passed + failed + skipped, f=failed, s=skipped, cases=cases))
+    return work
 
 
 def test_pytest_verdicts(tmp_path):
-    junit(tmp_path / "a", 3, 0, 2)
-    ok = gc.pytest_judge(0, tmp_path / "a", "")
-    assert ok["verdict"] == "pass" and ok["reason"] == "3 passed, 2 skipped, 0 failed"
+    ok = runner.pytest_judge(0, junit(tmp_path / "a", 3, 0, 2), "")
+    assert ok["verdict"] == "pass" and ok["reason"].startswith("3 passed, 2 skipped, 0 failed")
     assert ok["data"]["skipped_reasons"] == ["needs 2+ CUDA GPUs"]
-    junit(tmp_path / "b", 3, 1, 0)
-    bad = gc.pytest_judge(1, tmp_path / "b", "")
+    bad = runner.pytest_judge(1, junit(tmp_path / "b", 3, 1, 0), "")
     assert bad["verdict"] == "fail" and "test_bad: AssertionError: 1 != 2" in bad["reason"]
-    junit(tmp_path / "c", 0, 0, 4)
-    assert gc.pytest_judge(0, tmp_path / "c", "")["verdict"] == "skipped"
-    junit(tmp_path / "d", 2, 0, 0)
-    assert gc.pytest_judge(2, tmp_path / "d", "interrupted")["verdict"] == "fail"  # a non-zero exit fails
+    # Only a machine with a GPU runs a gpu check: a run in which every test skipped is a failure there.
+    none = runner.pytest_judge(0, junit(tmp_path / "c", 0, 0, 4), "")
+    assert none["verdict"] == "fail" and none["reason"].startswith("no test ran on a machine with a GPU")
+    assert runner.pytest_judge(2, junit(tmp_path / "d", 2, 0, 0), "interrupted")["verdict"] == "fail"
 
 
-def run_row(name: str, rate: float) -> dict:
-    return {"name": f"resnet50-{name}", "verdict": "pass", "reason": "", "seconds": 1.0,
-            "data": {"images_per_s": rate, "step_ms_median": 1.0, "first_step_s": 1.0}}
+def test_a_cut_pytest_run_says_what_it_had_shown(tmp_path):
+    (tmp_path / "output.log").write_text("tests/test_gpu.py::test_a PASSED [ 10%]\n"
+                                         "tests/test_gpu.py::test_b SKIPPED (needs 2+ CUDA GPUs) [ 20%]\n"
+                                         "tests/test_gpu.py::test_c FAILED [ 30%]\n"
+                                         "tests/test_gpu.py::test_d \n")
+    assert runner.pytest_partial(tmp_path, "") == ("before the cut: 1 failed, 1 passed, 1 skipped; "
+                                                   "running: tests/test_gpu.py::test_d")
 
 
-def test_pack_vs_raw_mfu_and_the_reference_rows():
-    results = [run_row("pack", 950.0), run_row("raw", 1000.0), run_row("pack-compiled", 800.0),
-               run_row("raw-compiled", 1000.0)]
-    eager, compiled = gc.pack_vs_raw(results)
-    assert (eager["verdict"], compiled["verdict"]) == ("pass", "fail") and compiled["data"]["ratio"] == 0.8
-    results[1]["verdict"] = "fail"
-    assert gc.pack_vs_raw(results)[0]["verdict"] == "skipped"
-    rows = gc.throughput_rows([run_row("pack", 1000.0)], flops_per_sample=int(12e9), peak=1e15)
-    assert rows[0]["achieved_tflops"] == 12.0 and rows[0]["mfu"] == 0.012
-    assert gc.throughput_rows([run_row("pack", 1000.0)], None, 1e15)[0]["mfu"] is None
-    [bf16] = gc.reference_rows("bf16-mixed", 989e12, "NVIDIA H100 80GB HBM3")
-    assert bf16["images_per_s"] is None and bf16["label"].startswith("unavailable")  # never a made-up figure
-    fp16 = gc.reference_rows("16-mixed", 989e12, "NVIDIA H100 80GB HBM3")
-    a100 = next(r for r in fp16 if r["gpu"].startswith("A100"))
-    assert a100["images_per_s"] == 2470.0 and a100["scaled_images_per_s"] == round(2470 * 989 / 312, 1)
-    assert "scaled" in a100["label"] and "estimate" in a100["label"]
+def test_gpu_pytest_collects_the_gpu_tier_files_only():
+    """Collecting all of tests/ imports every test module (and the optional packages some import) before a
+    single GPU test runs. The list must hold every file with a gpu-marked test."""
+    cmd = gc.pytest_cmd("not kill_and_resume")
+    assert cmd[-len(gc.GPU_TEST_FILES):] == list(gc.GPU_TEST_FILES) and "tests" not in cmd
+    uses = re.compile(r"^(pytestmark = pytest\.mark\.gpu|\s*@pytest\.mark\.gpu\b)", re.MULTILINE)
+    marked = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py") if uses.search(p.read_text())}
+    assert marked == set(gc.GPU_TEST_FILES)
+    assert ["-m", "gpu"] in [cmd[i:i + 2] for i in range(len(cmd))]
+    assert "-v" in cmd  # a cut run still shows its outcomes so far
 
 
-def test_report_files_verdict_and_main_exit_code(tmp_path, monkeypatch):
-    monkeypatch.setattr(gc, "device_facts", lambda: {"gpus": 1, "torch": "x", "gpu": "Fake GPU",
-                                                     "peak_flops_per_sec": None})
-    monkeypatch.setattr(gc, "plan_checks", lambda args, gpus: [fake("good", "pass"), fake("broken", "raise SystemExit(1)"),
-                                                                fake("multi", "pass", min_gpus=2)])
-    monkeypatch.setattr(gc, "resnet50_flops", lambda batch: None)
-    assert gc.main(["--out-dir", str(tmp_path)]) == 1
-    report = json.loads((tmp_path / "gpu-report.json").read_text())
-    assert report["verdict"] == "fail" and report["counts"] == {"pass": 1, "fail": 1, "skipped": 1}
-    assert [c["verdict"] for c in report["checks"]] == ["pass", "fail", "skipped"]
-    md = (tmp_path / "gpu-report.md").read_text()
-    assert md.startswith("# gpu-check: FAIL (1 pass, 1 fail, 1 skipped)") and "| broken | fail |" in md
-    monkeypatch.setattr(gc, "plan_checks", lambda args, gpus: [fake("good", "pass"), fake("multi", "pass", min_gpus=2)])
-    assert gc.main(["--out-dir", str(tmp_path)]) == 0  # skipped checks do not fail the run
+def test_the_gpu_tier_needs_nothing_outside_the_checkout(tmp_path):
+    """Only the working tree travels to a GPU machine: no gpu test reads ../shared. Its compile test trains on
+    made-up MNIST files instead, which the recipe learns (checked here on CPU)."""
+    from recipes import mnist
+    from tests.helpers import write_synthetic_mnist
+
+    for name in gc.GPU_TEST_FILES:
+        assert "SHARED_DATA" not in (ROOT / name).read_text(), f"{name} reads the shared data"
+    data = write_synthetic_mnist(tmp_path / "data", n_train=2048, n_test=256)
+    summary = mnist.main(["--accelerator", "cpu", "--data-dir", str(data), "--no-download", "--max-steps", "40",
+                          "--seed", "3", "--output-dir", str(tmp_path / "out")])
+    assert summary["test_acc"] > 0.5  # chance is 0.1
+
+
+# ---- the plan: order of value ---------------------------------------------------------------------------
+
+def plan_args(*argv: str) -> argparse.Namespace:
+    return gc._parser().parse_args(list(argv))
+
+
+def test_checks_run_in_order_of_value():
+    names = [c.name for c in gc.plan_checks(plan_args(), gpus=1)]
+    assert names == ["sync-debug", "resnet50-pack", "resnet50-raw", "pack-vs-raw", "gpu-tests", "cuda-kill-resume",
+                     "resnet50-pack-compiled", "resnet50-raw-compiled", "pack-vs-raw-compiled", "bench-multi-gpu"]
+    assert [c.name for c in gc.plan_checks(plan_args("--no-compile"), gpus=1)] == [
+        "sync-debug", "resnet50-pack", "resnet50-raw", "pack-vs-raw", "gpu-tests", "cuda-kill-resume",
+        "bench-multi-gpu"]
+    compiled = {c.name: c for c in gc.plan_checks(plan_args(), gpus=1)}
+    assert compiled["resnet50-pack-compiled"].compiled and not compiled["resnet50-pack"].compiled
+    only = [c.name for c in gc.plan_checks(plan_args("--only", "resnet50-raw,resnet50-pack"), gpus=1)]
+    assert only == ["resnet50-pack", "resnet50-raw", "pack-vs-raw"]  # the derived check comes with its inputs
+
+
+def test_the_default_budget_is_seven_minutes_and_each_timeout_fits_in_it():
+    assert gc.TOTAL_BUDGET_S == 420
+    checks = [c for c in gc.plan_checks(plan_args(), gpus=8) if isinstance(c, runner.Check)]
+    assert all(c.timeout_s <= gc.TOTAL_BUDGET_S for c in checks)
 
 
 def test_unknown_only_name_is_refused(capsys):
@@ -142,15 +226,177 @@ def test_unknown_only_name_is_refused(capsys):
     assert info.value.code == 2 and "--only: no check named nope" in capsys.readouterr().err
 
 
-def test_gpu_check_without_cuda_skips_every_check_and_exits_0(tmp_path):
-    """The real command with no visible GPU, as on a CPU machine: a report, every check skipped, exit 0."""
-    proc = run(["-m", "ddp_recipes.bench.gpucheck", "--out-dir", tmp_path], env={"CUDA_VISIBLE_DEVICES": ""},
-               port=False, threads=None, quiet=None, check=True)
-    report = json.loads((tmp_path / "gpu-report.json").read_text())
-    names = [c["name"] for c in report["checks"]]
-    assert {"gpu-tests", "cuda-kill-resume", "sync-debug", "resnet50-pack", "resnet50-raw-compiled",
-            "bench-multi-gpu"} <= set(names)
-    assert all((c["verdict"], c["reason"]) == ("skipped", "no CUDA device") for c in report["checks"])
-    assert report["verdict"] == "pass" and report["gpu"] is None and report["throughput"] == []
-    assert report["reference"][0]["label"].startswith("unavailable")
-    assert "skipped: no CUDA device" in proc.stderr and (tmp_path / "gpu-report.md").exists()
+# ---- derived checks, overall verdicts, figures --------------------------------------------------------
+
+def run_row(name: str, rate: float, status: str = "pass") -> dict:
+    return {"name": f"resnet50-{name}", "verdict": status, "reason": "", "seconds": 1.0,
+            "data": {"images_per_s": rate, "step_ms_median": 1.0, "first_step_s": 1.0}}
+
+
+def test_pack_vs_raw_and_mfu():
+    eager, compiled = gc.pack_vs_raw(""), gc.pack_vs_raw("-compiled")
+    done = {r["name"]: r for r in (run_row("pack", 950.0), run_row("raw", 1000.0), run_row("pack-compiled", 800.0),
+                                   run_row("raw-compiled", 1000.0))}
+    assert eager.compute(done)["verdict"] == "pass" and compiled.compute(done)["data"]["ratio"] == 0.8
+    assert compiled.compute(done)["verdict"] == "fail"
+    done["resnet50-raw"]["verdict"] = "incomplete"
+    assert eager.compute(done)["verdict"] == "incomplete"  # never a failure the budget caused
+    done["resnet50-raw"]["verdict"] = "fail"
+    assert eager.compute(done)["verdict"] == "no verdict"  # the run itself carries the failure
+    rows = report.throughput_rows([run_row("pack", 1000.0)], flops_per_sample=int(12e9), peak=1e15)
+    assert rows[0]["achieved_tflops"] == 12.0 and rows[0]["mfu"] == 0.012
+    assert report.throughput_rows([run_row("pack", 1000.0)], None, 1e15)[0]["mfu"] is None
+
+
+def test_reference_rows_never_show_another_precisions_figure():
+    [bf16] = report.reference_rows("bf16-mixed", 989e12, "NVIDIA H100 80GB HBM3")
+    assert bf16["images_per_s"] is None and bf16["label"].startswith("unavailable")
+    a100 = next(r for r in report.reference_rows("16-mixed", 989e12, "NVIDIA H100 80GB HBM3") if r["gpu"].startswith("A100"))
+    assert a100["images_per_s"] == 2470.0 and a100["scaled_images_per_s"] == round(2470 * 989 / 312, 1)
+    assert "scaled" in a100["label"] and "estimate" in a100["label"]
+
+
+@pytest.mark.parametrize(("verdicts", "expected"), [
+    (["pass", "pass"], "pass"),
+    (["pass", "no verdict"], "pass"),  # a check this machine cannot run does not stop a pass
+    (["pass", "incomplete"], "incomplete"),
+    (["pass", "incomplete", "fail"], "fail"),
+    (["no verdict", "no verdict"], "no verdict"),  # nothing was checked
+    ([], "no verdict"),
+])
+def test_the_overall_verdict_and_its_exit_code(verdicts, expected):
+    results = [{"verdict": v} for v in verdicts]
+    assert report.overall(results) == expected
+    assert report.EXIT_CODES[expected] == {"pass": 0, "fail": 1, "incomplete": 3, "no verdict": 4}[expected]
+    assert report.overall([{"verdict": "pass"}], finished=False) == "incomplete"
+    assert report.overall([{"verdict": "pass"}], ("fail", "the driver shows 1 GPU")) == "fail"
+
+
+# ---- main: the machine, the report files, the exit code -----------------------------------------------
+
+def a_gpu_machine(**kw) -> Machine:
+    facts = dict(gpus=1, gpu="Fake GPU", capability="9.0", peak_flops_per_sec=None, torch_cuda="13.0", cudnn=91900,
+                 torch_error=None, cuda_visible_devices=None, driver=Driver(tool="nvidia-smi", gpus=["Fake GPU, 1 MiB"]),
+                 versions={"torch": "2.11.0"}, python="3.12.1")
+    return Machine(**{**facts, **kw})
+
+
+def test_main_writes_the_report_and_exits_by_the_verdict(tmp_path, monkeypatch):
+    monkeypatch.setattr(gc, "inspect_machine", lambda check_compile: a_gpu_machine())
+    plans = {"fail": [fake("good", "pass"), fake("broken", "raise SystemExit(1)"), fake("multi", "pass", min_gpus=2)],
+             "pass": [fake("good", "pass"), fake("multi", "pass", min_gpus=2)]}
+    monkeypatch.setattr(gc, "plan_checks", lambda args, gpus: plans["fail"])
+    assert gc.main(["--out-dir", str(tmp_path)]) == 1
+    saved = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert saved["verdict"] == "fail" and saved["exit_code"] == 1 and saved["finished"] is True
+    assert saved["counts"] == {"pass": 1, "fail": 1, "incomplete": 0, "no verdict": 1}
+    md = (tmp_path / "gpu-report.md").read_text()
+    assert md.startswith("# gpu-check: FAIL (exit 1)") and "| broken | fail |" in md
+    monkeypatch.setattr(gc, "plan_checks", lambda args, gpus: plans["pass"])
+    assert gc.main(["--out-dir", str(tmp_path)]) == 0  # what this machine cannot run does not fail it
+    assert json.loads((tmp_path / "gpu-report.json").read_text())["checks"][1]["verdict"] == "no verdict"
+
+
+def test_main_exits_3_when_the_budget_ran_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_START_S", 1.0)
+    monkeypatch.setattr(gc, "inspect_machine", lambda check_compile: a_gpu_machine())
+    monkeypatch.setattr(gc, "plan_checks", lambda args, gpus: [fake("good", "pass"), fake("slow", "import time; time.sleep(60)")])
+    assert gc.main(["--out-dir", str(tmp_path), "--budget-s", "6"]) == 3
+    saved = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert saved["verdict"] == "incomplete" and [c["verdict"] for c in saved["checks"]] == ["pass", "incomplete"]
+
+
+INTERRUPTIBLE = textwrap.dedent("""
+    import sys
+    from ddp_recipes.bench import gpucheck as gc
+    from ddp_recipes.bench import gpucheck_runner as runner
+    from tests.test_gpucheck import a_gpu_machine, family
+    from pathlib import Path
+    tmp = Path(sys.argv[1])
+    check, pids = family(tmp, "hang", "sleep", timeout_s=300)
+    gc.inspect_machine = lambda check_compile: a_gpu_machine()
+    gc.plan_checks = lambda args, gpus: [check, runner.Check("after", "never started", [sys.executable, "-c", "pass"], 60)]
+    raise SystemExit(gc.main(["--out-dir", str(tmp / "out")]))
+""")
+
+
+def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path):
+    """SIGTERM (the slot ending) while a check runs: its tree dies, the report says incomplete, exit 3."""
+    script = tmp_path / "stopped.py"
+    script.write_text(INTERRUPTIBLE)
+    proc = start([script, tmp_path], port=False, quiet=None)
+    proc.wait_until(lambda: (tmp_path / "hang.pids").exists(), timeout=120, what="the check's children")
+    proc.signal(signal.SIGTERM)
+    done = proc.finish(timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    saved = json.loads((tmp_path / "out" / "gpu-report.json").read_text())
+    assert saved["verdict"] == "incomplete" and [c["verdict"] for c in saved["checks"]] == ["incomplete"] * 2
+    assert "stopped (SIGTERM)" in saved["checks"][0]["reason"]
+    assert all_gone(pids_of(tmp_path / "hang.pids"))
+
+
+def gpu_check(tmp_path: Path, env: dict[str, str]) -> tuple[int, dict, str]:
+    """The real command, as on a machine: it inspects the machine itself."""
+    done = run(["-m", "ddp_recipes.bench.gpucheck", "--out-dir", tmp_path / "out"], env=env, port=False, threads=None,
+               quiet=None, timeout=300)
+    return done.returncode, json.loads((tmp_path / "out" / "gpu-report.json").read_text()), done.stdout + done.stderr
+
+
+def fake_nvidia_smi(folder: Path) -> Path:
+    """A stand-in for the driver's tool showing one H200 (this machine has no NVIDIA driver)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tool = folder / "nvidia-smi"
+    tool.write_text("#!/bin/sh\nif [ \"$1\" = \"\" ]; then echo '| NVIDIA-SMI 580.95.05  Driver Version: 580.95.05  "
+                    "CUDA Version: 13.0 |'; else echo 'NVIDIA H200, 143771 MiB, 580.95.05'; fi\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+# On a GPU machine the real device is seen: these two run where there is none (CI, a developer's machine).
+no_real_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU is visible here")
+
+
+@no_real_gpu
+def test_no_cuda_device_is_no_verdict_with_its_own_exit_code(tmp_path):
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if not (Path(p) / "nvidia-smi").exists())
+    code, saved, output = gpu_check(tmp_path, {"CUDA_VISIBLE_DEVICES": "", "PATH": path})
+    assert code == 4 and saved["verdict"] == "no verdict" and saved["exit_code"] == 4, output[-2000:]
+    assert saved["checks"][0]["name"] == "cuda" and saved["checks"][0]["reason"].startswith("no CUDA device")
+    assert {c["verdict"] for c in saved["checks"]} == {"no verdict"} and saved["throughput"] == []
+    names = [c["name"] for c in saved["checks"]]
+    assert names[1:4] == ["sync-debug", "resnet50-pack", "resnet50-raw"]
+    assert (tmp_path / "out" / "gpu-report.md").read_text().startswith("# gpu-check: NO VERDICT (exit 4)")
+    assert "gpu-check: no verdict (exit 4)" in output and "pass" not in saved["meaning"]
+
+
+@no_real_gpu
+def test_a_driver_that_shows_a_gpu_torch_does_not_see_is_a_failure(tmp_path):
+    tools = fake_nvidia_smi(tmp_path / "bin")
+    env = {"PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
+    code, saved, output = gpu_check(tmp_path, {**env, "CUDA_VISIBLE_DEVICES": "0"})
+    assert code == 1 and saved["verdict"] == "fail", output[-2000:]
+    problem = saved["machine_problem"]
+    assert "NVIDIA H200" in problem and "driver 580.95.05" in problem and "driver CUDA 13.0" in problem
+    assert f"torch {torch.__version__}" in problem and "sees none" in problem
+    assert f"CUDA build {torch.version.cuda or 'none: CPU-only'}" in problem
+    # Hidden on purpose: nothing to judge, not the machine's fault.
+    code, saved, _ = gpu_check(tmp_path, {**env, "CUDA_VISIBLE_DEVICES": ""})
+    assert code == 4 and "CUDA_VISIBLE_DEVICES='' hides the 1 GPU(s)" in saved["machine_problem"]
+
+
+def test_compile_problem_names_a_missing_compiler_or_header(tmp_path, monkeypatch):
+    """Triton builds a C helper on first use: without a compiler or Python.h the compiled checks cannot run,
+    and say why (this machine has both; each is taken away in turn)."""
+    import shutil
+
+    if not (shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler on this machine to take away")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert "is not there" in compile_problem()
+    monkeypatch.delenv("CC")
+    assert "no Python.h in" in compile_problem(include_dir=str(tmp_path))
+    real = compile_problem()  # the real toolchain builds the probe; then only Triton may be missing
+    assert real is None or real.startswith("Triton is not installed")
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither gcc nor clang
+    assert compile_problem().startswith("no C compiler")

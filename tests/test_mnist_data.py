@@ -149,3 +149,34 @@ def test_corrupt_data_dir(data_dir, tmp_path, damage):
 def test_val_size_too_large(data_dir):
     with raises_cli(ValueError, match="--val-size"):
         _module(data_dir, val_size=8000)
+
+
+def test_loaders_pin_memory_exactly_when_the_trainer_trains_on_cuda(tmp_path, monkeypatch):
+    """As the image DataModules: decided from the trainer's device when the loaders are built, never by asking
+    CUDA (which would initialise it in every rank of a CPU run on a GPU host); an explicit value wins."""
+    import types
+
+    def cuda_touched(*args, **kwargs):
+        raise AssertionError("pin_memory asked CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", cuda_touched)
+    dm = MNISTDataModule(tmp_path, batch_size=16, download=False)
+    assert dm.pin_memory is False  # no trainer yet
+    dm.trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cpu")))
+    assert dm.pin_memory is False
+    dm.trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert dm.pin_memory is True  # what SplitDataModule's loaders are built with
+    explicit = MNISTDataModule(tmp_path, download=False, pin_memory=False)
+    explicit.trainer = dm.trainer
+    assert explicit.pin_memory is False
+
+
+def test_a_subclass_may_still_set_pin_memory_itself(tmp_path):
+    from ddp_recipes.data.base import SplitDataModule
+
+    class Mine(SplitDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pin_memory = True  # what a user's DataModule (examples/my_data.py) does
+
+    assert Mine().pin_memory is True

@@ -163,6 +163,43 @@ def test_compile_one_device_reports_compile_time_and_keeps_plain_checkpoint_keys
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
 
 
+def test_lightning_compiles_the_step_methods_not_only_forward(tmp_path):
+    """What the pack's --compile comments and docs state (train/run.py, bench/workers.py): Lightning unwraps a
+    ``torch.compile``d module and compiles its forward *and* its training/validation step methods, so the
+    loss and the step's own code are traced too, and the first step's compile time covers them."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_recipes.train.trainer import build_trainer
+
+    class Steps(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.traced = torch.nn.Linear(4, 2), {}
+
+        def forward(self, x):
+            self.traced["forward"] = torch.compiler.is_compiling()
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            self.traced["training_step"] = torch.compiler.is_compiling()
+            return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.traced["validation_step"] = torch.compiler.is_compiling()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Steps()
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
+    trainer = build_trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=1, val_check_interval=1, default_root_dir=tmp_path)
+    trainer.fit(torch.compile(module, backend="eager"), data, data)
+    assert module.traced == {"forward": True, "training_step": True, "validation_step": True}
+
+
 def test_bad_compile_backend_is_named(tmp_path, capsys):
     from recipes import mnist
 

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from ddp_recipes.data import samplers
 from ddp_recipes.data.resumable import ResumableSampler, SeededDataset, resumable_loader
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+from tests.launch import run
 
 N, BATCH, SEED = 50, 8, 3
 
@@ -143,12 +144,9 @@ print("done", flush=True)
 def test_a_run_ends_while_its_sigterm_ignoring_workers_are_alive(tmp_path):
     """Persistent workers still alive at exit ignore multiprocessing's SIGTERM; the process must still exit
     (it used to hang in multiprocessing's join of its daemon children)."""
-    import subprocess
-    import sys
-
     script = tmp_path / "ends.py"
     script.write_text(EXIT_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = run([script], timeout=120, port=False, threads=None, quiet=None)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
 
@@ -181,11 +179,8 @@ if __name__ == "__main__":
 def test_a_users_own_daemon_that_ignores_sigterm_is_left_to_finish(tmp_path):
     """The exit handler is for loader workers only: a script's own daemon process that ignores SIGTERM is
     joined by multiprocessing as before (importing the pack must not SIGKILL it mid-work)."""
-    import subprocess
-    import sys
-
     script, done = tmp_path / "user.py", tmp_path / "uploaded.txt"
     script.write_text(USER_PROCESS_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), str(done)], capture_output=True, text=True, timeout=120)
+    proc = run([script, done], timeout=120, port=False, threads=None, quiet=None)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
     assert done.exists(), "the user's process was killed at exit"

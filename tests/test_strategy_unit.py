@@ -132,14 +132,11 @@ for step in steps:
     ("run,fail,run", "destroyed"),
 ])
 def test_the_group_is_destroyed_at_exit_unless_the_last_run_failed(tmp_path, steps, expected):
-    import subprocess
-    import sys
-
     from tests.helpers import free_port
+    from tests.launch import run
 
     script = tmp_path / "group.py"
     script.write_text(GROUP_AT_EXIT_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), steps, str(free_port())], capture_output=True, text=True,
-                          timeout=120)
+    proc = run([script, steps, free_port()], timeout=120, port=False, threads=None, quiet=None)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["group", expected], proc.stdout + proc.stderr

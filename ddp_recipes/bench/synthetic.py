@@ -6,7 +6,9 @@ so every path shards, shuffles and batches exactly as on real data. But a rank m
 folded onto them: at 224 px and 4 GPUs the global set is ~8 GB, which every rank used to build; on an
 8-GPU node that was more than 128 GB of host memory. The samples live on the rank's device (CUDA) so no
 step copies a batch from pageable host memory: the bench measures the model and DDP, not the H2D copy
-(``bench loader`` measures the input pipeline).
+(``bench loader`` measures the input pipeline). Only the batch's indices cross to the device, from pinned
+memory without blocking: a pageable copy synchronises the host with the GPU at every step, which is what
+``gpu-check``'s sync-debug check looks for in the pack.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class RankShard(Dataset):
     Fetching is batched (``__getitems__``, for :func:`~ddp_recipes.data.samplers.keep_batch`).
     """
 
+    #: Fetching only indexes fixed tensors: the resumable loader then neither seeds nor saves RNG state per
+    #: batch, as the raw loop does not (read by :func:`ddp_recipes.data.resumable.draws_random_numbers`).
+    draws_random_numbers = False
+
     def __init__(self, global_len: int, shape: Sequence[int], seed: int, device: str = "cpu",
                  num_classes: int = 10) -> None:
         self.global_len, self.shape, self.seed = global_len, tuple(shape), seed
@@ -67,7 +73,9 @@ class RankShard(Dataset):
         x, y = self.tensors or self.materialize()
         # The sampler's global indices, folded onto this rank's samples: any index is a valid sample.
         index = torch.as_tensor(indices, dtype=torch.long) % len(x)
-        index = index.to(x.device)
+        if x.device.type == "cuda":
+            index = index.pin_memory()  # a pageable host->device copy would block on the GPU every step
+        index = index.to(x.device, non_blocking=True)
         return x[index], y[index]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,7 +138,7 @@ def run_pack(w: Workload, out: str) -> None:
                             callbacks=[timer, *([diagnostics] if diagnostics else [])])
     module = build_module(w)
     if w.compile:
-        module = torch.compile(module)  # what --compile does: Lightning compiles forward inside DDP's forward
+        module = torch.compile(module)  # what --compile does: Lightning compiles forward and the step methods
     data = None
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import MNISTDataModule
@@ -325,18 +325,45 @@ def run_writeup(w: Workload, out: str) -> None:
     mp.start_processes(_writeup_rank, args=(w, out), nprocs=w.devices, start_method="spawn")
 
 
-def run_dp(w: Workload, out: str) -> None:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < w.devices:
-        raise SystemExit(f"--dp needs {w.devices} CUDA GPUs")
+class DtypeProbe:
+    """The dtypes the network's convolutions and linear layers really computed in, whatever thread ran them.
+
+    A forward hook on each: DataParallel's replicas share their modules' hook dicts (``replicate`` copies
+    ``__dict__``), so the hooks fire in every replica's thread too. What ``bench --dp`` reports is this
+    observation, not the dtype it asked for. :meth:`close` removes the hooks (after the first step: the
+    timed steps carry no hook).
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        self.seen: set[torch.dtype] = set()
+        self.handles = [module.register_forward_hook(lambda mod, inputs, out: self.seen.add(out.dtype))
+                        for module in net.modules() if isinstance(module, (nn.Conv2d, nn.Linear))]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def observed(self, expected: torch.dtype | None) -> str:
+        """The one dtype seen; SystemExit when it is not ``expected`` (None: the run's float32)."""
+        want = expected or torch.float32
+        if self.seen != {want}:
+            got = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.seen)) or "nothing"
+            raise SystemExit(f"bench --dp: the replicas computed in {got}, not {str(want).removeprefix('torch.')}: "
+                             "autocast did not reach DataParallel's replica threads")
+        return str(want).removeprefix("torch.")
+
+
+def dp_loop(w: Workload, device: torch.device, out: str, parallel: Any = nn.DataParallel, **parallel_kw: Any) -> None:
+    """The ``dp`` run on ``device``: ``parallel(net, **parallel_kw)`` (DataParallel over the GPUs) trained for
+    the workload's steps; the JSON's ``autocast_dtype`` is what :class:`DtypeProbe` saw."""
     torch.manual_seed(w.seed)
-    device = torch.device("cuda", 0)
-    configure_tf32(True, "cuda")
-    torch.backends.cudnn.benchmark = True  # as the pack and the raw loop
     net: nn.Module = build_module(w).model.to(device)
+    probe = DtypeProbe(net)
     dtype = autocast_dtype(w.precision, device)
     if dtype is not None:
         net = AutocastForward(net, device.type, dtype)  # each replica's thread enters the run's dtype
-    model = nn.DataParallel(net, device_ids=list(range(w.devices)))
+    model = parallel(net, **parallel_kw)
     data = build_dataset(w)
     loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True, collate_fn=keep_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -349,12 +376,22 @@ def run_dp(w: Workload, out: str) -> None:
             loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         optimizer.zero_grad(set_to_none=True)
         backward_and_step(loss, optimizer, scaler)
+        probe.close()
         ends.append(sync_point(device))
-    peaks = [round(torch.cuda.max_memory_allocated(i) / 2**20, 1) for i in range(w.devices)]
+    peaks = [round(torch.cuda.max_memory_allocated(i) / 2**20, 1) for i in range(w.devices)] \
+        if device.type == "cuda" else [round(peak_memory_mb(device), 1)]
     _write(out, {"impl": "dp", "devices": w.devices, "workload": asdict(w), "peak_mem_mb_per_rank": peaks,
-                 "autocast_dtype": str(dtype).removeprefix("torch.") if dtype else None,
+                 "autocast_dtype": probe.observed(dtype) if dtype is not None else None,
                  "cudnn_benchmark": torch.backends.cudnn.benchmark, **data_facts(data),
                  **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
+
+
+def run_dp(w: Workload, out: str) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < w.devices:
+        raise SystemExit(f"--dp needs {w.devices} CUDA GPUs")
+    configure_tf32(True, "cuda")
+    torch.backends.cudnn.benchmark = True  # as the pack and the raw loop
+    dp_loop(w, torch.device("cuda", 0), out, device_ids=list(range(w.devices)))
 
 
 def main(argv: list[str] | None = None) -> None:

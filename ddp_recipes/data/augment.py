@@ -51,8 +51,11 @@ def _check_alpha(param: str, value: float) -> None:
         raise ConfigError(f"{{{param}}} must be >= 0 (0 disables it; got {value})", param)
 
 
-def _check_interpolation(interpolation: str) -> None:
+def _interpolation_mode(interpolation: str) -> v2.InterpolationMode:
+    """The checked ``interpolation`` as torchvision's enum: every transform gets the enum, never the string
+    (torchvision 0.26 raises ``ValueError`` on ``"bilinear"``; later versions accept both)."""
     check_choice("interpolation", interpolation, INTERPOLATIONS)
+    return v2.InterpolationMode(interpolation)
 
 
 def auto_augment_policy(name: AutoAugment, *, interpolation: Interpolation = "bilinear",
@@ -71,19 +74,19 @@ def auto_augment_policy(name: AutoAugment, *, interpolation: Interpolation = "bi
     uint8 tensors.
     """
     check_choice("auto_augment", name, AUTO_AUGMENTS)
-    _check_interpolation(interpolation)
+    mode = _interpolation_mode(interpolation)
     _check_int("ra_magnitude", ra_magnitude, 0, RA_MAX_MAGNITUDE)
     _check_int("augmix_severity", augmix_severity, 1, AUGMIX_MAX_SEVERITY)
     if name == "augmix" and interpolation == "bicubic":
         raise ConfigError("{interpolation} bicubic does not work with {auto_augment} augmix (it resamples "
                           "tensors, which take nearest or bilinear only); pick bilinear")
     if name == "ra":
-        return v2.RandAugment(interpolation=interpolation, magnitude=ra_magnitude)
+        return v2.RandAugment(interpolation=mode, magnitude=ra_magnitude)
     if name == "ta_wide":
-        return v2.TrivialAugmentWide(interpolation=interpolation)
+        return v2.TrivialAugmentWide(interpolation=mode)
     if name == "augmix":
-        return v2.AugMix(interpolation=interpolation, severity=augmix_severity)
-    return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=interpolation)
+        return v2.AugMix(interpolation=mode, severity=augmix_severity)
+    return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET, interpolation=mode)
 
 
 def normalize_transform(mean: Sequence[float] = IMAGENET_MEAN,
@@ -114,7 +117,7 @@ def train_transform(crop_size: int, *, interpolation: Interpolation = "bilinear"
     (``crop_size`` is ``train_crop_size``).
     """
     _check_int("train_crop_size", crop_size, 1)
-    _check_interpolation(interpolation)
+    mode = _interpolation_mode(interpolation)
     _check_probability("hflip_prob", hflip_prob)
     _check_probability("random_erase", random_erase)
     if not 0 < min_crop_scale <= 1:
@@ -130,7 +133,7 @@ def train_transform(crop_size: int, *, interpolation: Interpolation = "bilinear"
     if small_image:
         steps: list[v2.Transform] = [v2.RandomCrop(crop_size, padding=SMALL_IMAGE_PADDING)]
     else:
-        steps = [v2.RandomResizedCrop(crop_size, scale=(min_crop_scale, 1.0), interpolation=interpolation,
+        steps = [v2.RandomResizedCrop(crop_size, scale=(min_crop_scale, 1.0), interpolation=mode,
                                       antialias=True)]
     if hflip_prob > 0:
         steps.append(v2.RandomHorizontalFlip(hflip_prob))
@@ -161,8 +164,8 @@ def eval_transform(crop_size: int, *, resize_size: int | None = None,
     _check_int("val_resize_size", resize, 1)
     if crop_size > resize:
         raise ConfigError(f"{{val_crop_size}} {crop_size} must be <= {{val_resize_size}} {resize}")
-    _check_interpolation(interpolation)
-    return v2.Compose([v2.Resize(resize, interpolation=interpolation, antialias=True), v2.CenterCrop(crop_size),
+    mode = _interpolation_mode(interpolation)
+    return v2.Compose([v2.Resize(resize, interpolation=mode, antialias=True), v2.CenterCrop(crop_size),
                        *_to_normalized(mean, std)])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
@@ -13,13 +14,29 @@ from ddp_recipes.errors import DataError
 class SplitDataModule(L.LightningDataModule):
     """A DataModule whose ``setup`` fills ``train_set`` / ``val_set`` / ``test_set``.
 
-    Subclasses provide ``batch_size`` (per device), ``seed`` (of the training order), ``num_workers`` and
-    ``pin_memory`` (attributes or properties). An empty validation or test set disables that stage.
+    Subclasses provide ``batch_size`` (per device), ``seed`` (of the training order) and ``num_workers``
+    (attributes or properties), and may set ``pin_memory`` (True/False; None, the default: it follows the
+    trainer's device). An empty validation or test set disables that stage.
     """
 
     train_set: Dataset | None = None
     val_set: Dataset | None = None
     test_set: Dataset | None = None
+    _pin_memory: bool | None = None
+
+    @property
+    def pin_memory(self) -> bool:
+        """The given ``pin_memory``, or True exactly when the trainer trains on CUDA (pinning only helps
+        host-to-device copies). Read when the loaders are built, from the trainer's device: asking
+        ``torch.cuda.is_available()`` would initialise CUDA in every rank of a CPU run on a GPU host."""
+        if self._pin_memory is not None:
+            return self._pin_memory
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return isinstance(device, torch.device) and device.type == "cuda"
+
+    @pin_memory.setter
+    def pin_memory(self, value: bool | None) -> None:
+        self._pin_memory = value
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -66,16 +66,6 @@ class _ImageDataModule(SplitDataModule):
         devices = getattr(self.trainer, "num_devices", 1) if self.trainer is not None else 1
         return default_num_workers(devices)
 
-    @property
-    def pin_memory(self) -> bool:
-        """The given ``pin_memory``, or True exactly when the trainer trains on CUDA (pinning only helps
-        host-to-device copies). Read when the loaders are built, from the trainer's device: asking
-        ``torch.cuda.is_available()`` would initialise CUDA in every rank of a CPU run on a GPU host."""
-        if self._pin_memory is not None:
-            return self._pin_memory
-        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
-        return isinstance(device, torch.device) and device.type == "cuda"
-
 
 class SyntheticImageDataModule(_ImageDataModule):
     """Random ``[3, H, W]`` float images with random labels: no I/O, no decode, for throughput runs.

@@ -94,13 +94,17 @@ def load_split(data_dir: str | Path, train: bool) -> tuple[torch.Tensor, torch.T
 
 
 class MNISTDataModule(SplitDataModule):
-    """MNIST train/val/test as ``TensorDataset``s; ``val_size`` images are held out of the train split."""
+    """MNIST train/val/test as ``TensorDataset``s; ``val_size`` images are held out of the train split.
+
+    ``pin_memory`` None (the default) pins the loaders' batches exactly when the trainer trains on CUDA, as the
+    image DataModules do (:attr:`~ddp_recipes.data.base.SplitDataModule.pin_memory`).
+    """
 
     num_classes = 10
     dims = (1, 28, 28)
 
     def __init__(self, data_dir: str | Path = "data", batch_size: int = 64, val_size: int = 0, seed: int = 42,
-                 num_workers: int = 0, download: bool = True, pin_memory: bool = False) -> None:
+                 num_workers: int = 0, download: bool = True, pin_memory: bool | None = None) -> None:
         super().__init__()
         if batch_size < 1:
             raise ConfigError(f"{{batch_size}} must be >= 1 (got {batch_size})")
@@ -112,7 +116,7 @@ class MNISTDataModule(SplitDataModule):
         self.seed = seed
         self.num_workers = num_workers
         self.download = download
-        self.pin_memory = pin_memory
+        self._pin_memory = pin_memory  # None: pinned exactly when the trainer trains on CUDA (SplitDataModule)
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
         self.test_set: TensorDataset | None = None

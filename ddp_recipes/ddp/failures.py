@@ -96,9 +96,11 @@ class PeerWatch:
     (no exception, no ``on_exception``, exit -6). Here each rank bumps its own counter every ``HEARTBEAT_S`` and
     watches the next rank's (a ring: three store requests per rank per beat at any world size); a counter that
     stops for ``stale_s`` means that rank is gone. The finder posts it under one shared key that every watcher
-    reads, so every rank prints the message and exits (code 1) within about one beat of each other. A rank
-    that stops normally posts ``done``, and a store that stays unreachable for ``stale_s`` (its host, rank 0,
-    died) counts as a lost rank 0. Runs outside the step: no cost on the training path.
+    reads, so every rank prints the message and exits (code 1) within about one beat of each other. Rank 0
+    hosts the store: it exits last, once every other live rank has read the news (or after ``stale_s``: a
+    rank that has not read it by then is lost too), so that no rank finds the store gone and blames rank 0
+    for another rank's death. A rank that stops normally posts ``done``, and a store that stays unreachable for ``stale_s``
+    (its host, rank 0, died) counts as a lost rank 0. Runs outside the step: no cost on the training path.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, stale_s: float, hint: Any,
@@ -133,12 +135,13 @@ class PeerWatch:
                 beats += 1
                 self.store.set(f"{_WATCH_PREFIX}beat/{self.rank}", str(beats))
                 if self.store.check([lost_key]):
-                    return self._lose(self.store.get(lost_key).decode())
+                    lost_rank = self.store.get(f"{_WATCH_PREFIX}lost_rank").decode()
+                    return self._lose(self.store.get(lost_key).decode(), int(lost_rank))
                 value = self.store.get(peer_key).decode() if self.store.check([peer_key]) else None
                 store_ok = now
             except Exception:  # noqa: BLE001 - an unreachable store is the news here, not a bug
                 if now - store_ok >= self.stale_s:
-                    return self._lose(f"rank 0 (the rendezvous store's host) unreachable for {now - store_ok:.0f} s")
+                    return self._lose(f"rank 0 (the rendezvous store's host) unreachable for {now - store_ok:.0f} s", 0)
                 continue
             if value == "done":
                 last_change = now  # finished on purpose: its silence from now on means nothing
@@ -147,12 +150,31 @@ class PeerWatch:
             elif now - last_change >= self.stale_s:
                 what = f"rank {self.peer} silent for {now - last_change:.0f} s"
                 with contextlib.suppress(Exception):
+                    self.store.set(f"{_WATCH_PREFIX}lost_rank", str(self.peer))  # before the news that names it
                     self.store.set(lost_key, what)
-                return self._lose(what)
+                return self._lose(what, self.peer)
 
-    def _lose(self, what: str) -> None:
+    def _lose(self, what: str, lost_rank: int) -> None:
         if self._stop.is_set():
             return
         print(f"[rank {self.rank}] {self.hint(what)}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if self.rank == 0:
+            self._keep_store_up(lost_rank)
+        else:
+            with contextlib.suppress(Exception):  # read: rank 0 may take the store down
+                self.store.add(f"{_WATCH_PREFIX}read", 1)
         os._exit(1)  # the main thread is blocked in a collective: nothing short of exiting ends it
+
+    def _keep_store_up(self, lost_rank: int) -> None:
+        """Rank 0 hosts the store: wait until every other live rank has read the loss (at most ``stale_s``), so
+        none of them finds the store gone first and blames rank 0."""
+        others = self.world_size - 1 - (lost_rank != 0)
+        deadline = time.monotonic() + self.stale_s
+        while time.monotonic() < deadline:
+            try:
+                if self.store.add(f"{_WATCH_PREFIX}read", 0) >= others:
+                    return
+            except Exception:  # noqa: BLE001 - our own store: nothing left to wait for
+                return
+            time.sleep(min(0.05, self.interval_s / 4))

@@ -28,6 +28,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import Profiler
 from typing_extensions import override
 
+from ddp_recipes.config.world import check_bf16_device
+
 FETCH_ACTION = "train_dataloader_next"
 
 
@@ -57,6 +59,16 @@ class TF32Setting(Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         configure_tf32(self.enabled, trainer.strategy.root_device.type)
+
+
+class BF16Check(Callback):
+    """``bf16-mixed`` on a GPU without bf16 units fails at set-up, in the rank, on its own device, naming the fix
+    (:func:`~ddp_recipes.config.world.check_bf16_device`). TunedDDPStrategy checks first thing in its ranks; one
+    device runs Lightning's own strategy, where this callback does it."""
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        check_bf16_device(str(trainer.precision), trainer.strategy.root_device)
 
 
 def tf32_state(accelerator: str) -> str:

@@ -109,8 +109,10 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     trainer = make_trainer(cfg, callbacks=callbacks, checkpoint=checkpoint, **trainer_kwargs)
     model = build_model()
     if cfg.plan.compile_backend:
-        # Lightning unwraps the compiled module and compiles its forward; called inside DDP's forward, dynamo
-        # applies DDPOptimizer (one graph per gradient bucket). Checkpoints keep the plain module's keys.
+        # Lightning unwraps the compiled module and compiles its forward and its step methods (training,
+        # validation, test, predict): the loss and the step's own code are traced too. The forward, called
+        # inside DDP's forward, gets DDPOptimizer (one graph per gradient bucket). Checkpoints keep the
+        # plain module's keys.
         model = torch.compile(model, backend=cfg.plan.compile_backend)
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, lr), flush=True)

@@ -20,7 +20,7 @@ from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage import location
 from ddp_recipes.train.diagnostics import DDPDiagnostics
-from ddp_recipes.train.perf import InputWaitProfiler, TF32Setting, configure_tf32
+from ddp_recipes.train.perf import BF16Check, InputWaitProfiler, TF32Setting, configure_tf32
 
 
 def build_trainer(
@@ -136,6 +136,8 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
     last = lifecycle.callback(callbacks) if lifecycle is not None and checkpointing else None
     if plan.accelerator == "cuda":
         callbacks.append(TF32Setting(plan.tf32))  # again in each rank: spawned ranks do not inherit it
+        if not plan.distributed:
+            callbacks.append(BF16Check())  # TunedDDPStrategy checks in its ranks; one device has Lightning's strategy
     if not any(isinstance(c, ResumeState) for c in callbacks):
         # Per-rank streams from seed + rank once training starts; a resumed run gets the checkpoint's
         # streams, loader position and comm-hook state back instead (and this run's LRs).

@@ -1,0 +1,55 @@
+"""The version ranges pyproject.toml admits are ones CI runs: each floor is pinned, exactly, in the stack that
+`make test-stack` installs (.ci/gpu-stack.txt, the lent GPU machine's), and that stack is nothing but the
+lent machine's packages."""
+
+from __future__ import annotations
+
+import tomllib
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from tests.launch import ROOT
+
+# The lent GPU machine's packages: the stack must hold these and nothing else.
+LENT_MACHINE = {"torch", "torchvision", "torchmetrics", "lightning", "numpy", "matplotlib", "pyyaml", "tensorboard",
+                "pytest", "pytest-timeout"}
+# Its versions where they are known (the others are pinned at the pack's floors).
+LENT_VERSIONS = {"torch": "2.11.0", "torchvision": "0.26.0", "torchmetrics": "1.9.0", "lightning": "2.6.6"}
+
+
+def stack_pins() -> dict[str, Version]:
+    pins = {}
+    for line in (ROOT / ".ci" / "gpu-stack.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.strip().lower()] = Version(version.strip())
+    return pins
+
+
+def floors() -> dict[str, Version]:
+    """Each pyproject requirement's ``>=`` floor, by package (the runtime ones and every extra's)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found = {}
+    for text in [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]:
+        req = Requirement(text)
+        for spec in req.specifier:
+            if spec.operator == ">=":
+                found[req.name.lower()] = Version(spec.version)
+    return found
+
+
+def test_the_stack_is_the_lent_machines_and_pins_its_known_versions():
+    pins = stack_pins()
+    assert set(pins) == LENT_MACHINE
+    assert {name: str(pins[name]) for name in LENT_VERSIONS} == LENT_VERSIONS
+
+
+def test_every_floor_of_a_stack_package_is_the_version_the_stack_runs():
+    pins, found = stack_pins(), floors()
+    runtime = {Requirement(r).name.lower() for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+               ["dependencies"]}
+    assert runtime <= set(pins), "a runtime dependency the lent machine lacks cannot run there"
+    for name in sorted(set(pins) & set(found)):
+        assert found[name] == pins[name], f"pyproject's {name}>={found[name]} is not what CI runs ({pins[name]})"
