@@ -307,24 +307,37 @@ def test_main_exits_3_when_the_budget_ran_out(tmp_path, monkeypatch):
 
 
 INTERRUPTIBLE = textwrap.dedent("""
-    import sys
+    import sys, time
     from ddp_recipes.bench import gpucheck as gc
     from ddp_recipes.bench import gpucheck_runner as runner
     from tests.test_gpucheck import a_gpu_machine, family
     from pathlib import Path
-    tmp = Path(sys.argv[1])
-    check, pids = family(tmp, "hang", "sleep", timeout_s=300)
+    tmp, case = Path(sys.argv[1]), sys.argv[2]
+
+    def slow_judge(rc, work, tail):
+        (tmp / "judging").write_text("")  # the signal comes while gpu-check itself is busy, no check running
+        time.sleep(120)
+        return runner.verdict("pass")
+
+    if case == "judge":
+        check = runner.Check("judged", "a slow judge", [sys.executable, "-c", "pass"], 60, judge=slow_judge)
+    else:
+        check, pids = family(tmp, "hang", "sleep", timeout_s=300)
     gc.inspect_machine = lambda check_compile: a_gpu_machine()
     gc.plan_checks = lambda args, gpus: [check, runner.Check("after", "never started", [sys.executable, "-c", "pass"], 60)]
     raise SystemExit(gc.main(["--out-dir", str(tmp / "out")]))
 """)
 
 
-def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path):
-    """SIGTERM (the slot ending) while a check runs: its tree dies, the report says incomplete, exit 3."""
+def stoppable(tmp_path: Path, case: str):
     script = tmp_path / "stopped.py"
     script.write_text(INTERRUPTIBLE)
-    proc = start([script, tmp_path], port=False, quiet=None)
+    return start([script, tmp_path, case], port=False, quiet=None)
+
+
+def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path):
+    """SIGTERM (the slot ending) while a check runs: its tree dies, the report says incomplete, exit 3."""
+    proc = stoppable(tmp_path, "hang")
     proc.wait_until(lambda: (tmp_path / "hang.pids").exists(), timeout=120, what="the check's children")
     proc.signal(signal.SIGTERM)
     done = proc.finish(timeout=120)
@@ -333,6 +346,19 @@ def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path
     assert saved["verdict"] == "incomplete" and [c["verdict"] for c in saved["checks"]] == ["incomplete"] * 2
     assert "stopped (SIGTERM)" in saved["checks"][0]["reason"]
     assert all_gone(pids_of(tmp_path / "hang.pids"))
+
+
+
+def test_a_signal_while_gpu_check_itself_works_still_stops_it(tmp_path):
+    """SIGTERM between checks (a judge reading results, the FLOP count): it must not be taken for that step's
+    own error (a failed check, a missing MFU) and the run go on; it stops the run, incomplete."""
+    proc = stoppable(tmp_path, "judge")
+    proc.wait_until(lambda: (tmp_path / "judging").exists(), timeout=120, what="the judge at work")
+    proc.signal(signal.SIGTERM)
+    done = proc.finish(timeout=60)
+    assert done.returncode == 3, done.stderr[-2000:]
+    saved = json.loads((tmp_path / "out" / "gpu-report.json").read_text())
+    assert [c["verdict"] for c in saved["checks"]] == ["incomplete"] * 2, saved["checks"]
 
 
 def gpu_check(tmp_path: Path, env: dict[str, str]) -> tuple[int, dict, str]:
