@@ -361,6 +361,16 @@ def test_a_signal_while_gpu_check_itself_works_still_stops_it(tmp_path):
     assert [c["verdict"] for c in saved["checks"]] == ["incomplete"] * 2, saved["checks"]
 
 
+def test_a_killed_gpu_check_takes_the_running_tree_with_it(tmp_path):
+    """SIGKILL to gpu-check (a slot's hard limit): no handler runs, yet the running check's tree, in a session
+    of its own, must not go on using the GPU (and skew the figures of a rerun on the same machine)."""
+    proc = stoppable(tmp_path, "hang")
+    pids = proc.wait_until(lambda: (tmp_path / "hang.pids").exists() and pids_of(tmp_path / "hang.pids"),
+                           timeout=120, what="the check's children")
+    proc.signal(signal.SIGKILL)
+    proc.finish(timeout=60)
+    assert all_gone(pids, within_s=30), "the check outlived gpu-check"
+
 def gpu_check(tmp_path: Path, env: dict[str, str]) -> tuple[int, dict, str]:
     """The real command, as on a machine: it inspects the machine itself."""
     done = run(["-m", "ddp_recipes.bench.gpucheck", "--out-dir", tmp_path / "out"], env=env, port=False, threads=None,

@@ -90,8 +90,8 @@ def run_one(check: Check, timeout_s: float, work: Path, budget_cut: bool) -> Res
     log, proc_report = work / "output.log", work / "processes.json"
     proc_report.unlink(missing_ok=True)
     tag = f"gpucheck-{os.getpid()}-{check.name}-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "ddp_recipes.bench.proctree", "--report", str(proc_report), "--",
-           *(part.replace("{work}", str(work)) for part in check.cmd)]
+    cmd = [sys.executable, "-m", "ddp_recipes.bench.proctree", "--parent", str(os.getpid()), "--report",
+           str(proc_report), "--", *(part.replace("{work}", str(work)) for part in check.cmd)]
     started = time.monotonic()
     killed: set[int] = set()
     with log.open("w") as sink:
