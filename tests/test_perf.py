@@ -139,9 +139,14 @@ def test_a_users_profiler_is_kept():
 # ---- --compile -------------------------------------------------------------------------------------------
 
 def _mnist(out, *extra: str) -> list[str]:
-    from tests.helpers import SHARED_DATA
+    """The MNIST recipe's flags, on made-up MNIST files beside ``out`` (the suite runs where ../shared is
+    absent: the lent GPU machine's stack gets the working tree only)."""
+    from tests.helpers import write_synthetic_mnist
 
-    return ["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--output-dir", str(out),
+    data = out.parent / "synthetic-mnist"
+    if not (data / "MNIST").exists():
+        write_synthetic_mnist(data, n_train=2048, n_test=256)
+    return ["--accelerator", "cpu", "--data-dir", str(data), "--no-download", "--output-dir", str(out),
             "--max-steps", "12", "--seed", "5", *extra]
 
 
@@ -204,7 +209,7 @@ def test_bad_compile_backend_is_named(tmp_path, capsys):
     from recipes import mnist
 
     with pytest.raises(SystemExit):
-        mnist.main(_mnist(tmp_path, "--compile", "--compile-backend", "warp-drive"))
+        mnist.main(_mnist(tmp_path / "run", "--compile", "--compile-backend", "warp-drive"))
     err = capsys.readouterr().err.strip()
     assert "--compile-backend must be one of" in err and "inductor" in err and err.count("\n") == 0
 
