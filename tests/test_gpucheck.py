@@ -133,6 +133,17 @@ def test_the_report_is_rewritten_after_every_check(tmp_path):
     assert seen == [["a"], ["a", "b"]]
 
 
+
+def test_a_relative_out_dir_is_under_the_callers_directory(tmp_path, monkeypatch):
+    """Checks run in the checkout; a relative --out-dir still names a folder under gpu-check's own directory,
+    for what the checks write there as for the report."""
+    monkeypatch.chdir(tmp_path)
+    writes = runner.Check("writes", "writes into its work dir", [PY, "-c", "import sys; open(sys.argv[1], 'w').write('ok')",
+                                                               "{work}/out.txt"], timeout_s=60)
+    [result] = runner.run_checks([writes], gpus=1, out_dir=Path("results"), budget_s=300, **QUIET)
+    assert result["verdict"] == "pass", result
+    assert (tmp_path / "results" / "gpu-check" / "writes" / "out.txt").read_text() == "ok"
+
 # ---- pytest checks ------------------------------------------------------------------------------------
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="{n}" failures="{f}"
