@@ -263,7 +263,22 @@ def test_bench_raw_path_on_one_gpu(tmp_path):
 def test_synthetic_bench_data_fetches_without_a_host_sync():
     """The bench's per-step fetch on CUDA: the indices go over pinned and non-blocking, so sync-debug's
     "error" mode (any synchronizing call raises) lets a whole batch through."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from ddp_recipes.bench.synthetic import RankShard
+
+    class CopySources(TorchDispatchMode):
+        """Whether each host tensor copied to the device was pinned: a pageable non-blocking copy blocks
+        the host just the same, and sync-debug does not see it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.pinned: list[bool] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu":
+                self.pinned.append(args[0].is_pinned())
+            return func(*args, **(kwargs or {}))
 
     data = RankShard(64, (3, 8, 8), seed=0, device="cuda")
     data.materialize()
@@ -274,6 +289,9 @@ def test_synthetic_bench_data_fetches_without_a_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert x.is_cuda and x.shape == (8, 3, 8, 8) and y.shape == (8,)
+    with CopySources() as seen:
+        data.__getitems__([0, 8])
+    assert seen.pinned == [True]
 
 
 @one_gpu

@@ -133,6 +133,17 @@ def test_the_report_is_rewritten_after_every_check(tmp_path):
     assert seen == [["a"], ["a", "b"]]
 
 
+
+def test_a_relative_out_dir_is_under_the_callers_directory(tmp_path, monkeypatch):
+    """Checks run in the checkout; a relative --out-dir still names a folder under gpu-check's own directory,
+    for what the checks write there as for the report."""
+    monkeypatch.chdir(tmp_path)
+    writes = runner.Check("writes", "writes into its work dir", [PY, "-c", "import sys; open(sys.argv[1], 'w').write('ok')",
+                                                               "{work}/out.txt"], timeout_s=60)
+    [result] = runner.run_checks([writes], gpus=1, out_dir=Path("results"), budget_s=300, **QUIET)
+    assert result["verdict"] == "pass", result
+    assert (tmp_path / "results" / "gpu-check" / "writes" / "out.txt").read_text() == "ok"
+
 # ---- pytest checks ------------------------------------------------------------------------------------
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="{n}" failures="{f}"
@@ -307,24 +318,37 @@ def test_main_exits_3_when_the_budget_ran_out(tmp_path, monkeypatch):
 
 
 INTERRUPTIBLE = textwrap.dedent("""
-    import sys
+    import sys, time
     from ddp_recipes.bench import gpucheck as gc
     from ddp_recipes.bench import gpucheck_runner as runner
     from tests.test_gpucheck import a_gpu_machine, family
     from pathlib import Path
-    tmp = Path(sys.argv[1])
-    check, pids = family(tmp, "hang", "sleep", timeout_s=300)
+    tmp, case = Path(sys.argv[1]), sys.argv[2]
+
+    def slow_judge(rc, work, tail):
+        (tmp / "judging").write_text("")  # the signal comes while gpu-check itself is busy, no check running
+        time.sleep(120)
+        return runner.verdict("pass")
+
+    if case == "judge":
+        check = runner.Check("judged", "a slow judge", [sys.executable, "-c", "pass"], 60, judge=slow_judge)
+    else:
+        check, pids = family(tmp, "hang", "sleep", timeout_s=300)
     gc.inspect_machine = lambda check_compile: a_gpu_machine()
     gc.plan_checks = lambda args, gpus: [check, runner.Check("after", "never started", [sys.executable, "-c", "pass"], 60)]
     raise SystemExit(gc.main(["--out-dir", str(tmp / "out")]))
 """)
 
 
-def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path):
-    """SIGTERM (the slot ending) while a check runs: its tree dies, the report says incomplete, exit 3."""
+def stoppable(tmp_path: Path, case: str):
     script = tmp_path / "stopped.py"
     script.write_text(INTERRUPTIBLE)
-    proc = start([script, tmp_path], port=False, quiet=None)
+    return start([script, tmp_path, case], port=False, quiet=None)
+
+
+def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path):
+    """SIGTERM (the slot ending) while a check runs: its tree dies, the report says incomplete, exit 3."""
+    proc = stoppable(tmp_path, "hang")
     proc.wait_until(lambda: (tmp_path / "hang.pids").exists(), timeout=120, what="the check's children")
     proc.signal(signal.SIGTERM)
     done = proc.finish(timeout=120)
@@ -334,6 +358,29 @@ def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path
     assert "stopped (SIGTERM)" in saved["checks"][0]["reason"]
     assert all_gone(pids_of(tmp_path / "hang.pids"))
 
+
+
+def test_a_signal_while_gpu_check_itself_works_still_stops_it(tmp_path):
+    """SIGTERM between checks (a judge reading results, the FLOP count): it must not be taken for that step's
+    own error (a failed check, a missing MFU) and the run go on; it stops the run, incomplete."""
+    proc = stoppable(tmp_path, "judge")
+    proc.wait_until(lambda: (tmp_path / "judging").exists(), timeout=120, what="the judge at work")
+    proc.signal(signal.SIGTERM)
+    done = proc.finish(timeout=60)
+    assert done.returncode == 3, done.stderr[-2000:]
+    saved = json.loads((tmp_path / "out" / "gpu-report.json").read_text())
+    assert [c["verdict"] for c in saved["checks"]] == ["incomplete"] * 2, saved["checks"]
+
+
+def test_a_killed_gpu_check_takes_the_running_tree_with_it(tmp_path):
+    """SIGKILL to gpu-check (a slot's hard limit): no handler runs, yet the running check's tree, in a session
+    of its own, must not go on using the GPU (and skew the figures of a rerun on the same machine)."""
+    proc = stoppable(tmp_path, "hang")
+    pids = proc.wait_until(lambda: (tmp_path / "hang.pids").exists() and pids_of(tmp_path / "hang.pids"),
+                           timeout=120, what="the check's children")
+    proc.signal(signal.SIGKILL)
+    proc.finish(timeout=60)
+    assert all_gone(pids, within_s=30), "the check outlived gpu-check"
 
 def gpu_check(tmp_path: Path, env: dict[str, str]) -> tuple[int, dict, str]:
     """The real command, as on a machine: it inspects the machine itself."""

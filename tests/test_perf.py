@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import types
 
 import lightning as L
 import pytest
@@ -12,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.modules.resnet import ResNetClassifier
-from ddp_recipes.train import perf
+from ddp_recipes.train import diagnostics, perf
 from ddp_recipes.train.callbacks import ThroughputMeter
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.trainer import build_trainer
@@ -68,18 +69,42 @@ def test_flops_summary_mfu_only_with_a_known_peak():
     assert perf.peak_flops(torch.device("cpu"), "32-true") is None
 
 
-class SlowImages(Dataset):
-    """A dataset whose every sample costs ``delay`` seconds of 'decoding' in the main process."""
+class HostClock:
+    """The pack's host clock (``time.perf_counter``, as train/perf.py and train/diagnostics.py read it), moved
+    only by what a test says costs time: a step's shares are then exact whatever the load on the host, so
+    no assertion rests on a timing."""
 
-    def __init__(self, n: int, delay: float) -> None:
-        self.n, self.delay = n, delay
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> HostClock:
+    fake = HostClock()
+    stand_in = types.SimpleNamespace(perf_counter=fake.perf_counter)  # anything else the modules read fails loudly
+    monkeypatch.setattr(perf, "time", stand_in)
+    monkeypatch.setattr(diagnostics, "time", stand_in)
+    return fake
+
+
+class SlowImages(Dataset):
+    """A dataset whose every sample costs ``delay`` seconds of 'decoding' in the main process, on ``clock``."""
+
+    def __init__(self, n: int, delay: float = 0.0, clock: HostClock | None = None) -> None:
+        self.n, self.delay, self.clock = n, delay, clock
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int):
         if self.delay:
-            time.sleep(self.delay)
+            self.clock.spend(self.delay)
         return torch.full((8,), float(i % 7)), i % 2
 
 
@@ -96,32 +121,38 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+STEP_S = 0.02  # Busy's step on the test's clock
+
+
 class Busy(Tiny):
-    """Tiny with a 20 ms step (the device's share, as a sleep: the same on a loaded host, unlike a matmul or
-    Python work). A plain batch of 8 then costs a small part of the step, and the 80 ms a slow loader adds
-    most of it, so the check's 20% line separates the two cases with a wide margin."""
+    """Tiny whose step costs ``STEP_S`` on the test's clock (the device's share of a step)."""
+
+    def __init__(self, clock: HostClock) -> None:
+        super().__init__()
+        self.clock = clock
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.02)
+        self.clock.spend(STEP_S)
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize(("delay", "bound"), [(0.01, True), (0.0, False)])
-def test_input_wait_is_measured_and_an_input_bound_run_is_named(tmp_path, delay, bound):
+@pytest.mark.parametrize(("share", "bound"), [(0.8, True), (0.25, True), (0.15, False), (0.0, False)])
+def test_input_wait_is_measured_and_an_input_bound_run_is_named(tmp_path, clock, share, bound):
+    """The loop's wait for its batch, as a share of the step, is what the loader cost (and only that), and the
+    diagnostic names a run above its 20% line, on either side of it."""
     meter, diag = ThroughputMeter(), DDPDiagnostics()
     trainer = build_trainer(accelerator="cpu", devices=1, max_steps=30, callbacks=[meter, diag], logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=tmp_path)
     assert isinstance(trainer.profiler, perf.InputWaitProfiler)
-    # 8 samples per batch: 80 ms of loading against a 20 ms step; without the delay the fetch (a collate
-    # of 8 small tensors) is a small fraction of that step.
-    trainer.fit(Busy(), DataLoader(SlowImages(400, delay), batch_size=8))
+    delay = STEP_S * share / (1 - share) / 8  # per sample, 8 per batch: the batch's wait is share of the step
+    trainer.fit(Busy(clock), DataLoader(SlowImages(400, delay, clock), batch_size=8))
     fraction = meter.input_wait_fraction
-    assert fraction is not None and 0.0 <= fraction <= 1.0
+    assert fraction == pytest.approx(share, abs=1e-9)
     codes = [code for code, _ in diag.findings]
     assert "input-bound" in diag.checked
     if bound:
-        assert fraction > 0.5 and "input-bound" in codes
+        assert "input-bound" in codes and f"{share:.0%} of the step time" in dict(diag.findings)["input-bound"]
         message = dict(diag.findings)["input-bound"]
         assert "--num-workers" in message and "persistent_workers" in message
     else:
@@ -139,9 +170,14 @@ def test_a_users_profiler_is_kept():
 # ---- --compile -------------------------------------------------------------------------------------------
 
 def _mnist(out, *extra: str) -> list[str]:
-    from tests.helpers import SHARED_DATA
+    """The MNIST recipe's flags, on made-up MNIST files beside ``out`` (the suite runs where ../shared is
+    absent: the lent GPU machine's stack gets the working tree only)."""
+    from tests.helpers import write_synthetic_mnist
 
-    return ["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--output-dir", str(out),
+    data = out.parent / "synthetic-mnist"
+    if not (data / "MNIST").exists():
+        write_synthetic_mnist(data, n_train=2048, n_test=256)
+    return ["--accelerator", "cpu", "--data-dir", str(data), "--no-download", "--output-dir", str(out),
             "--max-steps", "12", "--seed", "5", *extra]
 
 
@@ -204,7 +240,7 @@ def test_bad_compile_backend_is_named(tmp_path, capsys):
     from recipes import mnist
 
     with pytest.raises(SystemExit):
-        mnist.main(_mnist(tmp_path, "--compile", "--compile-backend", "warp-drive"))
+        mnist.main(_mnist(tmp_path / "run", "--compile", "--compile-backend", "warp-drive"))
     err = capsys.readouterr().err.strip()
     assert "--compile-backend must be one of" in err and "inductor" in err and err.count("\n") == 0
 
@@ -229,13 +265,13 @@ def test_compiled_two_ranks_train_like_one_eager_process_at_twice_the_batch(tmp_
     assert summary["compile_seconds"] > 0 and summary["world_size"] == 2
 
 
-def test_input_bound_is_summed_over_short_epochs(tmp_path):
-    """14 steps per epoch, 5 epochs: no epoch alone has enough steps; the fit does."""
+def test_input_bound_is_summed_over_short_epochs(tmp_path, clock):
+    """7 steps per epoch, 3 epochs: no epoch alone has enough steps; the fit does."""
     diag = DDPDiagnostics()
     trainer = build_trainer(accelerator="cpu", devices=1, max_epochs=3, callbacks=[diag], logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=tmp_path)
-    trainer.fit(Tiny(), DataLoader(SlowImages(56, 0.01), batch_size=8))  # 7 steps per epoch
+    trainer.fit(Busy(clock), DataLoader(SlowImages(56, 0.01, clock), batch_size=8))  # 7 steps per epoch
     assert "input-bound" in [code for code, _ in diag.findings]
 
 
@@ -259,7 +295,7 @@ def test_validation_inside_an_epoch_is_not_step_time(tmp_path):
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=tmp_path, val_check_interval=5, num_sanity_val_steps=0,
                             limit_val_batches=2)
-    data = DataLoader(SlowImages(400, 0.0), batch_size=8)
+    data = DataLoader(SlowImages(400), batch_size=8)
     trainer.fit(_ValidatingTiny(), data, data)
     # 30 steps give 29 intervals; each of the 5 validations inside the epoch (after steps 5..25) drops one.
     assert len(meter.intervals) == 29 - 5

@@ -187,8 +187,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class Interrupted(Exception):
-    """SIGTERM (the slot ending) or Ctrl-C: the running check's tree is killed, the report says incomplete."""
+class Interrupted(BaseException):
+    """SIGTERM (the slot ending) or Ctrl-C: the running check's tree is killed, the report says incomplete.
+
+    A BaseException, as KeyboardInterrupt: the signal may land in a judge or in the FLOP count, whose
+    ``except Exception`` would take it for their own error and carry on."""
 
 
 def _interrupt(signum: int, frame: object) -> None:

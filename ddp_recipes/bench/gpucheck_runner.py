@@ -86,12 +86,13 @@ def _environment(check: Check, tag: str) -> dict[str, str]:
 def run_one(check: Check, timeout_s: float, work: Path, budget_cut: bool) -> Result:
     """Run ``check`` for at most ``timeout_s``. ``budget_cut``: that limit is the budget's remainder, shorter
     than the check's own timeout, so running into it is ``incomplete``, not ``fail``."""
+    work = work.resolve()  # the command runs in the checkout: a relative path would name a folder there
     work.mkdir(parents=True, exist_ok=True)
     log, proc_report = work / "output.log", work / "processes.json"
     proc_report.unlink(missing_ok=True)
     tag = f"gpucheck-{os.getpid()}-{check.name}-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "ddp_recipes.bench.proctree", "--report", str(proc_report), "--",
-           *(part.replace("{work}", str(work)) for part in check.cmd)]
+    cmd = [sys.executable, "-m", "ddp_recipes.bench.proctree", "--parent", str(os.getpid()), "--report",
+           str(proc_report), "--", *(part.replace("{work}", str(work)) for part in check.cmd)]
     started = time.monotonic()
     killed: set[int] = set()
     with log.open("w") as sink:

@@ -1,13 +1,16 @@
 """Every process a command started, found and killed, including those that left its session or its tree.
 
-    python -m ddp_recipes.bench.proctree --report FILE -- COMMAND [ARGS...]
+    python -m ddp_recipes.bench.proctree [--parent PID] --report FILE -- COMMAND [ARGS...]
 
 A process group (``killpg``) misses children that started their own session (the test launcher does, and so
 may a user's script), and a parent chain breaks when a middle process dies (its orphans go to init). This
 module runs ``COMMAND`` under a *shepherd*: a process that is a child subreaper (``prctl``), so every
 orphan below it becomes its child and its tree stays whole. When ``COMMAND`` ends, the shepherd kills
 whatever it left running; on SIGTERM (a timeout) it kills the whole tree and exits. ``FILE`` gets
-``{"rc", "terminated", "leftovers"}``; the exit code is the command's (128 + N for a signal N).
+``{"rc", "terminated", "leftovers"}``; the exit code is the command's (128 + N for a signal N). With
+``--parent PID`` (the process that started the shepherd) the shepherd gets SIGTERM when that process ends,
+however it ends (``PR_SET_PDEATHSIG``): a caller killed outright (SIGKILL, no handler runs) still takes the
+tree with it, which in a session of its own no signal to the caller's group reaches.
 
 A second mark covers a shepherd that is itself killed: :data:`TAG_VAR` in the environment, inherited by
 every descendant that does not clear its environment; :func:`kill_tree` finds processes by both.
@@ -29,6 +32,7 @@ from pathlib import Path
 TAG_VAR = "DDP_RECIPES_PROCESS_TAG"
 PROC = Path("/proc")
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 
 
 def become_subreaper() -> bool:
@@ -37,6 +41,15 @@ def become_subreaper() -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def die_with(parent: int) -> bool:
+    """SIGTERM to this process when ``parent`` ends (Linux); True when it has ended already."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    return os.getppid() != parent  # ended before the prctl: no signal will come
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
@@ -137,7 +150,7 @@ def _command_line(pid: int) -> str:
         return "?"
 
 
-def shepherd(cmd: list[str], report: Path) -> int:
+def shepherd(cmd: list[str], report: Path, parent: int | None = None) -> int:
     """Run ``cmd`` as described in the module docstring; returns the exit code to leave with."""
     become_subreaper()
     me = os.getpid()
@@ -153,6 +166,9 @@ def shepherd(cmd: list[str], report: Path) -> int:
     rc: int | None = None
     leftovers: list[dict[str, object]] = []
     try:
+        if parent is not None and die_with(parent):  # after the handler: the death signal runs it
+            terminated = True
+            raise KeyboardInterrupt
         child = subprocess.Popen(cmd)
         while rc is None:  # reap everything (adopted orphans too) until the command itself ends
             pid, status = os.waitpid(-1, 0)
@@ -174,10 +190,14 @@ def shepherd(cmd: list[str], report: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    parent = None
+    if args[:1] == ["--parent"] and len(args) > 1 and args[1].isdigit():
+        parent, args = int(args[1]), args[2:]
     if len(args) < 4 or args[0] != "--report" or args[2] != "--":
-        print("usage: python -m ddp_recipes.bench.proctree --report FILE -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m ddp_recipes.bench.proctree [--parent PID] --report FILE -- COMMAND [ARGS...]",
+              file=sys.stderr)
         return 2
-    return shepherd(args[3:], Path(args[1]))
+    return shepherd(args[3:], Path(args[1]), parent)
 
 
 if __name__ == "__main__":
