@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +30,18 @@ TINY_RESNET = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "1
 
 
 
+FINDS_PACK = "import importlib.util, sys; sys.exit(importlib.util.find_spec('ddp_recipes') is None)"
+
+
 def _pack_installed() -> bool:
-    try:
-        importlib.metadata.distribution("ddp-recipes")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+    """Whether this interpreter imports the pack with nothing but its own site-packages: the checkout's
+    ``ddp_recipes.egg-info`` (left by ``make install``'s editable install) makes the distribution's metadata
+    visible from the checkout on a stack where the pack is not installed (CI's second job), so metadata cannot
+    tell."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run([sys.executable, "-c", FINDS_PACK], cwd=tempfile.gettempdir(), env=env,
+                           capture_output=True)
+    return probe.returncode == 0
 
 
 # A user's command, from the examples folder (the user's project), on a free port, with only what a user

@@ -91,10 +91,17 @@ class Bucket:
         return self._params
 
 
+# Groups these tests made, kept to the end of the process. PowerSGD's future callbacks hold the group, and
+# gloo runs them on its own threads: were one of those to drop the last reference, the group's destructor
+# would join that very thread and abort the whole pytest run ('Resource deadlock avoided', seen in CI).
+_KEPT_GROUPS: list = []
+
+
 @pytest.fixture
 def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
+    _KEPT_GROUPS.append(dist.group.WORLD)
     dist.destroy_process_group()
 
 
