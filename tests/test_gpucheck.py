@@ -512,6 +512,33 @@ def test_a_driver_that_shows_a_gpu_torch_does_not_see_is_a_failure(tmp_path):
     assert code == 4 and "CUDA_VISIBLE_DEVICES='' hides the 1 GPU(s)" in saved["machine_problem"]
 
 
+def test_the_gpu_tiers_compile_tests_skip_where_the_compiled_checks_have_no_verdict(tmp_path):
+    """Without a C compiler or Python.h the compiled checks are 'no verdict'; the gpu tier's tests that
+    torch.compile must then skip with that reason (``@pytest.mark.compiles``), not fail gpu-tests."""
+    import importlib
+    import inspect
+
+    compiling = []
+    for path in gc.GPU_TEST_FILES:
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        for name, fn in vars(module).items():
+            if name.startswith("test_") and re.search(r'"--compile"|torch\.compile\(', inspect.getsource(fn)):
+                compiling.append(name)
+                assert any(m.name == "compiles" for m in getattr(fn, "pytestmark", [])), f"{path}::{name}: no mark"
+    assert len(compiling) >= 2, compiling  # the 1-GPU and the NCCL one at least: the scan found them
+    # The mark through pytest itself, with no compiler on PATH: skipped, with compile_problem's own reason.
+    (tmp_path / "test_probe.py").write_text("import pytest\n\n\n@pytest.mark.compiles\ndef test_probe():\n    pass\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers = compiles: torch.compiles\n")
+    probe = ["-m", "pytest", "-p", "tests.marks", "-p", "no:cacheprovider", "-rs", "-c", tmp_path / "pytest.ini",
+             tmp_path / "test_probe.py"]
+    bare = run(probe, env={"PATH": str(tmp_path), "CC": ""}, port=False, quiet=None, timeout=300)
+    assert bare.returncode == 0 and "1 skipped" in bare.stdout, bare.stdout[-2000:]
+    assert "torch.compile cannot build code here: no C compiler" in bare.stdout, bare.stdout[-2000:]
+    if compile_problem() is None:  # where the toolchain is whole, the mark lets the test run
+        whole = run(probe, port=False, quiet=None, timeout=300)
+        assert whole.returncode == 0 and "1 passed" in whole.stdout, whole.stdout[-2000:]
+
+
 def test_compile_problem_names_a_missing_compiler_or_header(tmp_path, monkeypatch):
     """Triton builds a C helper on first use: without a compiler or Python.h the compiled checks cannot run,
     and say why (this machine has both; each is taken away in turn)."""
