@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.marks import pytest_runtest_setup  # noqa: F401 - the hook of @pytest.mark.compiles
+
 
 @pytest.fixture
 def restore_tf32():

@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# The repository's sibling folder holds the real mini-MNIST that tests and CI use (never written to).
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The real mini-MNIST that tests and CI use (never written to): the repository's sibling folder
+# ../shared/data, or the folder DDP_RECIPES_SHARED_DATA names. DDP_RECIPES_SHARED_DATA=none hides it, as on the
+# lent GPU machine (only the working tree travels): `make test-stack` runs so, and every test that reads it
+# must then skip with its reason (or write made-up digits in its format: write_synthetic_mnist).
+SHARED_DATA_ENV = "DDP_RECIPES_SHARED_DATA"
+
+
+def _shared_data() -> Path:
+    where = os.environ.get(SHARED_DATA_ENV, "").strip()
+    if where.lower() == "none":
+        return Path(os.devnull) / "shared-data-hidden"  # a path under a file: it can never exist
+    return Path(where) if where else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+SHARED_DATA = _shared_data()
 
 
 def free_port() -> int:

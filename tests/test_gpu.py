@@ -198,6 +198,7 @@ def test_tf32_in_force_and_off_with_the_flag(restore_tf32):
 
 
 @one_gpu
+@pytest.mark.compiles
 def test_compile_on_cuda_trains_like_eager(tmp_path):
     from recipes import mnist
 
@@ -398,6 +399,7 @@ def test_nccl_powersgd_state_restored_after_a_kill(tmp_path):
 
 
 @two_gpus
+@pytest.mark.compiles
 def test_ddp_and_compile_on_nccl_train_like_eager(tmp_path):
     common = [*CUDA_RESUME, "--devices", "2", "--no-tf32", "--max-epochs", "1"]
     summaries = []

@@ -47,6 +47,7 @@ from ddp_recipes.bench.gpucheck_runner import (
     Check,
     Derived,
     Result,
+    exit_text,
     pytest_judge,
     pytest_partial,
     run_checks,
@@ -88,7 +89,7 @@ def worker_cmd(impl: str, settings: dict[str, Any]) -> list[str]:
 
 def throughput_judge(rc: int, work: Path, tail: str) -> Result:
     if rc != 0:
-        return verdict("fail", f"exit {rc}: {' | '.join(tail.strip().splitlines()[-3:])}")
+        return verdict("fail", exit_text(rc, tail))
     run = json.loads((work / "run.json").read_text())
     row = {"images_per_s": round(run["global_samples_per_s"], 1), "step_ms_median": round(run["step_ms_median"], 2),
            "first_step_s": round(run["first_step_s"], 2) if run.get("first_step_s") is not None else None}
@@ -97,7 +98,7 @@ def throughput_judge(rc: int, work: Path, tail: str) -> Result:
 
 def sync_judge(rc: int, work: Path, tail: str) -> Result:
     if rc != 0:
-        return verdict("fail", f"exit {rc}: {' | '.join(tail.strip().splitlines()[-3:])}")
+        return verdict("fail", exit_text(rc, tail))
     found = json.loads((work / "sync.json").read_text())
     n, steps = found["syncs"], found["steps"]
     if n:
@@ -204,37 +205,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size < 1 or args.steps < 2 or args.warmup_steps < 1 or args.budget_s <= 0:
         fail("--batch-size must be >= 1, --steps >= 2, --warmup-steps >= 1 and --budget-s > 0", PROG)
     out_dir = Path(args.out_dir)
-    machine = inspect_machine(check_compile=args.compile)
-    checks = plan_checks(args, machine.gpus)
-    problem = machine.problem()
+    checks = plan_checks(args, 0)  # --only is refused before the machine is inspected; planned again below
+    machine: Machine | None = None
+    problem: tuple[str, str] | None = None
     flops: list[int | None] = []
 
     def report(results: list[Result], finished: bool) -> dict[str, Any]:
         if not flops and any(r["name"].startswith("resnet50-") and r["verdict"] == "pass" for r in results):
             flops.append(resnet50_flops(args.batch_size))
-        rows = throughput_rows(results, flops[0] if flops else None, machine.peak_flops_per_sec)
-        built = build_report(results, machine.to_dict(), args.budget_s, time.monotonic() - started, rows,
-                             reference_rows("bf16-mixed", machine.peak_flops_per_sec, machine.gpu),
-                             bench_settings(args), problem, finished)
+        peak, gpu = (machine.peak_flops_per_sec, machine.gpu) if machine else (None, None)
+        rows = throughput_rows(results, flops[0] if flops else None, peak)
+        built = build_report(results, machine.to_dict() if machine else {}, args.budget_s, time.monotonic() - started,
+                             rows, reference_rows("bf16-mixed", peak, gpu), bench_settings(args), problem, finished,
+                             only=args.only)
         write_report(built, out_dir)
         return built
 
-    if problem is not None:
-        results = _not_run(checks, problem, machine)
-    else:
-        previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
-        results: list[Result] = []
-        try:
+    # The handlers come before anything slow: inspecting the machine (nvidia-smi, the C toolchain's probe) can
+    # take minutes, and a stop then must still leave a report that says incomplete.
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    results: list[Result] = []
+    try:
+        machine = inspect_machine(check_compile=args.compile)
+        checks = plan_checks(args, machine.gpus)
+        problem = machine.problem()
+        if problem is not None:
+            results = _not_run(checks, problem, machine)
+        else:
             run_checks(checks, machine.gpus, out_dir, args.budget_s, machine.compile_problem, started,
                        after_each=lambda done: report(done, False), into=results)
-        except Interrupted as stop:
-            left = [c for c in checks if c.name not in {r["name"] for r in results}]
-            results = results + [{"name": c.name, "what": c.what, "seconds": 0.0,
-                                  **verdict("incomplete", f"gpu-check was stopped ({stop}) before or during it")}
-                                 for c in left]
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+    except Interrupted as stop:
+        if machine is None:
+            results = [{"name": "machine", "what": "inspect the machine: GPUs, driver, versions, C toolchain",
+                        "seconds": round(time.monotonic() - started, 1),
+                        **verdict("incomplete", f"gpu-check was stopped ({stop}) while inspecting the machine")}]
+        left = [c for c in checks if c.name not in {r["name"] for r in results}]
+        results = results + [{"name": c.name, "what": c.what, "seconds": 0.0,
+                              **verdict("incomplete", f"gpu-check was stopped ({stop}) before or during it")}
+                             for c in left]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     final = report(results, True)
     print(markdown(final))
     print(f"gpu-check: {final['verdict']} (exit {final['exit_code']}): {final['meaning']}; wrote "

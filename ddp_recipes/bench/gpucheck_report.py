@@ -30,6 +30,8 @@ MEANING = {"pass": "every check that applies here ran and passed",
            "incomplete": "nothing failed, but not every check ran to its end: the budget ran out or the run "
                          "was interrupted; rerun what is missing with --only",
            "no verdict": "nothing could be checked on this machine"}
+# 'no verdict' where --only chose the checks: the selection may be why, not the machine alone.
+NO_VERDICT_ONLY = "none of the checks --only {only} selects can run on this machine (the others were not asked for)"
 
 # NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance
 # results" (pytorch-21.03 NGC container), the 1-GPU row. Its "mixed precision" is native AMP with fp16; no
@@ -98,10 +100,15 @@ def reference_rows(precision: str, device_peak: float | None, device_name: str |
 
 def build_report(results: list[dict[str, Any]], machine: dict[str, Any], budget_s: float, elapsed_s: float,
                  rows: list[dict], reference: list[dict], config: dict[str, Any],
-                 machine_problem: tuple[str, str] | None = None, finished: bool = True) -> dict[str, Any]:
+                 machine_problem: tuple[str, str] | None = None, finished: bool = True,
+                 only: str = "") -> dict[str, Any]:
+    """The report; ``only`` is gpu-check's ``--only`` (empty: every check)."""
     status = overall(results, machine_problem, finished)
     counts = {s: sum(r["verdict"] == s for r in results) for s in VERDICTS}
-    return {"verdict": status, "exit_code": EXIT_CODES[status], "meaning": MEANING[status], "finished": finished,
+    meaning = MEANING[status]
+    if status == "no verdict" and only and machine_problem is None:
+        meaning = NO_VERDICT_ONLY.format(only=only)
+    return {"verdict": status, "exit_code": EXIT_CODES[status], "meaning": meaning, "finished": finished,
             "machine_problem": machine_problem[1] if machine_problem else None, "counts": counts,
             "gpus": machine.get("gpus"), "gpu": machine.get("gpu"), "torch": machine.get("versions", {}).get("torch"),
             "peak_flops_per_sec": machine.get("peak_flops_per_sec"), "machine": machine,
@@ -147,7 +154,7 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["reference"]:
         figure = f"{r['images_per_s']:g} images/s" if r["images_per_s"] else "no figure"
         scaled = f" (~{r['scaled_images_per_s']:g} images/s scaled)" if r.get("scaled_images_per_s") else ""
-        lines.append(f"- {r.get('gpu', '')} {r['precision']}: {figure}{scaled}; {r['label']}")
+        lines.append(f"- {' '.join(filter(None, (r.get('gpu'), r['precision'])))}: {figure}{scaled}; {r['label']}")
     lines += [f"- source: {report['reference'][0]['source']}"] if report["reference"] else []
     return "\n".join(lines) + "\n"
 

@@ -73,8 +73,18 @@ def last_lines(text: str, n: int) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-n:])
 
 
+def exit_text(rc: int, tail: str, n: int = 3) -> str:
+    """A command's end for a reason: ``exit 1: <its last n lines>``; a signal by name (``exit -9 (SIGKILL)``,
+    or ``exit 137 (SIGKILL)``: the shepherd's 128 + N), and ``no output`` rather than nothing."""
+    code, sig = f"exit {rc}", -rc if rc < 0 else rc - 128
+    if sig in {s.value for s in signal.Signals}:
+        code += f" ({signal.Signals(sig).name})"
+    lines = last_lines(tail, n)
+    return f"{code}: {lines}" if lines else f"{code}, no output"
+
+
 def exit_code_judge(rc: int, work: Path, tail: str) -> Result:
-    return verdict("pass") if rc == 0 else verdict("fail", f"exit {rc}: {last_lines(tail, 3)}")
+    return verdict("pass") if rc == 0 else verdict("fail", exit_text(rc, tail))
 
 
 def _environment(check: Check, tag: str) -> dict[str, str]:
@@ -122,8 +132,8 @@ def run_one(check: Check, timeout_s: float, work: Path, budget_cut: bool) -> Res
         try:
             result = (check.judge or exit_code_judge)(rc, work, tail)
         except Exception as err:  # noqa: BLE001 - a judge that cannot read the output is that check's failure
-            result = verdict("fail", f"could not read its result ({type(err).__name__}: {err}); exit {rc}: "
-                             f"{last_lines(tail, 2)}")
+            result = verdict("fail", f"could not read its result ({type(err).__name__}: {err}); "
+                             f"{exit_text(rc, tail, 2)}")
         left = _leftovers(proc_report) + [{"pid": pid, "cmd": "(escaped its shepherd)"} for pid in sorted(stray)]
         if left:
             result["reason"] += (f"{'; ' if result['reason'] else ''}left {len(left)} process(es) running at its "
@@ -230,8 +240,8 @@ def pytest_judge(rc: int, work: Path, tail: str) -> Result:
     summary = f"{passed} passed, {counts['skipped']} skipped, {len(failed)} failed"
     data = {"failed": failed, "skipped_reasons": skipped, **counts}
     if failed or rc != 0:
-        why = f"; {failed[0]}" if failed else f": {last_lines(tail, 2)}"
-        return verdict("fail", f"{summary}; exit {rc}{why}", **data)
+        why = f"exit {rc}; {failed[0]}" if failed else exit_text(rc, tail, 2)
+        return verdict("fail", f"{summary}; {why}", **data)
     if passed == 0:
         return verdict("fail", f"no test ran on a machine with a GPU ({summary}): {'; '.join(skipped)[:300]}", **data)
     return verdict("pass", summary + (f" ({'; '.join(skipped)[:200]})" if skipped else ""), **data)

@@ -1,0 +1,27 @@
+"""The suite's marks that need a hook (tests/conftest.py takes the hook from here; a test can load this
+module alone with ``pytest -p tests.marks``, without the torch import that conftest pays for).
+
+``@pytest.mark.compiles``: the test ``torch.compile``s on CUDA. It skips, with gpu-check's own reason, where
+gpu-check's compiled checks are 'no verdict' (Triton cannot build its C helper: no C compiler or no
+``Python.h``), so that the gpu tier does not fail where those checks have no verdict.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.cache
+def compile_problem() -> str | None:
+    """gpu-check's test of the C toolchain Triton needs, asked once per session."""
+    from ddp_recipes.bench.gpucheck_machine import compile_problem as probe
+
+    return probe()
+
+
+@pytest.hookimpl(trylast=True)  # after the skipif marks: a test that skips for want of a GPU never probes
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("compiles") is not None and (why := compile_problem()) is not None:
+        pytest.skip(f"torch.compile cannot build code here: {why}")
