@@ -6,6 +6,7 @@
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8
     python -m ddp_recipes.bench peak --device-name "NVIDIA H200" --precision bf16-mixed   # MFU's denominator
     python -m ddp_recipes.bench overhead --data-dir data --val-size 5000   # the pack vs plain Lightning, 1 process
+    python -m ddp_recipes.bench account --doc docs/benchmark.md   # where the step time goes: raw, plain, each part
 
 Every measured run is a fresh set of processes (``ddp_recipes.bench.workers``). Output in ``--out``:
 results.json, report.md (also printed), speedup.png, and a final one-line summary.
@@ -375,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_recipes.bench.loader import main as loader_main
 
         return loader_main(argv[1:])
+    if argv and argv[0] == "account":
+        from ddp_recipes.bench.account import main as account_main
+
+        return account_main(argv[1:])
     if argv and argv[0] == "overhead":
         from ddp_recipes.bench.overhead import main as overhead_main
 

@@ -93,6 +93,13 @@ def build_dataset(w: Workload) -> TensorDataset | RankShard:
     return RankShard((w.total_steps + 1) * w.batch_size * w.devices, shape, w.seed, device=w.accelerator)
 
 
+def module_optimizer(module: Any) -> torch.optim.Optimizer:
+    """The optimizer the pack's ``configure_optimizers`` builds (its parameter groups: weight decay on weights
+    only, none on norms and biases; its SGD settings), without the LR schedule: the raw and dp loops then do
+    the same arithmetic per step as the pack, so the ratio measures the framework, not the optimizer."""
+    return module.build_optimizer(module.param_groups())
+
+
 def data_facts(data: object) -> dict[str, Any]:
     """What a run's JSON says about its synthetic data: samples and MB on this rank, and where they live."""
     if not isinstance(data, RankShard) or data.tensors is None:
@@ -246,7 +253,8 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=w.devices)
     torch.manual_seed(w.seed)
-    model = build_module(w).model.to(device)
+    module = build_module(w)
+    model = module.model.to(device)  # the same Parameter objects: the module's optimizer groups stay valid
     # One device: the single-GPU script the write-up starts from, no process group and no DDP wrap.
     wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None) \
         if distributed else model
@@ -257,7 +265,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
         if distributed else torch.utils.data.RandomSampler(data)
     # The same batched in-memory fetch as the pack: the ratio then measures framework overhead only.
     loader = DataLoader(data, batch_size=w.batch_size, sampler=sampler, collate_fn=keep_batch)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
+    optimizer = module_optimizer(module)
     autocast, scaler = mixed_precision(w.precision, device)
     if distributed:
         sampler.set_epoch(0)
@@ -351,14 +359,15 @@ def run_dp(w: Workload, out: str) -> None:
     device = torch.device("cuda", 0)
     configure_tf32(True, "cuda")
     torch.backends.cudnn.benchmark = True  # as the pack and the raw loop
-    net: nn.Module = build_module(w).model.to(device)
+    module = build_module(w)
+    net: nn.Module = module.model.to(device)
     dtype = autocast_dtype(w.precision, device)
     if dtype is not None:
         net = AutocastForward(net, device.type, dtype)  # each replica's thread enters the run's dtype
     model = nn.DataParallel(net, device_ids=list(range(w.devices)))
     data = build_dataset(w)
     loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True, collate_fn=keep_batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = module_optimizer(module)
     autocast, scaler = mixed_precision(w.precision, device)
     ends = []
     for step, (x, y) in enumerate(loader):
