@@ -24,15 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "tests" / "preemption_scenario.py"
 TERM, USR1 = 128 + signal.SIGTERM, 128 + signal.SIGUSR1
 
-# (plan, accumulation, the step every rank stops and saves at, the exit code of every rank)
+# (plan, accumulation, the step every rank stops and saves at, the exit code of every rank); one case in the
+# fast suite (each is a 2-rank fit), every moment in the slow one.
 CASES = {
     "one-rank-after-its-all-reduce": ("1:3:backward", 1, 4, TERM),
-    "accumulation-first-micro-batch": ("1:3:forward", 2, 4, TERM),
+    "accumulation-first-micro-batch": pytest.param(*("1:3:forward", 2, 4, TERM), marks=pytest.mark.slow),
     "one-rank-before-its-all-reduce": pytest.param(*("0:3:forward", 1, 4, TERM), marks=pytest.mark.slow),
     "one-rank-before-optimizer-step": pytest.param(*("1:2:optimizer", 1, 3, TERM), marks=pytest.mark.slow),
     "one-rank-after-the-boundary-check": pytest.param(*("1:3:after-boundary", 1, 5, TERM), marks=pytest.mark.slow),
-    "both-ranks-different-steps": pytest.param(*("1:3:optimizer,0:4:forward", 1, 4, TERM),
-                                                marks=pytest.mark.slow),
+    "both-ranks-different-steps": pytest.param(*("1:3:optimizer,0:4:forward", 1, 4, TERM), marks=pytest.mark.slow),
     "both-ranks-same-boundary": pytest.param(*("0:3:backward,1:3:after-boundary", 1, 4, TERM), marks=pytest.mark.slow),
     "mid-epoch-validation": pytest.param(*("1:3:validation", 1, 5, TERM), marks=pytest.mark.slow),
     "epoch-end-validation": pytest.param(*("0:6:validation", 1, 6, TERM), marks=pytest.mark.slow),
@@ -55,13 +55,14 @@ def _check(out: Path, stderr: str, stop: int, code: int) -> None:
 
 
 @pytest.mark.parametrize(("plan", "accumulate", "stop", "code"),
-                         [case if isinstance(case, tuple) else case for case in CASES.values()], ids=list(CASES))
+                         list(CASES.values()), ids=list(CASES))
 def test_every_rank_stops_at_the_agreed_step(plan, accumulate, stop, code, tmp_path):
     done = start([SCENARIO, tmp_path, plan, accumulate]).finish(timeout=300)
     assert done.returncode == code, done.stderr[-3000:]
     _check(tmp_path, done.stderr, stop, code)
 
 
+@pytest.mark.slow  # two more ranks' start-up; the fast set has one SLURM task in tests/test_resume.py
 def test_slurm_requeue_signal_to_one_task_stops_both_and_requeues_once(tmp_path):
     """Two srun tasks (one process each, as SLURM starts them); SIGUSR1 reaches task 1 only."""
     bin_dir = tmp_path / "bin"
