@@ -377,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return loader_main(argv[1:])
     if argv and argv[0] == "account":
+        from ddp_recipes.bench.account import Bench
         from ddp_recipes.bench.account import main as account_main
 
-        return account_main(argv[1:])
+        return account_main(argv[1:], Bench(BenchConfig, run_worker, interleaved_schedule))
     if argv and argv[0] == "overhead":
         from ddp_recipes.bench.overhead import main as overhead_main
 

@@ -25,6 +25,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,17 @@ from ddp_recipes.errors import ConfigError
 
 PROG = "python -m ddp_recipes.bench account"
 BASELINES = ("raw", "plain", "pack")
+
+
+@dataclass
+class Bench:
+    """What ``python -m ddp_recipes.bench`` hands over (it imports this module, not the other way round):
+    its config class (for the workload's host-fitted defaults), its runner of one measured run, and its
+    interleaved order of runs."""
+
+    config: Callable[..., Any]
+    run_worker: Callable[..., dict[str, Any]]
+    schedule: Callable[[list[tuple[str, int]], int], list[tuple[int, str, int]]]
 
 
 def labels(components: list[str]) -> list[str]:
@@ -46,20 +59,19 @@ def _load() -> float | None:
         return None
 
 
-def measure(settings: dict[str, Any], devices: list[int], components: list[str], rounds: int, out: Path,
+def measure(bench: Bench, settings: dict[str, Any], components: list[str], rounds: int, out: Path,
             progress: Any = print) -> list[dict[str, Any]]:
     """Every (round, label, N) run, interleaved; each row: the run's figures and the load around it."""
-    from ddp_recipes.bench.__main__ import interleaved_schedule, run_worker
-
+    devices = settings["devices"]
     plan = [(label, n) for n in devices for label in labels(components)]
-    schedule = interleaved_schedule(plan, rounds)
+    schedule = bench.schedule(plan, rounds)
     rows = []
     for i, (round_no, label, n) in enumerate(schedule, 1):
         impl = label if label in BASELINES else "pack"
         run_settings = {**settings, "without": label.removeprefix("pack-without-") if impl != label else ""}
         before, start = _load(), time.perf_counter()
         try:
-            run = run_worker(impl, n, run_settings, out, tag=f"-{label}-round{round_no + 1}")
+            run = bench.run_worker(impl, n, run_settings, out, tag=f"-{label}-round{round_no + 1}")
         except Exception as err:  # noqa: BLE001 - one failed run stays in the record, the others go on
             progress(f"[{i}/{len(schedule)}] {label} N={n}: failed: {str(err).splitlines()[0]}")
             rows.append({"round": round_no, "label": label, "devices": n, "error": str(err)[-2000:]})
@@ -170,7 +182,7 @@ def _components(text: str) -> list[str]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, bench: Bench) -> int:
     from ddp_recipes.bench.account_report import markdown, rewrite_doc
     from ddp_recipes.bench.hostinfo import host_facts
     from ddp_recipes.config.cli import fail
@@ -185,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.source:
             result = json.loads(Path(args.source).read_text())
         else:
-            from ddp_recipes.bench.__main__ import BenchConfig
-
-            settings = BenchConfig(devices=args.devices, steps=args.steps, warmup_steps=args.warmup_steps,
+            settings = bench.config(devices=args.devices, steps=args.steps, warmup_steps=args.warmup_steps,
                                    arch=args.arch, batch_size=args.batch_size, accelerator=args.accelerator,
                                    threads_per_rank=args.threads_per_rank).resolve()
     except (ConfigError, OSError, ValueError) as err:
@@ -198,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         started = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
         command = " ".join(["python -m ddp_recipes.bench account", *(argv if argv is not None else sys.argv[2:])])
         load_start = _load()
-        rows = measure(settings, settings["devices"], components, args.rounds, out,
+        rows = measure(bench, settings, components, args.rounds, out,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
         result = {"command": command, "started": started, "host": host_facts(), "settings": settings,
                   "components": components, "rounds": args.rounds, "load_start": load_start, "load_end": _load(),

@@ -2,7 +2,7 @@
 that ``--without`` switches off, and what both runs time and write.
 
 * ``pack``: what a recipe run trains with (:func:`~ddp_recipes.train.run.make_trainer`): ``TunedDDPStrategy`` at
-  N > 1, ``LastCheckpoint`` (signal flags, the preemption vote, the step cadence), ``ThroughputMeter`` (the
+  N > 1, ``LastCheckpoint`` (signal flags, the preemption agreement, the step cadence), ``ThroughputMeter`` (the
   live meter and its ``StepClock``), ``DDPDiagnostics``, ``ResumeState``, ``InputWaitProfiler``, the
   resumable training loader, the CSV logger (with ``TrackerRun``) and the progress bar, at the recipe's
   log cadence. ``--without a,b`` switches parts off, each alone (:data:`PACK_COMPONENTS`), to measure
@@ -17,6 +17,7 @@ is after every step.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -93,10 +94,9 @@ def switch_off(trainer: Any, names: list[str]) -> None:
     from ddp_recipes.train.diagnostics import DDPDiagnostics
     from ddp_recipes.train.tracking import TrackerRun
 
-    drop: tuple[type, ...] = tuple({"last-checkpoint": LastCheckpoint, "diagnostics": DDPDiagnostics,
-                                    "meter": ThroughputMeter, "progress-bar": ProgressBar,
-                                    "logger": TrackerRun}[n] for n in names
-                                   if n in ("last-checkpoint", "diagnostics", "meter", "progress-bar", "logger"))
+    callbacks = {"last-checkpoint": LastCheckpoint, "diagnostics": DDPDiagnostics, "meter": ThroughputMeter,
+                 "progress-bar": ProgressBar, "logger": TrackerRun}
+    drop = tuple(callbacks[n] for n in names if n in callbacks)
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, drop)]
     if "vote" in names:
         from ddp_recipes.checkpointing.vote import StopVote
@@ -129,5 +129,5 @@ def finish(w: Any, out: str, name: str, trainer: Any, timer: Any, facts: dict[st
                    "threads_per_rank": threads, "hook_ms_per_step_per_rank": hooks, "steps_run": len(ends),
                    "cudnn_benchmark": torch.backends.cudnn.benchmark, **facts,
                    **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)}
-        Path(out).write_text(__import__("json").dumps(payload, indent=2) + "\n")
+        Path(out).write_text(json.dumps(payload, indent=2) + "\n")
         shutil.rmtree(scratch_dir(out), ignore_errors=True)
