@@ -100,3 +100,40 @@ def test_every_part_the_bench_switches_off_is_known():
     assert set(COST) <= set(PACK_COMPONENTS)
     with pytest.raises(SystemExit, match="--without 'nope'"):
         parse_without("nope")
+
+
+def test_thread_cpu_sees_a_busy_thread_and_hook_clock_times_only_the_window():
+    import threading
+    import time
+
+    from ddp_recipes.bench.measure import HookClock, thread_cpu, thread_cpu_delta
+
+    before = thread_cpu()
+    if not before:
+        pytest.skip("no /proc on this platform")
+    done = threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    time.sleep(0.5)
+    after = thread_cpu()  # while it still spins
+    done.set()
+    spinner.join()
+    delta = thread_cpu_delta(before, after, steps=5)
+    assert delta["threads"] >= 2 and delta["other_threads_cpu_ms_per_step"] >= 20  # ~0.1-0.5 s over 5 steps
+
+    class Hooks:
+        def on_train_batch_end(self):
+            time.sleep(0.01)
+
+    hooks, clock = Hooks(), HookClock()
+    clock.attach([hooks])
+    hooks.on_train_batch_end()  # outside the timed steps: not counted
+    clock.active = True
+    hooks.on_train_batch_end()
+    clock.active = False
+    assert 0.01 <= clock.seconds["Hooks"] < 0.02 * 5 and clock.ms_per_step(1)["Hooks"] >= 10
