@@ -21,7 +21,8 @@ def test_tiny_end_to_end_writes_all_outputs(tmp_path):
     assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "speedup.png", "runs"}
     results = json.loads((out / "results.json").read_text())
     measured = {(r["impl"], r["devices"]) for r in results["runs"]}
-    assert measured == {("pack", 1), ("pack", 2), ("raw", 1), ("raw", 2)}, (results["warnings"], proc.stderr[-3000:])
+    assert measured == {(impl, n) for impl in ("pack", "plain", "raw") for n in (1, 2)}, (results["warnings"],
+                                                                                          proc.stderr[-3000:])
     for run in results["runs"]:
         assert run["measured_steps"] == 2 and run["global_samples_per_s"] > 0
         assert len(run["peak_mem_mb_per_rank"]) == run["devices"]
@@ -38,9 +39,11 @@ def test_tiny_end_to_end_writes_all_outputs(tmp_path):
         assert run["mfu"] is None and run["achieved_flops_per_sec_per_device"] > 0
     assert all(0 <= r["input_wait_fraction"] <= 1 for r in results["runs"] if r["impl"] == "pack")
     assert proc.stdout.strip().splitlines()[-1].startswith("bench: pack_speedup@2=")
-    assert "[4/4] round 1: raw" in proc.stderr  # progress display
+    assert "[6/6] round 1: raw" in proc.stderr  # progress display
     assert [d["devices"] for d in results["diagnostics_overhead"]] == [1, 2]
-    for impl in ("pack", "raw"):  # each rank built only its share of the synthetic set, and said so
+    assert set(results["plain_overhead_spread"]) == {"1", "2"}  # the pack against plain Lightning, paired
+    assert {"DDPDiagnostics", "LastCheckpoint", "ThroughputMeter"} <= set(results["hook_overhead"]["2"])
+    for impl in ("pack", "plain", "raw"):  # each rank built only its share of the synthetic set, and said so
         for n in (1, 2):
             run = json.loads((out / "runs" / f"{impl}-{n}-round1.json").read_text())
             assert run["synthetic_samples_per_rank"] * n == run["synthetic_samples_global"] == (1 + 2 + 1) * 32 * n
@@ -97,7 +100,7 @@ def test_repeats_interleave_pairs_and_report_the_median_ratio(tmp_path, monkeypa
     def fake_worker(impl, n, settings, out_dir, tag=""):
         round_no = sum(1 for c in calls if c == (impl, n))
         calls.append((impl, n))
-        rate = (100.0 if impl == "raw" else 98.0) * n / (3 if round_no == slow_round else 1)
+        rate = {"raw": 100.0, "plain": 97.0}.get(impl, 98.0) * n / (3 if round_no == slow_round else 1)
         return {"impl": impl, "devices": n, "global_samples_per_s": rate, "step_ms_median": 1000 / rate,
                 "step_ms_p10": 1.0, "step_ms_p90": 2.0, "peak_mem_mb_per_rank": [1.0] * n, "measured_steps": 2}
 
@@ -107,10 +110,11 @@ def test_repeats_interleave_pairs_and_report_the_median_ratio(tmp_path, monkeypa
     monkeypatch.setattr(bench, "_prediction", lambda results, raw: None)
     results = bench.run_bench(bench.BenchConfig(recipe="mnist", devices="1,2", accelerator="cpu", repeats=3,
                                                 out=str(tmp_path)))
-    assert calls == [("pack", 1), ("raw", 1), ("pack", 2), ("raw", 2),
-                     ("raw", 1), ("pack", 1), ("raw", 2), ("pack", 2),
-                     ("pack", 1), ("raw", 1), ("pack", 2), ("raw", 2)]
+    assert calls == [("pack", 1), ("plain", 1), ("raw", 1), ("pack", 2), ("plain", 2), ("raw", 2),
+                     ("raw", 1), ("plain", 1), ("pack", 1), ("raw", 2), ("plain", 2), ("pack", 2),
+                     ("pack", 1), ("plain", 1), ("raw", 1), ("pack", 2), ("plain", 2), ("raw", 2)]
     assert results["overhead_ratio"] == {1: pytest.approx(0.98), 2: pytest.approx(0.98)}
+    assert results["plain_overhead_spread"][2]["median"] == pytest.approx(98 / 97)
     assert results["overhead_spread"][2]["pairs"] == 3
     rows = {(r["impl"], r["devices"]): r for r in results["runs"]}
     assert rows[("raw", 2)]["global_samples_per_s"] == 200.0 and rows[("raw", 2)]["rounds"] == 3

@@ -6,6 +6,7 @@
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8
     python -m ddp_recipes.bench peak --device-name "NVIDIA H200" --precision bf16-mixed   # MFU's denominator
     python -m ddp_recipes.bench overhead --data-dir data --val-size 5000   # the pack vs plain Lightning, 1 process
+    python -m ddp_recipes.bench account --doc docs/benchmark.md   # where the step time goes: raw, plain, each part
 
 Every measured run is a fresh set of processes (``ddp_recipes.bench.workers``). Output in ``--out``:
 results.json, report.md (also printed), speedup.png, and a final one-line summary.
@@ -57,6 +58,7 @@ class BenchConfig:
     threads_per_rank: int = opt(0, "CPU threads per rank for every run, 1-device included (0: usable cores / "
                                    "largest device count)")
     raw: bool = opt(True, "also measure the plain PyTorch DDP loop (the overhead baseline)")
+    plain: bool = opt(True, "also measure plain Lightning, L.Trainer(strategy=\"ddp\"), on the same module and data")
     compile: bool = opt(False, "also measure torch.compile'd pack and raw runs (compile time reported apart: the "
                                "first step; on CPU inductor compiles for ~a minute per run)")
     dp: bool = opt(False, "also measure torch.nn.DataParallel (needs 2+ CUDA GPUs; skipped otherwise)")
@@ -140,6 +142,8 @@ def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path, tag: 
     args = {k: settings[k] for k in ("recipe", "arch", "image_size", "batch_size", "steps", "warmup_steps",
                                      "precision", "accelerator", "threads", "seed", "data_dir")}
     args["channels_last"] = int(settings.get("channels_last", 0))
+    if settings.get("without"):
+        args["without"] = settings["without"]
     cmd = [sys.executable, "-m", "ddp_recipes.bench.workers", impl, "--out", str(out), "--devices", str(n)]
     for key, value in args.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]
@@ -184,7 +188,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             warning = parallel_warning(n, results["ceiling"])
             if warning:
                 results["warnings"].append(warning)
-    impls = ["pack"] + (["raw"] if cfg.raw else []) + (["writeup"] if cfg.writeup else [])
+    impls = ["pack"] + (["plain"] if cfg.plain else []) + (["raw"] if cfg.raw else []) + (
+        ["writeup"] if cfg.writeup else [])
     if cfg.compile:
         impls += ["pack-compiled"] + (["raw-compiled"] if cfg.raw else [])
     plan = [(impl, n) for n in devices for impl in impls]
@@ -221,11 +226,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     pack_by_n = {n: run for (impl, n), run in chosen.items() if impl == "pack"}
     results["overhead_spread"] = paired_ratios(measured)
     results["overhead_ratio"] = {n: v["median"] for n, v in results["overhead_spread"].items()}
+    if cfg.plain:
+        results["plain_overhead_spread"] = paired_ratios(measured, "pack", "plain")
+        results["plain_over_raw_spread"] = paired_ratios(measured, "plain", "raw")
     if cfg.compile:
         results["compiled_overhead_spread"] = paired_ratios(measured, "pack-compiled", "raw-compiled")
         results["compile_speedup"] = paired_ratios(measured, "pack-compiled", "pack")
     _flops(results, settings)
-    _diagnostics_cost(results, pack_by_n)
+    _hook_cost(results, pack_by_n)
     _communication(results, raw_by_n, devices)
     _prediction(results, raw_by_n)
     return results
@@ -300,15 +308,20 @@ def _flops(results: dict[str, Any], settings: dict[str, Any]) -> None:
         row["mfu"] = round(achieved / peak, 4) if achieved and peak else None
 
 
-def _diagnostics_cost(results: dict[str, Any], pack_runs: dict[int, dict[str, Any]]) -> None:
-    """DDPDiagnostics' cost per step at each N: time inside its hooks (rank 0) over the steps' wall time."""
-    rows = []
+def _hook_cost(results: dict[str, Any], pack_runs: dict[int, dict[str, Any]]) -> None:
+    """Host ms per step inside each pack callback's hooks at each N (the slowest rank's), and DDPDiagnostics'
+    share of the step."""
+    hooks, rows = {}, []
     for n, run in sorted(pack_runs.items()):
-        if run.get("diagnostics_s") is None or not run.get("steps_run"):
+        per_rank = [r for r in run.get("hook_ms_per_step_per_rank") or [] if r]
+        if not per_rank:
             continue
-        per_step_ms = run["diagnostics_s"] * 1000 / run["steps_run"]
-        rows.append({"devices": n, "ms_per_step": per_step_ms,
-                     "fraction_of_step": per_step_ms / run["step_ms_median"]})
+        hooks[n] = {name: max(r.get(name, 0.0) for r in per_rank) for name in per_rank[0]}
+        if "DDPDiagnostics" in hooks[n]:
+            ms = hooks[n]["DDPDiagnostics"]
+            rows.append({"devices": n, "ms_per_step": ms, "fraction_of_step": ms / run["step_ms_median"]})
+    if hooks:
+        results["hook_overhead"] = hooks
     if rows:
         results["diagnostics_overhead"] = rows
 
@@ -363,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_recipes.bench.loader import main as loader_main
 
         return loader_main(argv[1:])
+    if argv and argv[0] == "account":
+        from ddp_recipes.bench.account import Bench
+        from ddp_recipes.bench.account import main as account_main
+
+        return account_main(argv[1:], Bench(BenchConfig, run_worker, interleaved_schedule))
     if argv and argv[0] == "overhead":
         from ddp_recipes.bench.overhead import main as overhead_main
 

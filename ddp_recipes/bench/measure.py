@@ -2,11 +2,13 @@
 
 A step ends with a barrier (+ ``cuda.synchronize``); its time is the wall time between consecutive step
 ends, with the warm-up steps dropped. Also here: peak memory per rank, the all-reduce cost of the
-gradients, the share of a step spent waiting for its batch, and the cost of ``DDPDiagnostics``' hooks.
+gradients, the share of a step spent waiting for its batch, the host time inside each callback's hooks
+(:class:`HookClock`) and each thread's CPU time (:func:`thread_cpu`).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import time
@@ -77,24 +79,110 @@ def wait_fraction(ends: list[float], waits: list[float], warmup_steps: int) -> f
     return sum(waits[first + 1:]) / span if span > 0 else None
 
 
-def timed_diagnostics():
-    """build_trainer's DDPDiagnostics with a stopwatch around each of its hooks (collective waits included).
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """{thread id: (name, CPU seconds so far)} of every thread of this process (Linux ``/proc``; {} elsewhere).
 
-    Its cost is a few hooks against seconds-long steps: timing the hooks themselves is exact, where
-    comparing two whole runs would drown it in run-to-run noise.
+    On a host with as many cores as ranks, a thread that burns CPU steals it from a rank's compute: this is how
+    the bench sees gloo's worker threads, a progress bar or a loader thread in the step time.
     """
-    from ddp_recipes.train.diagnostics import DDPDiagnostics
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
 
-    class TimedDDPDiagnostics(DDPDiagnostics):
-        seconds = 0.0
 
-    for name, hook in vars(DDPDiagnostics).items():
-        if name.startswith("on_") and callable(hook):
-            def timed(self, *args, _hook=hook, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _hook(self, *args, **kwargs)
-                finally:
-                    type(self).seconds += time.perf_counter() - start
-            setattr(TimedDDPDiagnostics, name, timed)
-    return TimedDDPDiagnostics()
+def thread_cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                     steps: int) -> dict[str, Any]:
+    """CPU ms per step of the main thread and of all other threads between two :func:`thread_cpu` snapshots,
+    with the threads alive at the end and the busiest other threads by name."""
+    main = os.getpid()
+    used = {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
+    others = {tid: v for tid, v in used.items() if tid != main}
+    by_name: dict[str, float] = {}
+    for name, cpu in others.values():
+        by_name[name] = by_name.get(name, 0.0) + cpu
+    per_step = 1000.0 / max(steps, 1)
+    return {"threads": len(after), "main_cpu_ms_per_step": round(used.get(main, ("", 0.0))[1] * per_step, 2),
+            "other_threads_cpu_ms_per_step": round(sum(cpu for _, cpu in others.values()) * per_step, 2),
+            "other_threads_by_name": {k: round(v * per_step, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
+                                      if v > 0}}
+
+
+class StepEnds:
+    """End-of-step timestamps through :func:`sync_point`, and this process's per-thread CPU over the timed
+    steps (:func:`thread_cpu_delta`): the same measurement for every implementation."""
+
+    def __init__(self, device: torch.device, warmup_steps: int, total_steps: int,
+                 hooks: HookClock | None = None) -> None:
+        self.device, self.warmup_steps, self.total_steps = device, warmup_steps, total_steps
+        self.hooks = hooks
+        self.start = sync_point(device)
+        self.ends: list[float] = []
+        self._cpu_before: dict[int, tuple[str, float]] | None = None
+        self.threads: dict[str, Any] | None = None
+
+    @property
+    def timed_steps(self) -> int:
+        return self.total_steps - max(self.warmup_steps, 1)
+
+    def step_end(self) -> None:
+        self.ends.append(sync_point(self.device))
+        if len(self.ends) == max(self.warmup_steps, 1):  # the first timed interval starts here (step_stats)
+            self._cpu_before = thread_cpu()
+            if self.hooks is not None:
+                self.hooks.active = True
+        elif len(self.ends) == self.total_steps and self._cpu_before is not None:
+            self.threads = thread_cpu_delta(self._cpu_before, thread_cpu(), self.timed_steps)
+            if self.hooks is not None:
+                self.hooks.active = False
+
+
+class HookClock:
+    """Host seconds inside each callback's hooks, per callback class, over the timed steps only.
+
+    A callback costs a few hooks against steps of milliseconds to seconds: timing the hooks themselves is
+    exact (collective waits inside them included), where comparing whole runs drowns them in run-to-run
+    noise. Each hook is wrapped on the instance (Lightning looks hooks up on it), so the classes are
+    untouched. ``active`` is set by the step timer while the timed steps run.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.active = False
+
+    def attach(self, callbacks: list[Any], skip: tuple[type, ...] = ()) -> None:
+        for callback in callbacks:
+            if isinstance(callback, skip):
+                continue
+            name = type(callback).__name__
+            self.seconds.setdefault(name, 0.0)
+            for hook in [h for h in dir(type(callback)) if h.startswith("on_") or h in ("setup", "teardown")]:
+                method = getattr(callback, hook, None)
+                if callable(method):
+                    setattr(callback, hook, self._timed(name, method))
+
+    def _timed(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return method(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+    def ms_per_step(self, steps: int) -> dict[str, float]:
+        return {name: round(1000 * s / max(steps, 1), 4) for name, s in sorted(self.seconds.items())}

@@ -1,7 +1,9 @@
-"""The measured runs, each in fresh processes: ``python -m ddp_recipes.bench.workers {pack,raw,dp} ...``.
+"""The measured runs, each in fresh processes: ``python -m ddp_recipes.bench.workers {pack,plain,raw,dp} ...``.
 
-* ``pack``: the library's path: the recipe's LightningModule, ``build_trainer`` (TunedDDPStrategy at N > 1),
-  Lightning launching the ranks.
+* ``pack``: the library's path: the recipe's LightningModule and Trainer (``make_trainer``: TunedDDPStrategy
+  at N > 1, every callback a recipe run has), Lightning launching the ranks; ``--without`` switches parts
+  off (:mod:`ddp_recipes.bench.components`).
+* ``plain``: plain Lightning, ``L.Trainer(strategy="ddp")``, on the same LightningModule and data.
 * ``raw``: the write-up's plain PyTorch DDP loop (init_process_group, DDP wrap, DistributedSampler, the
   same loop) on the same network, synthetic data, batch, precision and thread budget.
 * ``dp``: torch.nn.DataParallel over N GPUs in one process (the write-up's DP-vs-DDP comparison).
@@ -29,13 +31,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_recipes.bench.measure import (
+    StepEnds,
     gather,
     measure_allreduce,
     peak_memory_mb,
     step_stats,
     sync_point,
-    timed_diagnostics,
-    wait_fraction,
 )
 from ddp_recipes.bench.synthetic import RankShard
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
@@ -59,7 +60,7 @@ class Workload:
     seed: int = 0
     allreduce_iters: int = 5
     data_dir: str = ""  # mnist: real MNIST (torchvision layout) instead of synthetic tensors
-    diagnostics: int = 1  # pack: keep build_trainer's DDPDiagnostics on (0 to measure its cost)
+    without: str = ""  # pack: parts switched off, comma list of bench.components.PACK_COMPONENTS
     compile: int = 0  # torch.compile the model (pack: as --compile does; raw: the DDP-wrapped module)
     channels_last: int = 0  # resnet: NHWC weights and inputs (tensor-core convolutions under AMP)
 
@@ -92,6 +93,13 @@ def build_dataset(w: Workload) -> TensorDataset | RankShard:
     return RankShard((w.total_steps + 1) * w.batch_size * w.devices, shape, w.seed, device=w.accelerator)
 
 
+def module_optimizer(module: Any) -> torch.optim.Optimizer:
+    """The optimizer the pack's ``configure_optimizers`` builds (its parameter groups: weight decay on weights
+    only, none on norms and biases; its SGD settings), without the LR schedule: the raw and dp loops then do
+    the same arithmetic per step as the pack, so the ratio measures the framework, not the optimizer."""
+    return module.build_optimizer(module.param_groups())
+
+
 def data_facts(data: object) -> dict[str, Any]:
     """What a run's JSON says about its synthetic data: samples and MB on this rank, and where they live."""
     if not isinstance(data, RankShard) or data.tensors is None:
@@ -105,37 +113,35 @@ def _write(path: str, payload: dict) -> None:
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-# ---- pack: the library's path ---------------------------------------------------------------------------
+# ---- pack and plain: Lightning -------------------------------------------------------------------------
 
 
 def run_pack(w: Workload, out: str) -> None:
-    from lightning.pytorch.callbacks import Callback
+    """The recipe's Trainer (make_trainer) with the parts ``w.without`` names switched off."""
+    from ddp_recipes.bench.components import (
+        LOG_EVERY_N_STEPS,
+        finish,
+        parse_without,
+        scratch_dir,
+        step_timer,
+        switch_off,
+    )
+    from ddp_recipes.config.run_config import RunConfig
+    from ddp_recipes.train.callbacks import ThroughputMeter
+    from ddp_recipes.train.run import make_trainer
 
-    from ddp_recipes.train.perf import input_wait
-    from ddp_recipes.train.trainer import build_trainer
-
-    class StepTimer(Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.start = 0.0
-
-        def on_train_start(self, trainer, pl_module) -> None:
-            self.start = sync_point(trainer.strategy.root_device)
-
-            self.waits: list[float] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.ends.append(sync_point(trainer.strategy.root_device))
-            self.waits.append(input_wait(trainer) or 0.0)
-
-    timer = StepTimer()
-    diagnostics = timed_diagnostics() if w.diagnostics else None
-    trainer = build_trainer(devices=w.devices, accelerator=w.accelerator, precision=w.precision, seed=w.seed,
-                            diagnostics=bool(w.diagnostics),
-                            benchmark=True,  # cudnn.benchmark on, as the raw and dp loops set it
-                            max_steps=w.total_steps, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            callbacks=[timer, *([diagnostics] if diagnostics else [])])
+    without = parse_without(w.without)
+    scratch = scratch_dir(out)
+    cfg = RunConfig(devices=w.devices, accelerator=w.accelerator, precision=w.precision, max_steps=w.total_steps,
+                    batch_size=w.batch_size, seed=w.seed, output_dir=str(scratch), num_workers=0,
+                    log_every_n_steps=LOG_EVERY_N_STEPS, diagnostics=True)
+    timer = step_timer(w)
+    # No FLOP count in the meter: it runs once at the first live report, inside the timed window (the
+    # recipes count at that moment too; here it would be one step's outlier, not a per-step cost).
+    trainer = make_trainer(cfg, callbacks=[ThroughputMeter(), timer],
+                           benchmark=True,  # cudnn.benchmark on, as the raw and dp loops set it
+                           enable_model_summary=False, num_sanity_val_steps=0)
+    switch_off(trainer, without)
     module = build_module(w)
     if w.compile:
         module = torch.compile(module)  # what --compile does: Lightning compiles forward and the step methods
@@ -149,20 +155,38 @@ def run_pack(w: Workload, out: str) -> None:
     else:
         data = build_dataset(w)
         trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch))
-    device = trainer.strategy.root_device
-    peaks = trainer.strategy.all_gather(torch.tensor(peak_memory_mb(device), device=device))
-    if trainer.is_global_zero:
-        name = ("pack" if w.diagnostics else "pack-nodiag") + ("-compiled" if w.compile else "")
-        _write(out, {"impl": name, "devices": w.devices, "workload": asdict(w),
-                     "first_step_s": timer.ends[0] - timer.start if timer.ends else None,
-                     "input_wait_fraction": wait_fraction(timer.ends, timer.waits, w.warmup_steps),
-                     "precision_used": str(trainer.precision), "strategy": type(trainer.strategy).__name__,
-                     "torch_threads": torch.get_num_threads(),
-                     "peak_mem_mb_per_rank": [round(float(p), 1) for p in peaks.reshape(-1)],
-                     "diagnostics_s": diagnostics.seconds if diagnostics else None,
-                     "steps_run": len(timer.ends), "cudnn_benchmark": torch.backends.cudnn.benchmark,
-                     **data_facts(data),
-                     **step_stats(timer.ends, w.warmup_steps, w.batch_size * w.devices)})
+    name = "pack" + (f"-without-{'+'.join(without)}" if without else "") + ("-compiled" if w.compile else "")
+    finish(w, out, name, trainer, timer, data_facts(data))
+
+
+def run_plain(w: Workload, out: str) -> None:
+    """Plain Lightning: L.Trainer(strategy="ddp"), logging and drawing at the pack's cadence."""
+    import lightning as L
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ddp_recipes.bench.components import (
+        LOG_EVERY_N_STEPS,
+        PROGRESS_REFRESH,
+        finish,
+        scratch_dir,
+        step_timer,
+    )
+
+    L.seed_everything(w.seed, verbose=False)
+    timer = step_timer(w)
+    trainer = L.Trainer(accelerator="gpu" if w.accelerator == "cuda" else "cpu", devices=w.devices,
+                        strategy="ddp" if w.devices > 1 else "auto", precision=w.precision,
+                        max_steps=w.total_steps, benchmark=True, default_root_dir=scratch_dir(out),
+                        logger=CSVLogger(scratch_dir(out), name="logs"), log_every_n_steps=LOG_EVERY_N_STEPS,
+                        callbacks=[TQDMProgressBar(refresh_rate=PROGRESS_REFRESH), timer],
+                        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0)
+    module = build_module(w)
+    if w.compile:
+        module = torch.compile(module)
+    data = build_dataset(w)
+    trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch))
+    finish(w, out, "plain" + ("-compiled" if w.compile else ""), trainer, timer, data_facts(data))
 
 
 # ---- raw: the write-up's loop, and DataParallel ---------------------------------------------------------
@@ -229,7 +253,8 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo", rank=local_rank, world_size=w.devices)
     torch.manual_seed(w.seed)
-    model = build_module(w).model.to(device)
+    module = build_module(w)
+    model = module.model.to(device)  # the same Parameter objects: the module's optimizer groups stay valid
     # One device: the single-GPU script the write-up starts from, no process group and no DDP wrap.
     wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None) \
         if distributed else model
@@ -240,11 +265,12 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
         if distributed else torch.utils.data.RandomSampler(data)
     # The same batched in-memory fetch as the pack: the ratio then measures framework overhead only.
     loader = DataLoader(data, batch_size=w.batch_size, sampler=sampler, collate_fn=keep_batch)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
+    optimizer = module_optimizer(module)
     autocast, scaler = mixed_precision(w.precision, device)
     if distributed:
         sampler.set_epoch(0)
-    ends, start = [], sync_point(device)
+    timer = StepEnds(device, w.warmup_steps, w.total_steps)
+    ends, start = timer.ends, timer.start
     for step, (x, y) in enumerate(loader):
         if step >= w.total_steps:
             break
@@ -255,15 +281,16 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
             loss = nn.functional.cross_entropy(wrapped(x), y)
         optimizer.zero_grad(set_to_none=True)
         backward_and_step(loss, optimizer, scaler)
-        ends.append(sync_point(device))
+        timer.step_end()
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     allreduce = measure_allreduce(numel, device, w.allreduce_iters) if distributed else None
     peaks = gather(round(peak_memory_mb(device), 1))
+    threads = gather(timer.threads)
     if local_rank == 0:
         _write(out, {"impl": "raw" + ("-compiled" if w.compile else ""), "devices": w.devices,
                      "workload": asdict(w), "params": numel, "first_step_s": ends[0] - start if ends else None,
                      "grad_bytes": numel * 4, "torch_threads": torch.get_num_threads(),
-                     "peak_mem_mb_per_rank": peaks, "allreduce": allreduce,
+                     "peak_mem_mb_per_rank": peaks, "allreduce": allreduce, "threads_per_rank": threads,
                      "cudnn_benchmark": torch.backends.cudnn.benchmark, **data_facts(data),
                      **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
     if distributed:
@@ -358,7 +385,8 @@ def dp_loop(w: Workload, device: torch.device, out: str, parallel: Any = nn.Data
     """The ``dp`` run on ``device``: ``parallel(net, **parallel_kw)`` (DataParallel over the GPUs) trained for
     the workload's steps; the JSON's ``autocast_dtype`` is what :class:`DtypeProbe` saw."""
     torch.manual_seed(w.seed)
-    net: nn.Module = build_module(w).model.to(device)
+    module = build_module(w)
+    net: nn.Module = module.model.to(device)
     probe = DtypeProbe(net)
     dtype = autocast_dtype(w.precision, device)
     if dtype is not None:
@@ -366,7 +394,7 @@ def dp_loop(w: Workload, device: torch.device, out: str, parallel: Any = nn.Data
     model = parallel(net, **parallel_kw)
     data = build_dataset(w)
     loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True, collate_fn=keep_batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = module_optimizer(module)
     autocast, scaler = mixed_precision(w.precision, device)
     ends = []
     for step, (x, y) in enumerate(loader):
@@ -396,7 +424,8 @@ def run_dp(w: Workload, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ddp_recipes.bench.workers")
-    parser.add_argument("impl", choices=["pack", "raw", "dp", "writeup", "pack-compiled", "raw-compiled"])
+    parser.add_argument("impl", choices=["pack", "plain", "raw", "dp", "writeup", "pack-compiled", "plain-compiled",
+                                         "raw-compiled"])
     parser.add_argument("--out", required=True)
     for name, value in asdict(Workload()).items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=type(value), default=value)
@@ -405,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     if impl.endswith("-compiled"):
         impl, args["compile"] = impl.removesuffix("-compiled"), 1
     w = Workload(**args)
-    {"pack": run_pack, "raw": run_raw, "dp": run_dp, "writeup": run_writeup}[impl](w, out)
+    {"pack": run_pack, "plain": run_plain, "raw": run_raw, "dp": run_dp, "writeup": run_writeup}[impl](w, out)
 
 
 if __name__ == "__main__":

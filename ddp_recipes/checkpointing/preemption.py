@@ -6,11 +6,11 @@ here) before the time limit and SIGTERM on preemption. A rank cannot act on a si
 collective started from a signal handler (Lightning 2.6 broadcasts from its SIGTERM handler, and its
 SLURM handler saves a checkpoint, which gathers RNG states) runs at a different point on each rank and
 pairs with whatever collective the others are in. So here the handlers only set a flag; at each
-optimizer-step boundary every rank contributes its flag to an all-reduce that is read at the *next*
-boundary (:class:`_SignalVote`: on a CPU gloo group, asynchronous, so a step never waits for it and never
-reads the device), and if any rank was signalled all of them save ``last.ckpt`` together one step after
-the signal, rank 0 requeues the SLURM job if SLURM asked for it, and every rank exits with 128 + signal
-number and one line on rank 0 (no traceback).
+optimizer-step boundary the ranks agree through the rendezvous store, with no collective and no device
+read per step (:class:`~ddp_recipes.checkpointing.vote.StopVote`): if any rank was signalled, all of them save
+``last.ckpt`` together at the boundary after the one where it saw the signal, rank 0 requeues the SLURM
+job if SLURM asked for it, and every rank exits with 128 + signal number and one line on rank 0 (no
+traceback).
 
 :class:`LastCheckpoint` writes ``last.ckpt`` at every epoch end and every ``every_n_steps`` optimizer
 steps, with or without validation and independent of any best-checkpoint callback (Lightning's
@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
@@ -37,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from ddp_recipes.checkpointing.vote import StopVote
 from ddp_recipes.storage import Url, location
 
 LAST = "last.ckpt"
@@ -156,7 +155,7 @@ class LastCheckpoint(Checkpoint):
         self._seen_step = -1
         self._saved_step = -1
         self._signals: _FlagSignalConnector | None = None
-        self._vote: _SignalVote | None = None
+        self._vote: StopVote | None = None
 
     @property
     def path(self) -> Path | Url:
@@ -175,7 +174,7 @@ class LastCheckpoint(Checkpoint):
         # The step this process starts at is a boundary already passed (and saved, when resuming): the
         # first micro-batch of an accumulation window must not look like a new optimizer step.
         self._seen_step = self._saved_step = trainer.global_step
-        self._vote = _SignalVote.open(trainer)
+        self._vote = StopVote.open(trainer)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -209,8 +208,9 @@ class LastCheckpoint(Checkpoint):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, Preempted):  # Preempted: every rank left at the same vote, all read
-            self._vote = None  # a failing rank must not wait for peers that may be gone
+        if not isinstance(exception, Preempted) and self._vote is not None:  # Preempted: closed already
+            self._vote.abandon()  # a failing rank must not wait for peers that may be gone
+            self._vote = None
 
     def _close_vote(self) -> None:
         if self._vote is not None:
@@ -227,12 +227,13 @@ class LastCheckpoint(Checkpoint):
     # ---- preemption ----------------------------------------------------------------------------------
 
     def _agreed_signal(self, trainer: L.Trainer, *, now: bool = False) -> int:
-        """The signal any rank received (0 if none). At a step boundary: the vote of the previous boundary
-        (this boundary's is started and read at the next); with ``now``, a vote that waits for every rank."""
+        """The signal every rank acts on here (0 if none). At a step boundary: the stop agreed for this
+        boundary (a signal seen at one boundary stops every rank at the next); with ``now``, a vote that
+        waits for every rank (epoch end, train end)."""
         local = int(self._signals.signum or 0) if self._signals is not None else 0
         if self._vote is None:
             return local
-        return self._vote.now(local) if now else self._vote.lagged(local)
+        return self._vote.now(local) if now else self._vote.at_boundary(trainer.global_step, local)
 
     def _exit(self, trainer: L.Trainer, signum: int) -> None:
         requeued = self._requeue(trainer, signum)
@@ -260,59 +261,6 @@ class LastCheckpoint(Checkpoint):
         except (OSError, subprocess.TimeoutExpired) as err:
             ok, detail = False, [str(err)]
         return f"; SLURM job {job_id} requeued" if ok else f"; requeueing SLURM job {job_id} failed ({detail})"
-
-
-class _SignalVote:
-    """"Was any rank signalled?" agreed by every rank at the same step boundary, at no cost to the step.
-
-    A blocking all-reduce per step would stall every step on the slowest rank's host, and on NCCL its
-    ``.item()`` would wait for the GPU to drain (a device-to-host read per step, which plain Lightning does
-    not make). Instead each boundary starts an asynchronous MAX all-reduce of the local flag on a gloo
-    (CPU) group of its own and reads the one the previous boundary started, which has long finished.
-    Every rank reads the same vote at the same boundary, so all of them decide alike, one step after the
-    signal. The group is separate so these small CPU collectives never queue between DDP's gradient
-    buckets on the training group.
-    """
-
-    def __init__(self, group: Any) -> None:
-        self._group = group
-        self._pending: tuple[Any, torch.Tensor] | None = None
-
-    @classmethod
-    def open(cls, trainer: L.Trainer) -> _SignalVote | None:
-        """A vote for this fit, or None with one rank (its own flag is the answer). Collective: every
-        rank calls it at the same point (the start of training)."""
-        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return None
-        return cls(dist.new_group(backend="gloo"))
-
-    def lagged(self, local: int) -> int:
-        """The previous boundary's vote; this boundary's vote starts (read at the next one)."""
-        agreed = self._read()
-        self._start(local)
-        return agreed
-
-    def now(self, local: int) -> int:
-        """A vote read at once (epoch end, train end: rare points where waiting for the ranks is due)."""
-        earlier = self._read()
-        self._start(local)
-        return max(earlier, self._read())
-
-    def close(self) -> None:
-        self._read()  # the last vote must complete on every rank before its group goes
-        dist.destroy_process_group(self._group)
-
-    def _start(self, local: int) -> None:
-        flag = torch.tensor([local], dtype=torch.int32)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
-
-    def _read(self) -> int:
-        if self._pending is None:
-            return 0
-        work, flag = self._pending
-        self._pending = None
-        work.wait()
-        return int(flag.tolist()[0])  # tolist: a host tensor read without a dispatched .item()
 
 
 class _LastAwareCheckpointConnector(_CheckpointConnector):

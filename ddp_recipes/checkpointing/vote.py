@@ -1,0 +1,160 @@
+"""Every rank agrees on a preemption signal at the same optimizer-step boundary, with no collective per step.
+
+A signal handler only sets a flag (:mod:`ddp_recipes.checkpointing.preemption`); the ranks must then stop
+together, at one step, because saving a checkpoint is collective. :class:`StopVote` agrees through the
+rendezvous store instead of a collective:
+
+* A rank whose flag is set at boundary ``t`` *announces* the stop step ``t + 1`` in the store
+  (``compare_set``: the first announcement stands, a later one reads it), then waits until every rank has
+  acknowledged it.
+* Every rank keeps one watcher thread blocked in ``store.wait`` on the announcement, on a store client of
+  its own (``Store.clone``). Blocked in a socket read it takes no CPU and does not hold the GIL; when the
+  announcement arrives it records the stop step and acknowledges.
+* At each boundary a rank compares its step with the recorded stop step: an attribute read, no I/O.
+
+Why every rank stops at the same step: DDP all-reduces the gradients of every optimizer step, so while
+one rank is at boundary ``t`` no rank can have finished step ``t + 1`` (that needs this rank's gradients of
+step ``t + 1``), and ranks that are at a boundary at the same moment are at the same one, so concurrent
+announcers announce the same step. The announcer starts step ``t + 1`` only after every rank acknowledged,
+so every rank knows the stop step before it can reach it. A signal that arrives during step ``t`` is
+therefore saved at boundary ``t + 1``: within two boundaries, on every rank alike, with accumulation too
+(boundaries are optimizer steps; micro-batches do not synchronise and are not boundaries).
+
+The epoch end and the train end are not step boundaries: there :meth:`StopVote.now` puts every rank's
+signal into one blocking all-reduce on the training group (once per epoch, never per step).
+
+A store without ``clone`` (no second client to block in): each boundary looks the announcement up instead,
+one non-blocking store read in the training thread (no collective), and the announcer waits for nobody.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STOP_KEY = "stop"  # "<step>:<signum>", or CLOSED once a rank has finished the fit
+CLOSED = "closed"
+ACK_TIMEOUT = timedelta(seconds=60)  # a rank that has not acknowledged by then is dead or hung
+WATCH_POLL = timedelta(days=1)  # the watcher re-enters its wait after this; no message in between
+_STORE_TIMEOUT = getattr(dist, "DistStoreError", RuntimeError)
+_fits = itertools.count()  # one namespace per fit in this process; every rank runs the same fits
+
+
+def _parse(value: bytes | str) -> tuple[int, int] | None:
+    text = value.decode() if isinstance(value, bytes) else value
+    if text == CLOSED:
+        return None
+    step, signum = text.split(":")
+    return int(step), int(signum)
+
+
+class StopVote:
+    """The agreement of one fit; see the module docstring. ``store`` is shared by every rank."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, device: torch.device) -> None:
+        self._store, self._rank, self._world, self._device = store, rank, world_size, device
+        self._stop: tuple[int, int] | None = None  # (step, signum), written by the watcher or the announcer
+        self._closed = False
+        try:
+            self._watch_store = store.clone()
+        except (AttributeError, NotImplementedError, RuntimeError):
+            self._watch_store = None  # polled at each boundary instead
+        self._watcher: threading.Thread | None = None
+        if self._watch_store is not None:
+            self._watcher = threading.Thread(target=self._watch, name="ddp_recipes-stop-vote", daemon=True)
+            self._watcher.start()
+
+    @classmethod
+    def open(cls, trainer: Any) -> StopVote | None:
+        """A vote for this fit, or None with one rank (its own flag is the answer). Not collective."""
+        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return None
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        # torchrun keeps its store across restarts: each attempt, and each fit, gets its own keys.
+        prefix = f"ddp_recipes/preemption/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_fits)}/"
+        store = dist.PrefixStore(prefix, _get_default_store())
+        return cls(store, trainer.global_rank, trainer.world_size, trainer.strategy.root_device)
+
+    @property
+    def stop_step(self) -> int | None:
+        """The step every rank stops at, once one was announced (and this rank knows it)."""
+        return self._stop[0] if self._stop else None
+
+    def at_boundary(self, step: int, local: int) -> int:
+        """At optimizer-step boundary ``step`` with this rank's signal ``local`` (0: none): the agreed signal
+        when every rank stops here, else 0."""
+        if self._stop is None and self._watch_store is None and self._store.check([STOP_KEY]):
+            self._stop = _parse(self._store.get(STOP_KEY))
+        if self._stop is None and local:
+            self._announce(step + 1, local)
+        if self._stop is not None and step >= self._stop[0]:
+            return self._stop[1]
+        return 0
+
+    def now(self, local: int) -> int:
+        """The signal any rank holds (a flag, or a stop it knows of), read at once by every rank: one blocking
+        all-reduce (MAX) on the training group, for the epoch end and the train end."""
+        known = self._stop[1] if self._stop else 0
+        flag = torch.tensor([max(local, known)], dtype=torch.int32, device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.cpu().tolist()[0])
+
+    def close(self) -> None:
+        """End the watcher (every rank calls it at the end of the fit; a rank that failed need not)."""
+        if self._closed:
+            return
+        self._closed = True
+        watcher = self._watcher
+        if watcher is not None and watcher.is_alive():
+            try:
+                # Wakes every rank's watcher; each rank calls this only after its last boundary.
+                self._store.compare_set(STOP_KEY, "", CLOSED)
+            except RuntimeError:
+                return  # the store has gone with rank 0: the daemon thread ends with the process
+            watcher.join(timeout=5)
+
+    def abandon(self) -> None:
+        """A failing rank: no more waiting for peers (the daemon watcher ends with the process)."""
+        self._closed = True
+
+    # ---- the announcement ---------------------------------------------------------------------------
+
+    def _announce(self, step: int, signum: int) -> None:
+        stop = _parse(self._store.compare_set(STOP_KEY, "", f"{step}:{signum}"))
+        if stop is None:  # CLOSED: a rank has finished the fit; the train-end vote decides
+            return
+        self._stop = stop
+        if self._watch_store is None:
+            return  # every rank reads the store at each boundary: nothing to wait for
+        acks = [f"ack/{rank}" for rank in range(self._world)]
+        try:
+            self._store.wait(acks, ACK_TIMEOUT)
+        except _STORE_TIMEOUT:
+            # A rank that cannot acknowledge in a minute is gone or stuck; the others stop as announced,
+            # and DDP's next all-reduce reports the lost peer if there is one.
+            pass
+
+    def _watch(self) -> None:
+        store = self._watch_store
+        while not self._closed:
+            try:
+                store.wait([STOP_KEY], WATCH_POLL)
+            except RuntimeError as err:
+                if isinstance(err, _STORE_TIMEOUT) and "timeout" in str(err).lower():
+                    continue
+                return  # the store is gone (rank 0 ended): nothing more to agree on
+            try:
+                stop = _parse(store.get(STOP_KEY))
+                if stop is not None:
+                    self._stop = stop
+                    store.set(f"ack/{self._rank}", "1")
+            except RuntimeError:
+                pass
+            return
