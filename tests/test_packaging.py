@@ -9,7 +9,7 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from tests.launch import ROOT
+from tests.launch import ROOT, run
 
 # The lent GPU machine's packages: the stack must hold these and nothing else.
 LENT_MACHINE = {"torch", "torchvision", "torchmetrics", "lightning", "numpy", "matplotlib", "pyyaml", "tensorboard",
@@ -53,3 +53,16 @@ def test_every_floor_of_a_stack_package_is_the_version_the_stack_runs():
     assert runtime <= set(pins), "a runtime dependency the lent machine lacks cannot run there"
     for name in sorted(set(pins) & set(found)):
         assert found[name] == pins[name], f"pyproject's {name}>={found[name]} is not what CI runs ({pins[name]})"
+
+
+def test_make_test_stack_hides_the_shared_data_as_the_lent_machine_lacks_it(tmp_path):
+    """``make test-stack`` sets DDP_RECIPES_SHARED_DATA=none: every test's SHARED_DATA then names no folder,
+    as on the lent machine where ../shared does not travel; a folder given instead is the one used."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert "DDP_RECIPES_SHARED_DATA=none $(STACK_VENV)/bin/python -m pytest" in makefile
+    probe = ["-c", "from tests.helpers import SHARED_DATA; print(SHARED_DATA, (SHARED_DATA / 'MNIST').exists())"]
+    hidden = run(probe, env={"DDP_RECIPES_SHARED_DATA": "none"}, port=False, check=True, cwd=ROOT)
+    assert hidden.stdout.strip().endswith("False"), hidden.stdout
+    (tmp_path / "MNIST").mkdir()
+    named = run(probe, env={"DDP_RECIPES_SHARED_DATA": str(tmp_path)}, port=False, check=True, cwd=ROOT)
+    assert named.stdout.strip() == f"{tmp_path} True", named.stdout
