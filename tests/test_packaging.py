@@ -66,3 +66,23 @@ def test_make_test_stack_hides_the_shared_data_as_the_lent_machine_lacks_it(tmp_
     (tmp_path / "MNIST").mkdir()
     named = run(probe, env={"DDP_RECIPES_SHARED_DATA": str(tmp_path)}, port=False, check=True, cwd=ROOT)
     assert named.stdout.strip() == f"{tmp_path} True", named.stdout
+
+
+def test_every_other_floor_is_met_by_what_this_environment_runs():
+    """The extras' floors (not on the lent machine) were raised to the releases CI ran; the environment the
+    suite runs in (`make install`'s newest) must still meet each one it installs, or the floor promises a
+    release no one runs."""
+    import importlib.metadata
+
+    pins, checked = stack_pins(), []
+    for name, floor in sorted(floors().items()):
+        if name in pins or name == "ddp-recipes":
+            continue
+        try:
+            installed = Version(importlib.metadata.version(name))
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an extra this environment lacks (the stack): its tests skip, naming it
+        assert installed >= floor, f"pyproject's {name}>={floor}, but this environment runs {installed}"
+        checked.append(name)
+    if importlib.metadata.version("torch") != str(pins["torch"]):  # make install's environment has every extra
+        assert {"mlflow", "wandb", "s3fs", "moto", "jsonargparse", "ruff", "pillow"} <= set(checked), checked
