@@ -319,6 +319,18 @@ def test_the_report_reads_cleanly(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "gpu-report.json").read_text())["meaning"] == "nothing could be checked on this machine"
 
 
+def test_a_pass_with_checks_that_did_not_apply_names_them():
+    """Exit 0 with the compiled checks 'no verdict' (no C toolchain) must not read as 'everything ran'."""
+    results = [{"name": "sync-debug", "verdict": "pass", "reason": ""},
+               {"name": "resnet50-pack-compiled", "verdict": "no verdict", "reason": "no C compiler"}]
+    built = report.build_report(results, {}, 420, 1.0, [], [], {})
+    assert built["exit_code"] == 0
+    assert built["meaning"].endswith("not checked here (no verdict, see each reason): resnet50-pack-compiled")
+    assert "not checked here" in report.markdown(built)
+    everything = report.build_report(results[:1], {}, 420, 1.0, [], [], {})
+    assert everything["meaning"] == "every check that applies here ran and passed"
+
+
 def test_reference_rows_never_show_another_precisions_figure():
     [bf16] = report.reference_rows("bf16-mixed", 989e12, "NVIDIA H100 80GB HBM3")
     assert bf16["images_per_s"] is None and bf16["label"].startswith("unavailable")

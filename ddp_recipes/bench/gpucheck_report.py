@@ -108,6 +108,9 @@ def build_report(results: list[dict[str, Any]], machine: dict[str, Any], budget_
     meaning = MEANING[status]
     if status == "no verdict" and only and machine_problem is None:
         meaning = NO_VERDICT_ONLY.format(only=only)
+    skipped = [r["name"] for r in results if r["verdict"] == "no verdict"]
+    if status == "pass" and skipped:  # exit 0 must not read as 'everything ran': say what did not
+        meaning += f"; not checked here (no verdict, see each reason): {', '.join(skipped)}"
     return {"verdict": status, "exit_code": EXIT_CODES[status], "meaning": meaning, "finished": finished,
             "machine_problem": machine_problem[1] if machine_problem else None, "counts": counts,
             "gpus": machine.get("gpus"), "gpu": machine.get("gpu"), "torch": machine.get("versions", {}).get("torch"),
