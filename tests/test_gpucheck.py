@@ -321,8 +321,9 @@ def test_the_report_reads_cleanly(tmp_path, monkeypatch):
 
 def test_a_pass_with_checks_that_did_not_apply_names_them():
     """Exit 0 with the compiled checks 'no verdict' (no C toolchain) must not read as 'everything ran'."""
-    results = [{"name": "sync-debug", "verdict": "pass", "reason": ""},
-               {"name": "resnet50-pack-compiled", "verdict": "no verdict", "reason": "no C compiler"}]
+    results = [{"name": "sync-debug", "verdict": "pass", "reason": "", "seconds": 30},
+               {"name": "resnet50-pack-compiled", "verdict": "no verdict", "reason": "no C compiler",
+                "seconds": 0}]
     built = report.build_report(results, {}, 420, 1.0, [], [], {})
     assert built["exit_code"] == 0
     assert built["meaning"].endswith("not checked here (no verdict, see each reason): resnet50-pack-compiled")
