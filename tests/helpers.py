@@ -95,3 +95,15 @@ def write_jpeg_tree(root: Path, per_class: int, val_per_class: int = 0, side: in
                 field = rng.integers(0, 256, (h // 6 + 2, w // 6 + 2, 3), dtype=np.uint8)
                 Image.fromarray(field).resize((w, h), Image.BICUBIC).save(folder / f"{i}.jpg", quality=92)
     return root
+
+
+def write_odd_images(folder: Path) -> None:
+    """Two files named ``.JPEG`` that nvJPEG refuses: a CMYK JPEG (libjpeg decodes it) and a PNG (only
+    ``decode_image`` reads it), as ImageNet holds."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    field = Image.fromarray(rng.integers(0, 256, (8, 9, 3), dtype=np.uint8)).resize((45, 40), Image.BICUBIC)
+    field.convert("CMYK").save(folder / "cmyk.JPEG", format="JPEG", quality=95)
+    field.save(folder / "png_in_disguise.JPEG", format="PNG")

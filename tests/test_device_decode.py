@@ -14,7 +14,6 @@ import signal
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -25,7 +24,7 @@ from ddp_recipes.data.encoded import EncodedBatch, EncodedImageFolder, EvalPipel
 from ddp_recipes.data.images import ImageFolderDataModule
 from ddp_recipes.data.resumable import ResumableDataLoader, resumable_loader, sample_seed, seed_all
 from ddp_recipes.modules.resnet import ResNetClassifier
-from tests.helpers import raises_cli, write_jpeg_tree
+from tests.helpers import raises_cli, write_jpeg_tree, write_odd_images
 from tests.launch import run, saved_step, start
 
 # One uint8 level after normalizing by the smallest ImageNet std. PIL's antialiased resize and torch's differ by
@@ -93,20 +92,13 @@ def test_decode_gpu_gives_the_pil_pipelines_batches_for_the_same_seed(tree):
     assert gpu.decode_record == {"device": "cpu", "images": 24 + 10, "cpu_fallbacks": 0}
 
 
-def _odd_files(folder: Path) -> None:
-    rng = np.random.default_rng(5)
-    field = Image.fromarray(rng.integers(0, 256, (8, 9, 3), dtype=np.uint8)).resize((45, 40), Image.BICUBIC)
-    field.convert("CMYK").save(folder / "cmyk.JPEG", format="JPEG", quality=95)
-    field.save(folder / "png_in_disguise.JPEG", format="PNG")
-
-
 def test_the_fallback_decodes_a_cmyk_jpeg_and_a_png_named_jpeg(tree, tmp_path):
     """nvJPEG refuses both (CUDA twin: tests/test_gpu_decode.py); on the CPU device libjpeg decodes the CMYK one
     and refuses the PNG. Either way the batch keeps every image, equal to the PIL pipeline's within a level, and
     each file decoded on the CPU instead is counted."""
     root = write_jpeg_tree(tmp_path / "odd", per_class=5, val_per_class=2, side=40)
-    _odd_files(root / "train" / "c0")
-    _odd_files(root / "val" / "c1")
+    write_odd_images(root / "train" / "c0")
+    write_odd_images(root / "val" / "c1")
     common = dict(batch_size=16, image_size=32, num_workers=0, seed=1)
     cpu, gpu = ImageFolderDataModule(root, **common), ImageFolderDataModule(root, decode="gpu", **common)
     for dm in (cpu, gpu):
@@ -197,7 +189,7 @@ def test_decoded_batches_reach_the_model_in_float32_channels_last_outside_autoca
     """bf16-mixed, --channels-last: the decode runs outside autocast and hands float32 NHWC images on; a
     model's own on_after_batch_transfer still runs, after the decode; mixing and validation take the batch."""
     _Recording.seen = []
-    dm = ImageFolderDataModule(tree, batch_size=8, image_size=32, num_workers=0, decode="gpu", channels_last=True)
+    dm = ImageFolderDataModule(tree, batch_size=4, image_size=16, num_workers=0, decode="gpu", channels_last=True)
     model = _Recording(num_classes=2, cifar_stem=True, channels_last=True, mixup_alpha=0.2)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=2, limit_val_batches=1,
                         val_check_interval=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,

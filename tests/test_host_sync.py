@@ -163,7 +163,7 @@ def test_the_modules_training_step_makes_no_host_read():
 
 # ---- --decode gpu: the decode and the device augmentation in the step --------------------------------------
 
-DECODE_START, DECODE_WINDOW = 3, 6
+DECODE_START, DECODE_WINDOW = 2, 3
 
 
 def _resnet_steps(tmp_path, root, decode: str) -> HostReadCounter:

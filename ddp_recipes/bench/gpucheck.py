@@ -63,7 +63,8 @@ TOTAL_BUDGET_S = 420.0  # 7 minutes of a 10-minute slot on one H200: the rest is
 PACK_VS_RAW_MIN = 0.90  # the pack's step may cost at most ~10 % over the raw loop's at ResNet-50 scale
 # The gpu tier, and only it: collecting all of tests/ would import every test module (and its optional
 # packages) before a single GPU test runs. tests/test_gpucheck.py checks this list against the markers.
-GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_gpu_cuda_paths.py", "tests/test_gpu_timing.py")
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_gpu_cuda_paths.py", "tests/test_gpu_timing.py",
+                  "tests/test_gpu_decode.py")
 RESUME_TEST = "kill_and_resume"  # the -k expression of tests/test_gpu.py's CUDA kill + --resume auto test
 PER_TEST_TIMEOUT_S = 150  # pytest-timeout's limit per gpu test, where it is installed: one hang, one failure
 # Two short recipe runs (16 steps at batch 128, each its own process) and a folder of 2,300 JPEGs: ~30 s warm.
