@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.config.choices import (
     AutoAugment,
+    Decode,
     Interpolation,
     LRScheduler,
     Optimizer,
@@ -92,6 +93,9 @@ class ResNetConfig(RunConfig):
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
+    decode: Decode = opt("cpu", "where --data imagefolder's images are decoded and augmented: cpu (PIL in the loader "
+                                "workers) or gpu (workers read the bytes and draw the crops; decode_jpeg decodes on the "
+                                "training device, nvJPEG on CUDA, and the crops, flips and policy are applied there)")
     output_dir: str = opt("runs/resnet", "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix)")
     # torchvision's classification reference (references/classification/train.py), same flag names.
     auto_augment: AutoAugment | None = opt(None, "training augmentation policy: ra (RandAugment), ta_wide "
@@ -217,7 +221,9 @@ class ResNetConfig(RunConfig):
                              (self.data == "cifar10", ("train_crop_size", "val_resize_size", "val_crop_size"),
                               "{data} imagefolder (CIFAR-10 is 32 px)"),
                              (self.data != "imagefolder", ("min_crop_scale",),
-                              "{data} imagefolder (the other data take no RandomResizedCrop)")])
+                              "{data} imagefolder (the other data take no RandomResizedCrop)"),
+                             (self.data != "imagefolder", ("decode",),
+                              "{data} imagefolder (CIFAR-10 and synthetic data are in memory, not image files)")])
 
     def _refuse_unused(self, needs: list[tuple[bool, tuple[str, ...], str]]) -> None:
         for missing, names, requirement in needs:
@@ -294,7 +300,11 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
                        **weights_eval)
         if cfg.num_classes is not None:
             offered["num_classes"] = cfg.num_classes
-        given = cfg._changed("data_dir", "min_crop_scale", *augment, *crops)
+        if cfg.decode != "cpu":
+            # Only a DataModule that takes decode (e.g. a subclass of ImageFolderDataModule) can decode on the
+            # device; any other is refused in one line: its loaders would hand the model undecoded files.
+            offered.update(decode=cfg.decode, channels_last=cfg.channels_last)
+        given = cfg._changed("data_dir", "min_crop_scale", "decode", *augment, *crops)
         return construct_datamodule(cls, offered, given)
     cfg.check_own_data_flags()
     if cfg.data == "synthetic":
@@ -305,7 +315,7 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
         return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed, **augment)
     dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,
                                num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment, **crops,
-                               **weights_eval)
+                               **weights_eval, decode=cfg.decode, channels_last=cfg.channels_last)
     dm.check_layout()  # before any process starts: a wrong --data-dir fails here, in one line
     return dm
 
@@ -447,6 +457,8 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
         if cfg.model_ema:
             run_callbacks.append(ema_callback(cfg))
         extra = {"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume}
+        if cfg.decode == "gpu" and isinstance(getattr(datamodule, "decode_record", None), dict):
+            extra["decode"] = datamodule.decode_record  # filled during the run (rank 0's own counts)
         if cfg.fine_tunes:
             record = FineTuningRecord()  # fills its dict during the fit; summary.json is written after it
             run_callbacks.append(record)

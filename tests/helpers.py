@@ -89,3 +89,35 @@ def raises_cli(exc: type[BaseException], match: str | None = None) -> Iterator[A
         yield info
     text = cli_text(info.value)
     assert match is None or re.search(match, text), f"{match!r} not in {text!r}"
+
+
+def write_jpeg_tree(root: Path, per_class: int, val_per_class: int = 0, side: int = 24, classes: int = 2,
+                    seed: int = 0) -> Path:
+    """An ImageFolder tree of small JPEGs of different sizes (``side`` to 1.5 x ``side`` px each way): smooth
+    colour fields, so that JPEG's own noise stays small. ``root/train/<class>`` (and ``root/val`` when
+    ``val_per_class``); made here, so it travels with the working tree's tests."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", per_class), ("val", val_per_class)):
+        for c in range(classes if n else 0):
+            folder = root / split / f"c{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                h, w = (side + int(rng.integers(0, side // 2 + 1)) for _ in range(2))
+                field = rng.integers(0, 256, (h // 6 + 2, w // 6 + 2, 3), dtype=np.uint8)
+                Image.fromarray(field).resize((w, h), Image.BICUBIC).save(folder / f"{i}.jpg", quality=92)
+    return root
+
+
+def write_odd_images(folder: Path) -> None:
+    """Two files named ``.JPEG`` that nvJPEG refuses: a CMYK JPEG (libjpeg decodes it) and a PNG (only
+    ``decode_image`` reads it), as ImageNet holds."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    field = Image.fromarray(rng.integers(0, 256, (8, 9, 3), dtype=np.uint8)).resize((45, 40), Image.BICUBIC)
+    field.convert("CMYK").save(folder / "cmyk.JPEG", format="JPEG", quality=95)
+    field.save(folder / "png_in_disguise.JPEG", format="PNG")

@@ -143,15 +143,33 @@ def test_loader_bench_times_each_decode_path_per_worker_count(tmp_path, capsys):
                  "--image-size", "32", "--repeats", "1", "--target-images-per-s", "5000", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     cells = {(r["decode"], r["workers"]): r for r in result["rows"]}
-    assert set(cells) == {("pil", 0), ("pil", 1), ("tensor", 0), ("tensor", 1)}
-    assert all(r["images_per_s"] > 0 and r["workers_for_target"] >= 1 for r in cells.values())
-    assert result["images"] == 40 and "| tensor | 1 |" in capsys.readouterr().out
+    assert set(cells) == {(d, w) for d in ("pil", "tensor", "gpu") for w in (0, 1)}
+    assert all(r["images_per_s"] > 0 for r in cells.values())
+    assert all(r["workers_for_target"] >= 1 for (d, _), r in cells.items() if d != "gpu")
+    # Without CUDA the gpu path runs the recipe's --decode gpu code on the CPU, and the table says so.
+    gpu = cells[("gpu", 1)]
+    assert gpu["device"] == "cpu" and gpu["cpu_fallbacks"] == 0 and gpu["images_per_s_per_worker"] is None
+    printed = capsys.readouterr().out
+    assert result["images"] == 40 and "| tensor | 1 |" in printed and "| gpu (on cpu) | 1 |" in printed
+    assert "not nvJPEG on a GPU" in printed
+
+
+def test_loader_bench_writes_real_size_synthetic_jpegs(tmp_path, capsys):
+    out = tmp_path / "loader.json"
+    assert main(["loader", "--synthetic", "16", "--workers", "0", "--decode", "pil,gpu", "--batch-size", "4",
+                 "--batches", "2", "--image-size", "32", "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["synthetic"] == 16 and result["images"] == 16 and result["data_dir"] is None
+    assert {r["decode"] for r in result["rows"]} == {"pil", "gpu"}
+    assert "16 synthetic JPEGs (about 500 x 375, made by the bench)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--decode", "pil,jpegturbo"], "--decode"),
     (["--workers", "two"], "--workers"),
     (["--batch-size", "64"], "at least 2 x --batch-size"),
+    (["--synthetic", "64"], "--data-dir DIR (an ImageFolder tree) or --synthetic N"),
+    (["--gpu-decode", "--device", "cpu"], "--gpu-decode" if torch.cuda.is_available() else "needs a CUDA GPU"),
 ])
 def test_loader_bench_bad_input_is_one_line(tmp_path, capsys, args, needle):
     folder = _jpeg_folder(tmp_path / "imgs")

@@ -149,8 +149,8 @@ def test_synthetic_data_is_not_seeded_per_batch():
     assert all(type(i) is int for i in ResumableSampler(seeded, num_replicas=1, rank=0))
 
 
-# ---- the loader bench's nvJPEG fallback (reached on CPU: torchvision's CPU decode_jpeg rejects the same
-# files nvJPEG does, a PNG named .JPEG among them) ----------------------------------------------------------
+# ---- the nvJPEG fallback of --decode gpu and the loader bench (reached on CPU: torchvision's CPU decode_jpeg
+# rejects the same non-JPEG files nvJPEG does, a PNG named .JPEG among them) ----------------------------------
 
 
 def _image_files(tmp_path):
@@ -166,7 +166,7 @@ def _image_files(tmp_path):
 def test_a_png_named_jpeg_falls_back_to_the_cpu_decoder(tmp_path):
     from torchvision.io import decode_jpeg
 
-    from ddp_recipes.bench.loader import decode_one
+    from ddp_recipes.data.device_decode import decode_one
 
     jpeg, png, _ = _image_files(tmp_path)
     image, fell_back = decode_one(jpeg, "cpu", decode_jpeg)
@@ -175,10 +175,10 @@ def test_a_png_named_jpeg_falls_back_to_the_cpu_decoder(tmp_path):
     assert fell_back and image.shape == (3, 10, 12) and image[1].float().mean() > 150  # the green PNG
 
 
-def test_gpu_decoder_keeps_the_batch_when_one_file_is_rejected(tmp_path):
+def test_the_batch_decode_keeps_the_batch_when_one_file_is_rejected(tmp_path):
     from torchvision.io import decode_jpeg
 
-    from ddp_recipes.bench.loader import GpuDecoder
+    from ddp_recipes.data.device_decode import decode_images
 
     files = _image_files(tmp_path)
     calls: list[int] = []
@@ -187,8 +187,8 @@ def test_gpu_decoder_keeps_the_batch_when_one_file_is_rejected(tmp_path):
         calls.append(len(data) if isinstance(data, list) else 1)
         return decode_jpeg(data, device=device, mode=mode)
 
-    decoder = GpuDecoder(lambda img: img.float().mean(dim=(1, 2)), device="cpu", jpeg_decoder=nvjpeg)
-    batch = decoder(files)
-    assert batch.shape == (3, 3) and decoder.fallbacks == 1  # CMYK decodes to RGB; only the PNG fell back
+    images, fallbacks = decode_images(files, "cpu", nvjpeg)
+    assert [tuple(i.shape) for i in images] == [(3, 10, 12)] * 3 and fallbacks == 1  # CMYK decodes to RGB
     assert calls[0] == 3  # the batched call first, then one file at a time
-    assert decoder(files[:1]).shape == (1, 3) and decoder.fallbacks == 1
+    assert decode_images(files[:1], "cpu", nvjpeg)[1] == 0 and calls[-1] == 1
+

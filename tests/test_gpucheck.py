@@ -260,10 +260,11 @@ def plan_args(*argv: str) -> argparse.Namespace:
 def test_checks_run_in_order_of_value():
     names = [c.name for c in gc.plan_checks(plan_args(), gpus=1)]
     assert names == ["sync-debug", "resnet50-pack", "resnet50-raw", "pack-vs-raw", "gpu-tests", "cuda-kill-resume",
-                     "resnet50-pack-compiled", "resnet50-raw-compiled", "pack-vs-raw-compiled", "bench-multi-gpu"]
+                     "decode-gpu", "resnet50-pack-compiled", "resnet50-raw-compiled", "pack-vs-raw-compiled",
+                     "bench-multi-gpu"]
     assert [c.name for c in gc.plan_checks(plan_args("--no-compile"), gpus=1)] == [
         "sync-debug", "resnet50-pack", "resnet50-raw", "pack-vs-raw", "gpu-tests", "cuda-kill-resume",
-        "bench-multi-gpu"]
+        "decode-gpu", "bench-multi-gpu"]
     compiled = {c.name: c for c in gc.plan_checks(plan_args(), gpus=1)}
     assert compiled["resnet50-pack-compiled"].compiled and not compiled["resnet50-pack"].compiled
     only = [c.name for c in gc.plan_checks(plan_args("--only", "resnet50-raw,resnet50-pack"), gpus=1)]
@@ -274,6 +275,7 @@ def test_the_default_budget_is_seven_minutes_and_each_timeout_fits_in_it():
     assert gc.TOTAL_BUDGET_S == 420
     checks = [c for c in gc.plan_checks(plan_args(), gpus=8) if isinstance(c, runner.Check)]
     assert all(c.timeout_s <= gc.TOTAL_BUDGET_S for c in checks)
+    assert next(c for c in checks if c.name == "decode-gpu").timeout_s <= 60  # two short runs in a tight budget
 
 
 def test_unknown_only_name_is_refused(capsys):
@@ -338,6 +340,66 @@ def test_reference_rows_never_show_another_precisions_figure():
     a100 = next(r for r in report.reference_rows("16-mixed", 989e12, "NVIDIA H100 80GB HBM3") if r["gpu"].startswith("A100"))
     assert a100["images_per_s"] == 2470.0 and a100["scaled_images_per_s"] == round(2470 * 989 / 312, 1)
     assert "scaled" in a100["label"] and "estimate" in a100["label"]
+
+
+def decode_run(rate: float | None, wait: float | None, record: dict | None = None) -> dict:
+    return {"images_per_s": rate, "input_wait_fraction": wait, "num_workers": 8, "steps": 16, "decode": record}
+
+
+def write_decode(work: Path, gpu_record: dict, gpu_rate: float | None = 2900.0) -> Path:
+    work.mkdir(parents=True, exist_ok=True)
+    found = {"cpu": decode_run(1450.0, 0.412), "gpu": decode_run(gpu_rate, 0.013, gpu_record), "batch_size": 128}
+    (work / "decode.json").write_text(json.dumps(found))
+    return work
+
+
+def test_decode_gpu_reports_both_rates_and_waits_and_fails_off_cuda_or_on_a_fallback(tmp_path):
+    [check] = [c for c in gc.plan_checks(plan_args("--only", "decode-gpu"), gpus=1)]
+    assert check.cmd[2:4] == ["ddp_recipes.bench._gpucheck_worker", "decode-gpu"] and check.judge is gc.decode_judge
+    cuda = {"device": "cuda:0", "images": 2304, "cpu_fallbacks": 0}
+    ok = check.judge(0, write_decode(tmp_path / "ok", cuda), "")
+    assert ok["verdict"] == "pass", ok
+    assert ok["reason"] == ("decode cpu: 1450.0 images/s, input wait 41.2% (8 workers); decode gpu: 2900.0 images/s, "
+                            "input wait 1.3%; gpu/cpu = 2.00")
+    assert ok["data"]["gpu_vs_cpu"] == 2.0 and ok["data"]["cpu"]["input_wait_fraction"] == 0.412
+    slower = check.judge(0, write_decode(tmp_path / "slower", cuda, gpu_rate=1000.0), "")
+    assert slower["verdict"] == "pass" and "gpu/cpu = 0.69" in slower["reason"]  # measured, not judged by speed
+    refused = check.judge(0, write_decode(tmp_path / "refused", {**cuda, "cpu_fallbacks": 3}), "")
+    assert refused["verdict"] == "fail" and refused["reason"].startswith("nvJPEG refused 3 of 2304 plain baseline")
+    on_cpu = check.judge(0, write_decode(tmp_path / "cpu", {**cuda, "device": "cpu"}), "")
+    assert on_cpu["verdict"] == "fail" and on_cpu["reason"].startswith("--decode gpu decoded on cpu, not CUDA")
+    unmeasured = check.judge(0, write_decode(tmp_path / "none", cuda, gpu_rate=None), "")
+    assert unmeasured["verdict"] == "fail" and "no steady-state rate" in unmeasured["reason"]
+    assert check.judge(1, tmp_path / "missing", "Traceback\nRuntimeError: boom")["reason"] == "exit 1: Traceback | RuntimeError: boom"
+    # A cut during the second run still says what the first measured; the report's row carries the figures.
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "decode.json").write_text(json.dumps({"cpu": decode_run(1450.0, 0.4)}))
+    assert check.partial(tmp_path / "cut", "") == "decode cpu ran: 1450.0 images/s"
+    assert check.partial(tmp_path / "nothing", "") == ""
+    built = report.build_report([{"name": "decode-gpu", "what": check.what, "seconds": 31.0, **ok}],
+                                a_gpu_machine().to_dict(), 420, 31.0, [], [], {"batch_size": 128}, None, True)
+    assert f"| decode-gpu | pass | 31.0 | {ok['reason']} |" in report.markdown(built)
+
+
+@pytest.mark.slow  # two recipe runs, each its own process: about a minute on 2 loaded cores
+def test_the_decode_gpu_check_runs_the_recipe_both_ways(tmp_path):
+    """The check's own command, made small and run on the CPU through the real runner: it writes the folder,
+    runs the recipe with --decode cpu and gpu, and its judge reads both summaries (and fails it here: the
+    decode ran on the CPU, not on CUDA)."""
+    [check] = [c for c in gc.plan_checks(plan_args("--only", "decode-gpu"), gpus=1)]
+    check.cmd += ["--accelerator", "cpu", "--arch", "resnet18", "--image-size", "16", "--batch-size", "4", "--steps",
+                  "3", "--precision", "32-true"]
+    check.timeout_s = 240
+    [result] = runner.run_checks([check], gpus=1, out_dir=tmp_path, budget_s=300, **QUIET)
+    assert result["verdict"] == "fail" and result["reason"].startswith("--decode gpu decoded on cpu, not CUDA"), result
+    data = result["data"]
+    for decode in ("cpu", "gpu"):
+        assert data[decode]["images_per_s"] > 0 and 0 <= data[decode]["input_wait_fraction"] <= 1
+        assert data[decode]["steps"] == 3
+    assert data["cpu"]["decode"] is None  # the PIL pipeline
+    assert data["gpu"]["decode"] == {"device": "cpu", "images": 3 * 4 + 2 * 4, "cpu_fallbacks": 0}  # + sanity, test
+    work = tmp_path / "gpu-check" / "decode-gpu"
+    assert len(list((work / "jpegs" / "train").rglob("*.jpg"))) == 16
 
 
 @pytest.mark.parametrize(("verdicts", "expected"), [

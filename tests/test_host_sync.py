@@ -43,22 +43,24 @@ class _CountOps(TorchDispatchMode):
 
 
 class HostReadCounter(Callback):
-    """Counts every aten op from the end of step ``START`` to the end of step ``START + WINDOW``: whole steps,
-    every hook of every callback included (the mode is entered in one batch-end hook, left in a later one)."""
+    """Counts every aten op from the end of step ``start`` to the end of step ``start + window``: whole steps,
+    every hook of every callback included (the mode is entered in one batch-end hook, left in a later one), and
+    the next batch's transfer to the device (with ``--decode gpu``, its decode)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = START, window: int = WINDOW) -> None:
+        self.start, self.window = start, window
         self.mode: _CountOps | None = None
         self.ops: Counter[str] = Counter()
         self.steps = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if batch_idx == START:
+        if batch_idx == self.start:
             self.mode = _CountOps()
             self.mode.__enter__()
-        elif batch_idx == START + WINDOW and self.mode is not None:
+        elif batch_idx == self.start + self.window and self.mode is not None:
             self.mode.__exit__(None, None, None)
-            self.ops, self.steps, self.mode = self.mode.ops, WINDOW, None
+            self.ops, self.steps, self.mode = self.mode.ops, self.window, None
 
     def host_reads(self) -> int:
         return sum(self.ops[name] for name in HOST_READS)
@@ -157,3 +159,83 @@ def test_the_modules_training_step_makes_no_host_read():
         module.training_step(batch, 0)
     assert mode.ops["aten::addmm"] == 2  # the step ran inside the mode
     assert not any(mode.ops[name] for name in HOST_READS), {k: mode.ops[k] for k in HOST_READS}
+
+
+# ---- --decode gpu: the decode and the device augmentation in the step --------------------------------------
+
+DECODE_START, DECODE_WINDOW = 2, 3
+
+
+class _DecodeCounter(HostReadCounter):
+    """Also the images the DataModule's device decoder decoded inside the window (torchvision 0.26's CPU
+    decode_jpeg does not go through the dispatcher, so the op count cannot show it on every version)."""
+
+    def __init__(self, dm, start: int, window: int) -> None:
+        super().__init__(start, window)
+        self.dm, self.marks = dm, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx in (self.start, self.start + self.window):
+            self.marks.append(self.dm.decoder.images)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def decoded(self) -> int:
+        return self.marks[1] - self.marks[0]
+
+
+def _resnet_steps(tmp_path, root, decode: str) -> _DecodeCounter:
+    """The ResNet recipe's path (run_fit_test, its callbacks) on a JPEG folder, one loader worker, 11 steps."""
+    from ddp_recipes.data.images import ImageFolderDataModule
+    from ddp_recipes.modules.resnet import ResNetClassifier
+
+    cfg = RunConfig(devices=1, accelerator="cpu", max_steps=DECODE_START + DECODE_WINDOW + 2, batch_size=1,
+                    output_dir=str(tmp_path / decode), num_workers=1)
+    dm = ImageFolderDataModule(root, batch_size=1, image_size=16, num_workers=1, decode=decode,
+                               random_erase=0.5, auto_augment="ta_wide")
+    counter = _DecodeCounter(dm, DECODE_START, DECODE_WINDOW)
+    run_fit_test(cfg, lambda: ResNetClassifier(num_classes=2, cifar_stem=True, lr=cfg.plan.lr), dm, cfg.plan.lr,
+                 callbacks=[*checkpoint_callbacks(cfg, True, ResNetClassifier), counter], test=False, save_final=False)
+    return counter
+
+
+def test_a_decode_gpu_step_reads_the_device_no_more_than_a_decode_cpu_step(tmp_path):
+    from tests.helpers import write_jpeg_tree
+
+    root = write_jpeg_tree(tmp_path / "jpegs", per_class=6, val_per_class=1, side=20)  # 12 steps per epoch
+    gpu, cpu = _resnet_steps(tmp_path, root, "gpu"), _resnet_steps(tmp_path, root, "cpu")
+    assert gpu.steps == cpu.steps == DECODE_WINDOW
+    assert gpu.decoded() == DECODE_WINDOW and cpu.decoded() == 0  # the window's batches were decoded inside it
+    assert gpu.host_reads() <= cpu.host_reads(), (
+        f"decode gpu {dict((k, gpu.ops[k]) for k in HOST_READS)} vs cpu {dict((k, cpu.ops[k]) for k in HOST_READS)}")
+
+
+def test_decoding_and_augmenting_a_batch_on_the_device_makes_no_host_read(tmp_path):
+    """Every step of the device pipeline, the fallback included: the crops, flips, policy operations and erased
+    boxes are host values drawn in the workers, the normalisation constants stay on the device."""
+    from PIL import Image
+
+    from ddp_recipes.data.device_decode import DeviceDecoder
+    from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
+    from ddp_recipes.data.resumable import sample_seed, seed_all
+    from tests.helpers import write_jpeg_tree
+
+    root = write_jpeg_tree(tmp_path / "jpegs", per_class=6, side=30)
+    files = sorted(str(p) for p in root.rglob("*.jpg"))
+    Image.new("RGB", (30, 34), (0, 90, 0)).save(root / "png.JPEG", format="PNG")
+    files.append(str(root / "png.JPEG"))
+    decoder = DeviceDecoder(channels_last=True)
+    for pipeline in (TrainPipeline(24, auto_augment="imagenet", random_erase=1.0), EvalPipeline(24)):
+        dataset = EncodedImageFolder([(f, 0) for f in files], pipeline)
+        samples = []
+        for i in range(len(files)):
+            seed_all(sample_seed(0, 0, i))
+            samples.append(dataset[i])
+        batch = dataset.collate(samples).to("cpu")
+        decoder(batch)  # the normalisation constants are copied once per device, before the count
+        before = decoder.images
+        with _CountOps() as mode:
+            x, _ = decoder(batch)
+        assert x.shape == (len(files), 3, 24, 24) and decoder.images - before == len(files)
+        assert mode.ops["aten::div_"] >= 1  # the device augmentation ran inside the mode
+        assert not any(mode.ops[name] for name in HOST_READS), {k: mode.ops[k] for k in HOST_READS}
+    assert decoder.fallbacks == 4  # the PNG, twice per pipeline

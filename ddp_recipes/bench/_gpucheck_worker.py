@@ -1,12 +1,20 @@
 """gpu-check's in-process checks, each run in a fresh process by ``ddp_recipes.bench.gpucheck``.
 
     python -m ddp_recipes.bench._gpucheck_worker sync-debug --out FILE [--steps 6] [--warmup-steps 3]
+    python -m ddp_recipes.bench._gpucheck_worker decode-gpu --out FILE [--steps 16] [--batch-size 128]
 
 ``sync-debug``: the pack's training path (``build_trainer``, the recipe's ResNet-50 LightningModule,
 bf16-mixed, channels-last, one GPU) with ``torch.cuda.set_sync_debug_mode("warn")`` switched on for the
 steady-state steps only (warm-up has one-off syncs: cuDNN set-up, the allocator). Every "synchronizing CUDA
 operation" warning is counted with the Python frames that caused it; FILE gets ``{"syncs", "steps",
 "sites"}``. bf16, not 16-mixed: a GradScaler reads found-inf on the host each step by design.
+
+``decode-gpu``: the ResNet-50 recipe (``python -m recipes.resnet``, bf16-mixed, channels-last, one device, the
+recipe's default loader workers) on one folder of real-size synthetic JPEGs
+(:mod:`ddp_recipes.bench.jpeg_folder`, written next to FILE), once with ``--decode cpu`` and once with
+``--decode gpu``, each in a fresh process; FILE gets each run's images/s, input-wait fraction, loader workers
+and (gpu) its ``decode`` record from ``summary.json``. The training folder holds one batch more than the steps
+take, so no run reaches its epoch's end: the figures are the training steps', not validation's.
 """
 
 from __future__ import annotations
@@ -74,15 +82,58 @@ def sync_debug(steps: int, warmup: int, batch: int) -> dict[str, Any]:
             "precision": "bf16-mixed", "batch_size": batch}
 
 
+def decode_gpu(out: Path, steps: int, batch: int, accelerator: str, arch: str, image_size: int,
+               precision: str) -> dict[str, Any]:
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from ddp_recipes.bench.jpeg_folder import write_image_folder
+    from ddp_recipes.config.world import default_num_workers
+
+    work = out.parent
+    # One validation batch: the sanity check and the recipe's test pass each decode it once.
+    folder = write_image_folder(work / "jpegs", train=(steps + 1) * batch, val=max(batch, 4), classes=4)
+    runs: dict[str, Any] = {}
+    for decode in ("cpu", "gpu"):
+        cmd = [sys.executable, "-m", "recipes.resnet", "--accelerator", accelerator, "--devices", "1",
+               "--data", "imagefolder", "--data-dir", os.fspath(folder), "--arch", arch, "--image-size",
+               str(image_size), "--precision", precision, "--channels-last", "--batch-size", str(batch),
+               "--max-steps", str(steps), "--decode", decode, "--seed", "0", "--output-dir",
+               os.fspath(work / f"decode-{decode}")]
+        shutil.rmtree(work / f"decode-{decode}", ignore_errors=True)  # this check's own output of an earlier run
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        summary = json.loads((work / f"decode-{decode}" / "summary.json").read_text())
+        runs[decode] = {"images_per_s": summary.get("train_samples_per_sec"),
+                        "input_wait_fraction": summary.get("input_wait_fraction"),
+                        "num_workers": summary["config"].get("num_workers") or default_num_workers(), "steps": summary.get("steps"),
+                        "decode": summary.get("decode")}
+        # After each run: a check cut during the second still shows the first's figures.
+        out.write_text(json.dumps({**runs, "batch_size": batch, "arch": arch, "image_size": image_size,
+                                   "precision": precision, "train_images": (steps + 1) * batch}, indent=2) + "\n")
+    return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ddp_recipes.bench._gpucheck_worker")
-    p.add_argument("check", choices=["sync-debug"])
+    p.add_argument("check", choices=["sync-debug", "decode-gpu"])
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=None, help="default: 6 (sync-debug), 16 (decode-gpu)")
     p.add_argument("--warmup-steps", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=None, help="default: 32 (sync-debug), 128 (decode-gpu)")
+    # decode-gpu only: the CPU test runs the same command small, on the CPU.
+    p.add_argument("--accelerator", default="cuda")
+    p.add_argument("--arch", default="resnet50")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--precision", default="bf16-mixed")
     args = p.parse_args(argv)
-    result = sync_debug(args.steps, args.warmup_steps, args.batch_size)
+    if args.check == "sync-debug":
+        result = sync_debug(args.steps or 6, args.warmup_steps, args.batch_size or 32)
+    else:
+        result = decode_gpu(Path(args.out), args.steps or 16, args.batch_size or 128, args.accelerator, args.arch,
+                            args.image_size, args.precision)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -14,9 +14,13 @@ cuts is ``incomplete``, never ``fail``):
 3. ``gpu-tests``: the ``gpu`` pytest tier (``GPU_TEST_FILES`` only) but its kill-and-resume test; 2+-GPU
    (NCCL) tests skip below 2 GPUs inside it.
 4. ``cuda-kill-resume``: that test alone: SIGKILL a CUDA run mid-training, ``--resume auto``, bit-identical.
-5. ``resnet50-{pack,raw}-compiled``, ``pack-vs-raw-compiled``: the same, ``torch.compile``d; ``no verdict``
+5. ``decode-gpu``: the ResNet-50 recipe on one folder of real-size synthetic JPEGs with ``--decode cpu`` and
+   with ``--decode gpu`` (nvJPEG): images/s and input-wait fraction of each; it fails where the gpu run did
+   not decode on CUDA or needed the CPU fallback for any of these plain baseline JPEGs. No speed threshold:
+   the figures are what it is for.
+6. ``resnet50-{pack,raw}-compiled``, ``pack-vs-raw-compiled``: the same, ``torch.compile``d; ``no verdict``
    with the reason where Triton cannot build its C helper (no C compiler or no ``Python.h``).
-6. ``bench-multi-gpu`` (2+ GPUs): ``python -m ddp_recipes.bench`` at 1, 2 and N GPUs.
+7. ``bench-multi-gpu`` (2+ GPUs): ``python -m ddp_recipes.bench`` at 1, 2 and N GPUs.
 
 Writes ``<out-dir>/gpu-report.json`` and ``gpu-report.md`` after every check (a slot that ends mid-run
 still leaves a report) and per check ``<out-dir>/gpu-check/<name>/output.log``. Exit codes and verdicts:
@@ -60,9 +64,12 @@ TOTAL_BUDGET_S = 420.0  # 7 minutes of a 10-minute slot on one H200: the rest is
 PACK_VS_RAW_MIN = 0.90  # the pack's step may cost at most ~10 % over the raw loop's at ResNet-50 scale
 # The gpu tier, and only it: collecting all of tests/ would import every test module (and its optional
 # packages) before a single GPU test runs. tests/test_gpucheck.py checks this list against the markers.
-GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_gpu_cuda_paths.py", "tests/test_gpu_timing.py")
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_gpu_cuda_paths.py", "tests/test_gpu_timing.py",
+                  "tests/test_gpu_decode.py")
 RESUME_TEST = "kill_and_resume"  # the -k expression of tests/test_gpu.py's CUDA kill + --resume auto test
 PER_TEST_TIMEOUT_S = 150  # pytest-timeout's limit per gpu test, where it is installed: one hang, one failure
+# Two short recipe runs (16 steps at batch 128, each its own process) and a folder of 2,300 JPEGs: ~30 s warm.
+DECODE_TIMEOUT_S = 60
 
 
 def pytest_cmd(expression: str) -> list[str]:
@@ -106,6 +113,42 @@ def sync_judge(rc: int, work: Path, tail: str) -> Result:
     return verdict("pass", f"no host sync in {steps} steady-state steps", **found)
 
 
+def _percent(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{fraction:.1%}"
+
+
+def decode_judge(rc: int, work: Path, tail: str) -> Result:
+    """Both runs' figures; a fail where the gpu run did not decode on CUDA or fell back to the CPU for a file."""
+    if rc != 0:
+        return verdict("fail", f"exit {rc}: {' | '.join(tail.strip().splitlines()[-3:])}")
+    found = json.loads((work / "decode.json").read_text())
+    cpu, gpu = found["cpu"], found["gpu"]
+    rates = [run["images_per_s"] for run in (cpu, gpu)]
+    ratio = round(rates[1] / rates[0], 3) if all(rates) else None
+    figures = (f"decode cpu: {rates[0]} images/s, input wait {_percent(cpu['input_wait_fraction'])} "
+               f"({cpu['num_workers']} workers); decode gpu: {rates[1]} images/s, input wait "
+               f"{_percent(gpu['input_wait_fraction'])}" + (f"; gpu/cpu = {ratio:.2f}" if ratio else ""))
+    data = {**found, "gpu_vs_cpu": ratio}
+    record = gpu.get("decode") or {}
+    if not str(record.get("device", "")).startswith("cuda"):
+        return verdict("fail", f"--decode gpu decoded on {record.get('device')}, not CUDA; {figures}", **data)
+    if record.get("cpu_fallbacks"):
+        return verdict("fail", f"nvJPEG refused {record['cpu_fallbacks']} of {record.get('images')} plain baseline "
+                       f"JPEGs (decoded on the CPU instead); {figures}", **data)
+    if not all(rates):
+        return verdict("fail", f"a run measured no steady-state rate; {figures}", **data)
+    return verdict("pass", figures, **data)
+
+
+def decode_partial(work: Path, tail: str) -> str:
+    """The runs that finished before a cut."""
+    try:
+        found = json.loads((work / "decode.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return "; ".join(f"decode {d} ran: {found[d]['images_per_s']} images/s" for d in ("cpu", "gpu") if d in found)
+
+
 def pack_vs_raw(suffix: str) -> Derived:
     """The pack's images/s against the raw loop's, from the two runs before it."""
     label = suffix.removeprefix("-") or "eager"
@@ -145,6 +188,9 @@ def plan_checks(args: argparse.Namespace, gpus: int) -> list[Check | Derived]:
               timeout_s=300, judge=pytest_judge, partial=pytest_partial),
         Check("cuda-kill-resume", "SIGKILL a CUDA run mid-training, --resume auto: bit-identical weights",
               pytest_cmd(RESUME_TEST), timeout_s=180, judge=pytest_judge, partial=pytest_partial),
+        Check("decode-gpu", "ResNet-50 recipe on real-size JPEGs, --decode cpu vs gpu: images/s, input wait",
+              [sys.executable, "-m", "ddp_recipes.bench._gpucheck_worker", "decode-gpu", "--out", "{work}/decode.json"],
+              timeout_s=DECODE_TIMEOUT_S, judge=decode_judge, partial=decode_partial),
     ]
     if args.compile:
         checks += [resnet("pack-compiled", 300), resnet("raw-compiled", 240), pack_vs_raw("-compiled")]

@@ -1,17 +1,22 @@
 """``python -m ddp_recipes.bench loader``: can the CPUs decode images as fast as the GPUs train on them?
 
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8 --image-size 224
+    python -m ddp_recipes.bench loader --synthetic 1024 --workers 0,1,2 --decode pil,gpu
     python -m ddp_recipes.bench loader --data-dir DIR --decode pil,tensor --target-images-per-s 3000
 
 Measures images/s of the recipe's ImageFolder training pipeline (decode, RandomResizedCrop, flip, to float,
-normalize; batches collated) on real image files, per DataLoader worker count and per decode path:
+normalize; batches collated) on real image files, or on ``--synthetic N`` real-size JPEGs the bench writes
+itself (about 500 x 375, :mod:`ddp_recipes.bench.jpeg_folder`), per DataLoader worker count and per decode path:
 
-* ``pil``: PIL decodes (the recipe's ``ImageFolderDataModule``, torchvision's default loader);
+* ``pil``: PIL decodes (the recipe's ``--decode cpu``, torchvision's default loader);
 * ``tensor``: ``torchvision.io.decode_image`` on the file's bytes, the same transforms on uint8 tensors;
-* ``--gpu-decode`` (CUDA only): workers read bytes, the main process decodes the batch on the GPU with
-  ``torchvision.io.decode_jpeg(..., device="cuda", mode=RGB)`` and transforms it there (files named
-  .jpg/.jpeg). A file nvJPEG rejects (ImageNet holds PNG and CMYK files named ``.JPEG``) is decoded on the
-  CPU instead and moved to the GPU; the row counts these ``cpu_fallbacks``.
+* ``gpu``: the recipe's ``--decode gpu`` (:mod:`ddp_recipes.data.encoded`, :mod:`ddp_recipes.data.device_decode`):
+  workers read bytes and draw the crops, the main process decodes the batch with ``decode_jpeg`` on
+  ``--device`` and applies the crops there. On CUDA that is nvJPEG (each batch waited for, so the rate is
+  the decode's own); without CUDA (``--device cpu``) it is torchvision's CPU ``decode_jpeg`` in the main
+  process: the rows say ``gpu (on cpu)`` and measure that path on the CPU, not a GPU. A file ``decode_jpeg``
+  refuses (ImageNet holds PNG and CMYK files named .JPEG) is decoded on the CPU instead; the row counts
+  these ``cpu_fallbacks``. ``--gpu-decode`` adds the ``gpu`` path on CUDA (and needs CUDA).
 
 Each (path, workers) cell is measured ``--repeats`` times, interleaved; the report gives the median and
 range, images/s per worker, and with ``--target-images-per-s`` (e.g. one GPU's training rate x GPUs per
@@ -28,8 +33,8 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +42,19 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_recipes.config.cli import fail
+from ddp_recipes.data.device_decode import DeviceDecoder
 
 PROG = "python -m ddp_recipes.bench loader"
-DECODERS = ("pil", "tensor")
+DECODERS = ("pil", "tensor", "gpu")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+SYNTHETIC_CLASSES = 4
 
 
-class _BytesFolder(Dataset):
-    """(file bytes as a uint8 tensor, label) of an ImageFolder's samples: decoding happens elsewhere."""
+class _TensorFolder(Dataset):
+    """An ImageFolder's samples decoded by ``torchvision.io.decode_image`` (RGB), then ``transform``."""
 
-    def __init__(self, samples: list[tuple[str, int]], transform: Any = None, decode: bool = False) -> None:
-        self.samples, self.transform, self.decode = samples, transform, decode
+    def __init__(self, samples: list[tuple[str, int]], transform: Any) -> None:
+        self.samples, self.transform = samples, transform
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -56,15 +63,7 @@ class _BytesFolder(Dataset):
         from torchvision.io import ImageReadMode, decode_image, read_file
 
         path, label = self.samples[index]
-        data = read_file(path)
-        if not self.decode:
-            return data, label
-        image = decode_image(data, mode=ImageReadMode.RGB)
-        return (self.transform(image) if self.transform else image), label
-
-
-def _keep_list(batch: list) -> tuple[list, torch.Tensor]:
-    return [item[0] for item in batch], torch.tensor([item[1] for item in batch])
+        return self.transform(decode_image(read_file(path), mode=ImageReadMode.RGB)), label
 
 
 def train_transform(image_size: int):
@@ -74,68 +73,44 @@ def train_transform(image_size: int):
     return imagenet_train_transform(image_size)
 
 
-def build_loader(root: Path, decode: str, workers: int, batch_size: int, image_size: int) -> DataLoader:
+def build_loader(root: Path, decode: str, workers: int, batch_size: int, image_size: int,
+                 pin_memory: bool = False) -> DataLoader:
     from torchvision import datasets
 
+    from ddp_recipes.data.encoded import EncodedImageFolder, TrainPipeline
+
     folder = datasets.ImageFolder(os.fspath(root), transform=train_transform(image_size))
+    collate = None
     if decode == "pil":
         dataset: Dataset = folder
-    elif decode == "gpu":  # nvJPEG decodes JPEGs only
-        jpegs = [(path, label) for path, label in folder.samples if path.lower().endswith((".jpg", ".jpeg"))]
-        dataset = _BytesFolder(jpegs)
+    elif decode == "gpu":  # the recipe's --decode gpu: bytes and draws here, the decode on the device
+        dataset = EncodedImageFolder(folder.samples, TrainPipeline(image_size))
+        collate = dataset.collate
     else:
-        dataset = _BytesFolder(folder.samples, train_transform(image_size), decode=True)
-    collate = _keep_list if decode == "gpu" else None
+        dataset = _TensorFolder(folder.samples, train_transform(image_size))
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate,
-                      persistent_workers=False, drop_last=True, generator=torch.Generator().manual_seed(0))
-
-
-def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: Callable[..., Any]) -> tuple[torch.Tensor, bool]:
-    """One file's bytes as an RGB uint8 image on ``device``, and whether it needed the CPU fallback:
-    ``jpeg_decoder`` (nvJPEG) first; a file it rejects is decoded by ``decode_image`` on the CPU."""
-    from torchvision.io import ImageReadMode, decode_image
-
-    try:
-        return jpeg_decoder(data, device=device, mode=ImageReadMode.RGB), False
-    except (RuntimeError, ValueError):  # torchvision's "Not a JPEG file", nvJPEG's unsupported layouts
-        return decode_image(data, mode=ImageReadMode.RGB).to(device), True
+                      pin_memory=pin_memory, persistent_workers=False, drop_last=True,
+                      generator=torch.Generator().manual_seed(0))
 
 
 class GpuDecoder:
-    """Decodes a batch of file bytes on the GPU and applies the training transform there.
+    """The ``gpu`` path's main-process side: an :class:`~ddp_recipes.data.encoded.EncodedBatch` to ``device``,
+    decoded and augmented there (:class:`~ddp_recipes.data.device_decode.DeviceDecoder`); on CUDA each batch is
+    waited for, so that the rate is the decode's own, not the launch's. ``fallbacks``: files decoded on the CPU."""
 
-    The whole batch goes to nvJPEG in one call; when that call rejects a file, the batch is decoded file
-    by file (:func:`decode_one`) so one PNG named ``.JPEG`` costs one CPU decode, not the sweep.
-    ``fallbacks`` counts the files decoded on the CPU.
-    """
+    def __init__(self, device: str | torch.device) -> None:
+        self.device = torch.device(device)
+        self.decoder = DeviceDecoder()
 
-    def __init__(self, transform: Any, device: str | torch.device = "cuda",
-                 jpeg_decoder: Callable[..., Any] | None = None) -> None:
-        from torchvision.io import decode_jpeg
+    @property
+    def fallbacks(self) -> int:
+        return self.decoder.fallbacks
 
-        self.transform, self.device = transform, device
-        self.jpeg_decoder = jpeg_decoder or decode_jpeg
-        self.fallbacks = 0
-
-    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor]:
-        from torchvision.io import ImageReadMode
-
-        try:
-            # RGB: ImageNet holds grayscale and CMYK JPEGs, which would otherwise decode to 1 or 4 channels.
-            return list(self.jpeg_decoder(datas, device=self.device, mode=ImageReadMode.RGB))
-        except (RuntimeError, ValueError):
-            images = []
-            for data in datas:
-                image, fell_back = decode_one(data, self.device, self.jpeg_decoder)
-                images.append(image)
-                self.fallbacks += fell_back
-            return images
-
-    def __call__(self, datas: list[torch.Tensor]) -> torch.Tensor:
-        batch = torch.stack([self.transform(img) for img in self.decode(datas)])
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize()
-        return batch
+    def __call__(self, batch: Any) -> torch.Tensor:
+        images, _ = self.decoder(batch.to(self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return images
 
 
 def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = None) -> tuple[float, float]:
@@ -151,11 +126,10 @@ def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = N
     images, first, start = 0, None, None
     for i in range(1 + in_flight + batches):
         try:
-            x, _ = next(it)
+            batch = next(it)
         except StopIteration:
             break
-        if gpu_decoder is not None:
-            x = gpu_decoder(x)
+        x = gpu_decoder(batch) if gpu_decoder is not None else batch[0]
         if i == 0:
             first = time.perf_counter()
         if i == in_flight:
@@ -167,17 +141,30 @@ def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = N
     return (images / seconds if images and seconds > 0 else 0.0), (first or began) - began
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    root = Path(args.data_dir)
-    decoders = [d for d in args.decode.split(",") if d] + (["gpu"] if args.gpu_decode else [])
+def gpu_device(args: argparse.Namespace) -> torch.device:
+    """Where the ``gpu`` path decodes: ``--device``, or CUDA when there is one (``--gpu-decode``: CUDA)."""
+    if args.device == "auto":
+        return torch.device("cuda" if args.gpu_decode or torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def decode_label(decode: str, device: str | None) -> str:
+    """The row's path name; the ``gpu`` path on a CPU says so."""
+    return f"gpu (on {device})" if decode == "gpu" and device == "cpu" else decode
+
+
+def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    decoders = list(dict.fromkeys([d for d in args.decode.split(",") if d] + (["gpu"] if args.gpu_decode else [])))
+    device = gpu_device(args)
     cells = [(d, w) for d in decoders for w in args.workers]
     measured: dict[tuple[str, int], list[tuple[float, float]]] = {cell: [] for cell in cells}
     # One decoder per cell: each counts the files of its own cell that fell back to the CPU.
-    gpu_decoders = {cell: GpuDecoder(train_transform(args.image_size)) for cell in cells if cell[0] == "gpu"}
+    gpu_decoders = {cell: GpuDecoder(device) for cell in cells if cell[0] == "gpu"}
     for round_no in range(args.repeats):
         for decode, workers in (cells if round_no % 2 == 0 else cells[::-1]):
             print(f"round {round_no + 1}: {decode:<6} {workers} worker(s) ...", file=sys.stderr, flush=True)
-            loader = build_loader(root, decode, workers, args.batch_size, args.image_size)
+            loader = build_loader(root, decode, workers, args.batch_size, args.image_size,
+                                  pin_memory=decode == "gpu" and device.type == "cuda")
             measured[(decode, workers)].append(
                 measure(loader, args.batches, gpu_decoders.get((decode, workers))))
     rows = []
@@ -189,12 +176,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "images_per_s_per_worker": round(median / max(1, workers), 1),
                "first_batch_s": round(statistics.median(first for _, first in results), 3)}
         if (decode, workers) in gpu_decoders:
-            row["cpu_fallbacks"] = gpu_decoders[(decode, workers)].fallbacks  # over the cell's rounds
-        if args.target_images_per_s:
+            # The decode runs in the main process: a worker only reads bytes and draws, so no per-worker rate.
+            row.update(device=str(device), images_per_s_per_worker=None,
+                       cpu_fallbacks=gpu_decoders[(decode, workers)].fallbacks)  # over the cell's rounds
+        if args.target_images_per_s and decode != "gpu":
             per_worker = median / max(1, workers) if workers else median
             row["workers_for_target"] = math.ceil(args.target_images_per_s / per_worker) if per_worker else None
         rows.append(row)
-    return {"data_dir": os.fspath(root), "images": len(build_loader(root, "pil", 0, 1, args.image_size).dataset),
+    return {"data_dir": os.fspath(root) if args.data_dir else None, "synthetic": args.synthetic or None,
+            "images": len(build_loader(root, "pil", 0, 1, args.image_size).dataset),
             "batch_size": args.batch_size, "image_size": args.image_size, "batches": args.batches,
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "target_images_per_s": args.target_images_per_s, "rows": rows}
@@ -202,19 +192,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_rows(result: dict[str, Any]) -> str:
     target = result.get("target_images_per_s")
-    lines = [f"{result['images']} images under {result['data_dir']}, batch {result['batch_size']}, "
-             f"{result['image_size']} px, {result['usable_cpus']} usable CPUs", "",
-             "| decode | workers | images/s (median) | range | per worker | first batch s |"
+    where = (f"{result['images']} synthetic JPEGs (about 500 x 375, made by the bench)" if result.get("synthetic")
+             else f"{result['images']} images under {result['data_dir']}")
+    lines = [f"{where}, batch {result['batch_size']}, {result['image_size']} px, {result['usable_cpus']} usable CPUs",
+             "", "| decode | workers | images/s (median) | range | per worker | first batch s |"
              + (" workers for target |" if target else ""),
              "| --- | ---: | ---: | --- | ---: | ---: |" + (" ---: |" if target else "")]
     for r in result["rows"]:
-        lines.append(f"| {r['decode']} | {r['workers']} | {r['images_per_s']} | {r['range'][0]}-{r['range'][1]} | "
-                     f"{r['images_per_s_per_worker']} | {r['first_batch_s']} |"
-                     + (f" {r.get('workers_for_target')} |" if target else ""))
-    fallbacks = {r["workers"]: r["cpu_fallbacks"] for r in result["rows"] if r.get("cpu_fallbacks")}
+        per_worker = r["images_per_s_per_worker"] if r["images_per_s_per_worker"] is not None else "-"
+        lines.append(f"| {decode_label(r['decode'], r.get('device'))} | {r['workers']} | {r['images_per_s']} | "
+                     f"{r['range'][0]}-{r['range'][1]} | {per_worker} | {r['first_batch_s']} |"
+                     + (f" {r.get('workers_for_target', '-')} |" if target else ""))
+    gpu = [r for r in result["rows"] if r["decode"] == "gpu"]
+    if gpu and gpu[0].get("device") == "cpu":
+        lines += ["", "gpu (on cpu): the recipe's --decode gpu path with torchvision's CPU decode_jpeg in the main "
+                      "process (no CUDA here): it measures that path on this CPU, not nvJPEG on a GPU"]
+    fallbacks = {r["workers"]: r["cpu_fallbacks"] for r in gpu if r.get("cpu_fallbacks")}
     if fallbacks:
-        lines += ["", "GPU decode: files nvJPEG rejected were decoded on the CPU instead (counted over the "
-                      "cell's rounds): " + ", ".join(f"{w} worker(s): {n}" for w, n in fallbacks.items())]
+        lines += ["", "gpu: files decode_jpeg refused were decoded on the CPU instead (counted over the cell's "
+                      "rounds): " + ", ".join(f"{w} worker(s): {n}" for w, n in fallbacks.items())]
     return "\n".join(lines)
 
 
@@ -224,16 +220,20 @@ def _parser() -> argparse.ArgumentParser:
             fail(message, PROG)
 
     p = OneLine(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", required=True, help="an ImageFolder tree: <dir>/<class>/<image> (e.g. .../train)")
+    p.add_argument("--data-dir", help="an ImageFolder tree: <dir>/<class>/<image> (e.g. .../train)")
+    p.add_argument("--synthetic", type=int, default=0,
+                   help="instead of --data-dir: this many real-size synthetic JPEGs (about 500 x 375) the bench writes")
     p.add_argument("--workers", default="0,1,2,4", help="comma list of DataLoader worker counts")
-    p.add_argument("--decode", default="pil,tensor", help="comma list of decode paths: pil, tensor")
-    p.add_argument("--gpu-decode", action="store_true", help="also decode JPEGs on the GPU (needs CUDA)")
+    p.add_argument("--decode", default="pil,tensor,gpu", help="comma list of decode paths: pil, tensor, gpu")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the gpu path decodes (auto: CUDA when there is one, else the CPU, labelled so)")
+    p.add_argument("--gpu-decode", action="store_true", help="also the gpu path, on CUDA (needs CUDA)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=224, help="RandomResizedCrop output side")
     p.add_argument("--batches", type=int, default=20, help="timed batches per cell (after one untimed)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per cell (median reported)")
     p.add_argument("--target-images-per-s", type=float, default=0.0,
-                   help="images/s the node's GPUs train on: report the workers each path needs")
+                   help="images/s the node's GPUs train on: report the workers each CPU path needs")
     p.add_argument("--out", default="bench-results/loader.json")
     return p
 
@@ -251,11 +251,24 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--decode takes {', '.join(DECODERS)} (got {', '.join(bad)})", PROG)
     if not chosen and not args.gpu_decode:
         fail(f"--decode names no decode path; give one or more of {', '.join(DECODERS)} (or --gpu-decode)", PROG)
-    if args.gpu_decode and not torch.cuda.is_available():
-        fail("--gpu-decode needs a CUDA GPU (none is visible); drop the flag", PROG)
+    cuda_asked = args.gpu_decode or args.device == "cuda"
+    if cuda_asked and not torch.cuda.is_available():
+        flag = "--gpu-decode" if args.gpu_decode else "--device cuda"
+        fail(f"{flag} needs a CUDA GPU (none is visible); drop it (--decode gpu then runs on the CPU, labelled so)",
+             PROG)
+    if args.gpu_decode and args.device == "cpu":
+        fail("--gpu-decode decodes on CUDA; drop --device cpu (or --gpu-decode, and give --decode gpu)", PROG)
     for name in ("batch_size", "image_size", "batches", "repeats"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})", PROG)
+    if (args.data_dir is None) == (not args.synthetic):
+        fail("give --data-dir DIR (an ImageFolder tree) or --synthetic N (real-size JPEGs the bench writes), "
+             "one of them", PROG)
+    if args.synthetic:
+        if args.synthetic < args.batch_size * 2:
+            fail(f"--synthetic {args.synthetic} is too few images: it needs at least 2 x --batch-size "
+                 f"({2 * args.batch_size})", PROG)
+        return
     root = Path(args.data_dir)
     if not root.is_dir():
         fail(f"--data-dir {root} is not a folder; pass an ImageFolder tree (<dir>/<class>/<image>)", PROG)
@@ -269,7 +282,15 @@ def validate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     validate(args)
-    result = run(args)
+    with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp:
+        if args.synthetic:
+            from ddp_recipes.bench.jpeg_folder import write_jpegs
+
+            print(f"writing {args.synthetic} synthetic JPEGs ...", file=sys.stderr, flush=True)
+            root = write_jpegs(Path(tmp) / "images", args.synthetic, classes=SYNTHETIC_CLASSES)
+        else:
+            root = Path(args.data_dir)
+        result = run(args, root)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

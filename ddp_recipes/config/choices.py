@@ -52,6 +52,10 @@ Interpolation = Literal["nearest", "bilinear", "bicubic"]
 AUTO_AUGMENTS: tuple[str, ...] = get_args(AutoAugment)
 INTERPOLATIONS: tuple[str, ...] = get_args(Interpolation)
 
+# Where an image folder's files are decoded and augmented: in the loader workers, or on the training device.
+Decode = Literal["cpu", "gpu"]
+DECODES: tuple[str, ...] = get_args(Decode)
+
 
 def check_choices(config: Any, owned_elsewhere: Iterable[str] = ()) -> None:
     """Every field annotated with a ``Literal`` holds one of its values (a config built in Python is checked

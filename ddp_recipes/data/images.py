@@ -16,15 +16,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 from typing_extensions import override
 
-from ddp_recipes.config.choices import AutoAugment, Interpolation
+from ddp_recipes.config.choices import DECODES, AutoAugment, Decode, Interpolation, check_choice
 from ddp_recipes.config.world import default_num_workers
 from ddp_recipes.data import augment
 from ddp_recipes.data.base import SplitDataModule
+from ddp_recipes.data.device_decode import DeviceDecoder
+from ddp_recipes.data.encoded import EncodedBatch, EncodedImageFolder, EvalPipeline, TrainPipeline
 from ddp_recipes.data.samplers import TensorBatchDataset
 from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
 
@@ -193,6 +197,12 @@ class ImageFolderDataModule(_ImageDataModule):
     evaluates (FixRes). ``image_size`` stays the size the recipe checks the model's stem against.
     ``mean``/``std`` normalise both pipelines (pretrained weights' own statistics); ``val_interpolation`` is the
     evaluation resize's (default: ``interpolation``), e.g. the one the weights were evaluated with.
+
+    ``decode="gpu"``: the loader workers read each file's bytes and draw its augmentation only
+    (:mod:`ddp_recipes.data.encoded`); :meth:`on_after_batch_transfer` decodes the batch on the training
+    device and applies the same pipeline there (:mod:`ddp_recipes.data.device_decode`), ``channels_last``
+    giving the decoded batch NHWC memory format. Same draws as ``"cpu"`` for the same seed; ``augmix`` (and
+    ``bicubic`` with a policy) cannot run there and are refused. :attr:`decode_record` counts what was decoded.
     """
 
     def __init__(self, data_dir: str | Path, batch_size: int = 64, image_size: int = 224,
@@ -202,8 +212,12 @@ class ImageFolderDataModule(_ImageDataModule):
                  train_crop_size: int | None = None, val_resize_size: int | None = None,
                  val_crop_size: int | None = None, interpolation: Interpolation = "bilinear",
                  mean: Sequence[float] = augment.IMAGENET_MEAN, std: Sequence[float] = augment.IMAGENET_STD,
-                 val_interpolation: Interpolation | None = None) -> None:
+                 val_interpolation: Interpolation | None = None, decode: Decode = "cpu",
+                 channels_last: bool = False) -> None:
         super().__init__(batch_size, num_workers, pin_memory, seed)
+        check_choice("decode", decode, DECODES)
+        self.decode = decode
+        self.decoder = DeviceDecoder(channels_last=channels_last)  # used with decode "gpu" only
         self.mean, self.std = tuple(mean), tuple(std)
         self.val_interpolation = interpolation if val_interpolation is None else val_interpolation
         if image_size < 1:
@@ -220,9 +234,12 @@ class ImageFolderDataModule(_ImageDataModule):
         self.val_crop_size = image_size if val_crop_size is None else val_crop_size
         self.val_resize_size = val_resize_size
         self._classes: list[str] | None = None
+        self._record: dict = {"device": None, "images": 0, "cpu_fallbacks": 0} if decode == "gpu" else {}
         # A bad option fails here, once, not in setup on every rank.
         self.train_transform()
         self.val_transform()
+        if decode == "gpu":
+            self.train_pipeline().check_device()
 
     @property
     @override
@@ -268,15 +285,40 @@ class ImageFolderDataModule(_ImageDataModule):
             raise DataError(f"{{data_dir}} {lit(self.data_dir)}: val/ class folders differ from train/ "
                              f"(missing in val: {missing[:5]}, extra in val: {extra[:5]})")
 
+    def train_pipeline(self) -> TrainPipeline:
+        """The training augmentation's settings: the CPU pipeline is its ``build()``, the device one applies it."""
+        return TrainPipeline(self.train_crop_size, min_crop_scale=self.min_crop_scale,
+                             interpolation=self.interpolation, auto_augment=self.auto_augment,
+                             ra_magnitude=self.ra_magnitude, augmix_severity=self.augmix_severity,
+                             random_erase=self.random_erase, mean=self.mean, std=self.std)
+
+    def eval_pipeline(self) -> EvalPipeline:
+        return EvalPipeline(self.val_crop_size, resize_size=self.val_resize_size,
+                            interpolation=self.val_interpolation, mean=self.mean, std=self.std)
+
     def train_transform(self) -> v2.Transform:
-        return augment.train_transform(
-            self.train_crop_size, min_crop_scale=self.min_crop_scale, auto_augment=self.auto_augment,
-            ra_magnitude=self.ra_magnitude, augmix_severity=self.augmix_severity,
-            random_erase=self.random_erase, interpolation=self.interpolation, mean=self.mean, std=self.std)
+        return self.train_pipeline().build()
 
     def val_transform(self) -> v2.Transform:
-        return augment.eval_transform(self.val_crop_size, resize_size=self.val_resize_size,
-                                      interpolation=self.val_interpolation, mean=self.mean, std=self.std)
+        return self.eval_pipeline().build()
+
+    @property
+    def decode_record(self) -> dict:
+        """With decode "gpu": this process's decoded images and CPU fallbacks (it fills during the run)."""
+        return self._record
+
+    @override
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        """Decode an :class:`EncodedBatch` on its device into ``(images, labels)``; then the model's own
+        ``on_after_batch_transfer``, if it has one (Lightning calls only the DataModule's when both do)."""
+        if isinstance(batch, EncodedBatch):
+            self._record.update(device=str(batch.device))
+            batch = self.decoder(batch)
+            self._record.update(self.decoder.record())
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None and is_overridden("on_after_batch_transfer", module):
+            batch = module.on_after_batch_transfer(batch, dataloader_idx)
+        return batch
 
     @override
     def prepare_data(self) -> None:
@@ -288,11 +330,23 @@ class ImageFolderDataModule(_ImageDataModule):
             return
         self.check_layout()
         self._check_val_classes()
+        gpu = self.decode == "gpu"
         try:
-            self.train_set = datasets.ImageFolder(os.fspath(self.data_dir / "train"), transform=self.train_transform())
-            self.val_set = datasets.ImageFolder(os.fspath(self.data_dir / "val"), transform=self.val_transform())
+            # With decode "gpu" the folders only list the files: the encoded datasets read them.
+            train = datasets.ImageFolder(os.fspath(self.data_dir / "train"),
+                                         transform=None if gpu else self.train_transform())
+            val = datasets.ImageFolder(os.fspath(self.data_dir / "val"), transform=None if gpu else self.val_transform())
         except FileNotFoundError as err:  # torchvision: a class folder without a single image file
             raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
+        if gpu:
+            train = EncodedImageFolder(train.samples, self.train_pipeline())
+            val = EncodedImageFolder(val.samples, self.eval_pipeline())
+            others = train.not_jpeg() + val.not_jpeg()
+            if others:
+                rank_zero_warn(f"decode gpu: {others} of {len(train) + len(val)} files under {self.data_dir} are not "
+                               "named .jpg/.jpeg; nvJPEG decodes JPEG only, so each of them is decoded on the CPU "
+                               "in the training process (counted in summary.json's decode.cpu_fallbacks)")
+        self.train_set, self.val_set = train, val
         self.test_set = self.val_set
 
 

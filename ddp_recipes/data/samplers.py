@@ -145,7 +145,12 @@ def keep_batch(batch):
 
 
 def _collate(dataset: Dataset):
-    return keep_batch if isinstance(dataset, TensorBatchDataset) else None
+    """The loader's ``collate_fn``: :func:`keep_batch` for whole batches, a dataset's own ``collate`` method
+    (e.g. :class:`~ddp_recipes.data.encoded.EncodedImageFolder`'s), else the default."""
+    if isinstance(dataset, TensorBatchDataset):
+        return keep_batch
+    own = getattr(dataset, "collate", None)
+    return own if callable(own) else None
 
 
 def loader_batch_size(loader: object) -> int | None:

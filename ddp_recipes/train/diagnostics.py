@@ -90,7 +90,8 @@ FIXES = {
     "input-bound": "in this order: more --num-workers per rank (up to the CPU cores per device), "
                    "persistent_workers=True (workers kept across epochs), pin_memory=True on CUDA, then cheaper "
                    "decoding (images stored at training size, torchvision.io.decode_image on tensors, or GPU "
-                   "decoding with torchvision.io.decode_jpeg(device='cuda')); `python -m ddp_recipes.bench loader` "
+                   "decoding: the ResNet recipe's --decode gpu with --data imagefolder, elsewhere "
+                   "torchvision.io.decode_jpeg(device='cuda')); `python -m ddp_recipes.bench loader` "
                    "measures images/s per worker count.",
     "memory-imbalance": "side work (evaluation, logging, metrics) belongs under torch.no_grad(), on CPU, or on "
                         "all ranks, not on rank 0 only with autograd on the GPU.",

@@ -1,0 +1,195 @@
+"""``--decode gpu``'s device side: decode an :class:`~ddp_recipes.data.encoded.EncodedBatch` on its device and
+apply the drawn augmentation there.
+
+Training: ``decode_jpeg`` on the batch's list of files (nvJPEG on CUDA, libjpeg-turbo on the CPU), then per
+image the crop box resized to the crop size (``RandomResizedCrop``'s own ``transform``, uint8 with antialias, as
+the CPU pipeline), the flip, the policy's recorded operations; the images stacked, channels-last if asked,
+scaled to float and normalized as one batch; the erased boxes last, as the CPU pipeline erases after
+normalizing. Evaluation: resize the short side and centre-crop each image, then the same batch steps. The
+results equal the CPU tensor pipeline's bit for bit for the same draws, and the PIL pipeline's within
+interpolation tolerance (``tests/test_device_decode.py``).
+
+No step reads the device from the host: the draws are host-side Python values, the normalisation constants are
+copied to each device once (pinned, non-blocking), and torchvision's normalize (which builds them from Python
+lists on every call, a synchronising copy on CUDA) is not used.
+
+On CUDA the decode runs with a side stream current (torchvision's decoder then allocates its outputs from that
+stream's pool and submits nvJPEG on its own stream, waiting for it on the host before it returns); the
+training stream waits for the side stream and each decoded image is recorded on the training stream, so the
+caching allocator hands out none of their memory while a queued kernel still reads it. (torchvision allocates
+the outputs on the *current* stream without waiting for it: with the training stream current, a block freed
+by the previous step could be overwritten by nvJPEG before the kernels queued on it ran.)
+
+A file ``decode_jpeg`` refuses (nvJPEG: CMYK and other 4-channel JPEGs, PNG or other files named ``.JPEG``,
+some progressive corner cases; the CPU decoder: anything not a JPEG) makes the batch decode one file at a time
+and that file is decoded by ``torchvision.io.decode_image`` on the CPU (RGB) and copied to the device; each is
+counted in :attr:`DeviceDecoder.fallbacks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ddp_recipes.data.encoded import Draws, EncodedBatch, EvalPipeline, TrainPipeline
+from ddp_recipes.errors import DataError, lit
+
+JpegDecoder = Callable[..., Any]
+
+
+def _rgb() -> Any:
+    from torchvision.io import ImageReadMode
+
+    return ImageReadMode.RGB
+
+
+def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host image on ``device``: pinned and non-blocking on CUDA (a pageable copy would wait for the stream)."""
+    if device.type != "cuda":
+        return image.to(device)
+    return image.pin_memory().to(device, non_blocking=True)
+
+
+def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: JpegDecoder | None = None,
+               name: str | None = None) -> tuple[torch.Tensor, bool]:
+    """One file's bytes as an RGB uint8 ``[3, H, W]`` image on ``device``, and whether it needed the CPU fallback:
+    ``jpeg_decoder`` (default ``decode_jpeg``) first; a file it refuses is decoded by ``decode_image`` on the CPU.
+    A file neither decodes is a :class:`~ddp_recipes.errors.DataError` naming it (``name``)."""
+    from torchvision.io import decode_image, decode_jpeg
+
+    device = torch.device(device)
+    try:
+        return (jpeg_decoder or decode_jpeg)(data, device=device, mode=_rgb()), False
+    except (RuntimeError, ValueError):  # torchvision's "Not a JPEG file", nvJPEG's unsupported layouts
+        pass
+    try:
+        image = decode_image(data, mode=_rgb())
+    except (RuntimeError, ValueError) as err:
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise DataError(f"{{data_dir}} holds an image that cannot be decoded: {lit(name or '(unnamed)')} "
+                        f"({lit(reason)}); remove or replace it", "data_dir") from None
+    return _to_device(image, device), True
+
+
+def decode_images(datas: Sequence[torch.Tensor], device: str | torch.device, jpeg_decoder: JpegDecoder | None = None,
+                  names: Sequence[str] | None = None) -> tuple[list[torch.Tensor], int]:
+    """Files' bytes as RGB uint8 images on ``device``, and how many needed the CPU fallback.
+
+    The whole list goes to ``jpeg_decoder`` (default ``decode_jpeg``; on CUDA one batched nvJPEG call) at once;
+    when that call refuses a file, the list is decoded file by file (:func:`decode_one`), so one PNG named
+    ``.JPEG`` costs one CPU decode, not the batch."""
+    from torchvision.io import decode_jpeg
+
+    device = torch.device(device)
+    decoder = jpeg_decoder or decode_jpeg
+    try:
+        # RGB: ImageNet holds grayscale and CMYK JPEGs, which would otherwise decode to 1 or 4 channels.
+        return list(decoder(list(datas), device=device, mode=_rgb())), 0
+    except (RuntimeError, ValueError):
+        pass
+    images, fallbacks = [], 0
+    for i, data in enumerate(datas):
+        image, fell_back = decode_one(data, device, decoder, names[i] if names else None)
+        images.append(image)
+        fallbacks += fell_back
+    return images, fallbacks
+
+
+class DeviceDecoder:
+    """Turns an :class:`EncodedBatch` on its device into ``(images, labels)``: decode, then the pipeline it names.
+
+    One per process (the DataModule's): it keeps the side stream and the normalisation constants of each
+    device, and counts :attr:`images` decoded and :attr:`fallbacks` (files decoded on the CPU instead).
+    ``channels_last``: the images come out in NHWC memory format (the model's ``--channels-last``).
+    """
+
+    def __init__(self, channels_last: bool = False, jpeg_decoder: JpegDecoder | None = None) -> None:
+        self.channels_last = channels_last
+        self.jpeg_decoder = jpeg_decoder
+        self.images = 0
+        self.fallbacks = 0
+        self._streams: dict[torch.device, Any] = {}
+        self._constants: dict[tuple[torch.device, tuple[float, ...], tuple[float, ...]],
+                              tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        device = batch.device
+        images = self.decode(batch.data, device, batch.names)
+        if isinstance(batch.pipeline, TrainPipeline):
+            x = self.train_images(images, batch.draws or [], batch.pipeline)
+        else:
+            x = self.eval_images(images, batch.pipeline)
+        return x, batch.labels
+
+    def decode(self, datas: Sequence[torch.Tensor], device: torch.device,
+               names: Sequence[str] | None = None) -> list[torch.Tensor]:
+        """:func:`decode_images` on ``device``; on CUDA with the side stream current (the module docstring)."""
+        if device.type != "cuda":
+            images, fallbacks = decode_images(datas, device, self.jpeg_decoder, names)
+        else:
+            side = self._streams.get(device)
+            if side is None:
+                side = self._streams[device] = torch.cuda.Stream(device)
+            compute = torch.cuda.current_stream(device)
+            with torch.cuda.stream(side):
+                images, fallbacks = decode_images(datas, device, self.jpeg_decoder, names)
+            compute.wait_stream(side)
+            for image in images:
+                image.record_stream(compute)
+        self.images += len(images)
+        self.fallbacks += fallbacks
+        return images
+
+    def train_images(self, images: Sequence[torch.Tensor], draws: Sequence[Draws],
+                     pipeline: TrainPipeline) -> torch.Tensor:
+        """Decoded uint8 images with their draws -> the normalized float batch (the CPU pipeline's steps)."""
+        steps = pipeline.steps()
+        out = []
+        for image, draw in zip(images, draws, strict=True):
+            top, left, height, width = draw.crop
+            image = steps.crop.transform(image, dict(top=top, left=left, height=height, width=width))
+            if draw.flip:
+                image = steps.flip.transform(image, {})  # type: ignore[union-attr]
+            for op, magnitude in draw.ops:
+                policy = steps.policy
+                image = policy._apply_image_or_video_transform(image, op, magnitude,  # type: ignore[union-attr]
+                                                               interpolation=policy.interpolation, fill=policy._fill)
+            out.append(image)
+        x = self._normalized(out, pipeline.mean, pipeline.std)
+        for n, draw in enumerate(draws):
+            if draw.erase is not None:
+                top, left, height, width, value = draw.erase
+                x[n, :, top:top + height, left:left + width] = value
+        return x
+
+    def eval_images(self, images: Sequence[torch.Tensor], pipeline: EvalPipeline) -> torch.Tensor:
+        """Decoded uint8 images -> resized, centre-cropped, normalized float batch."""
+        resize, centre = pipeline.steps()
+        return self._normalized([centre.transform(resize.transform(image, {}), {}) for image in images],
+                                pipeline.mean, pipeline.std)
+
+    def _normalized(self, images: list[torch.Tensor], mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+        from torchvision.transforms.v2 import functional as F
+
+        x = torch.stack(images)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)  # on uint8: a quarter of the bytes of float
+        x = F.to_dtype(x, torch.float32, scale=True)  # keeps the memory format
+        shift, scale = self._constants_on(x.device, mean, std)
+        return x.sub_(shift).div_(scale)  # torchvision's normalize, with the constants already on the device
+
+    def _constants_on(self, device: torch.device, mean: tuple[float, ...],
+                      std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, tuple(mean), tuple(std))
+        found = self._constants.get(key)
+        if found is None:
+            found = self._constants[key] = tuple(  # type: ignore[assignment]
+                _to_device(torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1), device)
+                for values in (mean, std))
+        return found  # type: ignore[return-value]
+
+    def record(self) -> dict[str, Any]:
+        """What this process decoded, for ``summary.json``."""
+        return {"images": self.images, "cpu_fallbacks": self.fallbacks}
