@@ -629,3 +629,25 @@ def test_compile_problem_names_a_missing_compiler_or_header(tmp_path, monkeypatc
     assert real is None or real.startswith("Triton is not installed")
     monkeypatch.setenv("PATH", str(tmp_path))  # neither gcc nor clang
     assert compile_problem().startswith("no C compiler")
+
+
+def test_the_slot_runs_nothing_twice_and_compiled_runs_are_short():
+    """The budget (7 minutes on a cold H200) has no room for a test that repeats a dedicated check, and a
+    compiled run's time is its compilation: its steady steps are fewer than the eager runs'."""
+    args = gc._parser().parse_args([])
+    checks = {c.name: c for c in gc.plan_checks(args, 1)}
+    tier = checks["gpu-tests"].cmd
+    expression = tier[tier.index("-k") + 1]
+    assert "not kill_and_resume" in expression and "not bench_raw_path_on_one_gpu" in expression
+    assert checks["cuda-kill-resume"].cmd[checks["cuda-kill-resume"].cmd.index("-k") + 1] == gc.RESUME_TEST
+    from tests import test_gpu
+
+    assert hasattr(test_gpu, "test_bench_raw_path_on_one_gpu") and hasattr(test_gpu, "test_cuda_kill_and_resume_auto_is_bit_identical")
+
+    def steps(name: str) -> tuple[int, int]:
+        cmd = checks[name].cmd
+        return int(cmd[cmd.index("--warmup-steps") + 1]), int(cmd[cmd.index("--steps") + 1])
+
+    assert steps("resnet50-pack") == (args.warmup_steps, args.steps)
+    assert steps("resnet50-pack-compiled") == steps("resnet50-raw-compiled") == (gc.COMPILED_WARMUP, gc.COMPILED_STEPS)
+    assert sum(steps("resnet50-pack-compiled")) < sum(steps("resnet50-pack"))
