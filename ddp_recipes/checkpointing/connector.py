@@ -156,7 +156,8 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
         except ConfigError:
             raise
         except Exception as err:
-            raise CheckpointError(f"{{resume}} {lit(path)} is not a readable checkpoint ({type(err).__name__})") from None
+            asked = "{resume}" if words.parent else "ckpt_path"
+            raise CheckpointError(f"{asked} {lit(path)} is not a readable checkpoint ({type(err).__name__})") from None
         if fitting and not debugging:
             ownership.refuse_foreign_checkpoint(found, given, words)
         run_id = given.run_id or found.owner() or ownership.new_run_id()
