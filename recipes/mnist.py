@@ -29,7 +29,7 @@ from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
 from ddp_recipes.train.run import has_loader, run_fit_test
-from ddp_recipes.train.surface import open_surface
+from ddp_recipes.train.surface import open_surface, without_validation
 from ddp_recipes.train.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
 
 PROG = "python -m recipes.mnist"
@@ -46,13 +46,15 @@ class MNISTConfig(RunConfig):
     momentum: float = opt(0.9, "SGD momentum")
     weight_decay: float = opt(0.0, "SGD weight decay")
     cosine: bool = opt(False, "cosine LR decay over the run after the warm-up")
-    output_dir: str = opt("runs/mnist", "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix)")
+    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), owned "
+                                       "by one run (default: runs/mnist/version_N, a new N for each run)")
 
     DEFAULT_BATCH_SIZE = 64
     DEFAULT_LR = 0.01
     DEFAULT_REFERENCE_BATCH = 64
     DEFAULT_MAX_EPOCHS = 5
     DEFAULT_EXPERIMENT = "mnist"
+    DEFAULT_OUTPUT_ROOT = "runs/mnist"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,13 +109,17 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
         model_kwargs(classes.model_class, model_args(cfg, lr))  # before any process starts: one line if not
         datamodule = build_datamodule(cfg, classes.datamodule)
         own_data = classes.datamodule is None
+        if own_data:
+            datamodule.check_split(cfg.plan.world_size)  # before any process starts
         has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")
+        how = "hold some out with {val_size} N" if own_data else f"give {type(datamodule).__name__} a val_dataloader"
+        trainer_kwargs = without_validation(user.trainer_kwargs, has_val, how)
         return run_fit_test(cfg, lambda: build_model(cfg, lr, classes.model_class), datamodule, lr,
                             callbacks=[*checkpoint_callbacks(cfg, has_val, classes.model_class), *user.callbacks],
                             ckpt_path=resume, checkpoint=checkpoint, test=own_data or has_loader(datamodule, "test"),
-                            classes=classes, extra={"arch": cfg.arch, "resumed_from": resume}, **user.trainer_kwargs)
+                            classes=classes, extra={"arch": cfg.arch, "resumed_from": resume}, **trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
-        fail(err.cli(), PROG)
+        fail(err, PROG)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_d
 from ddp_recipes.optim.schedules import ReferenceSchedule
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
 from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
-from ddp_recipes.train.surface import open_surface
+from ddp_recipes.train.surface import open_surface, without_validation
 from ddp_recipes.train.userclass import (
     class_path,
     construct_datamodule,
@@ -96,7 +96,8 @@ class ResNetConfig(RunConfig):
     decode: Decode = opt("cpu", "where --data imagefolder's images are decoded and augmented: cpu (PIL in the loader "
                                 "workers) or gpu (workers read the bytes and draw the crops; decode_jpeg decodes on the "
                                 "training device, nvJPEG on CUDA, and the crops, flips and policy are applied there)")
-    output_dir: str = opt("runs/resnet", "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix)")
+    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), owned "
+                                       "by one run (default: runs/resnet/version_N, a new N for each run)")
     # torchvision's classification reference (references/classification/train.py), same flag names.
     auto_augment: AutoAugment | None = opt(None, "training augmentation policy: ra (RandAugment), ta_wide "
                                                  "(TrivialAugmentWide), augmix or imagenet (AutoAugment)")
@@ -147,6 +148,7 @@ class ResNetConfig(RunConfig):
     DEFAULT_REFERENCE_BATCH = 256
     DEFAULT_MAX_EPOCHS = 30
     DEFAULT_EXPERIMENT = "resnet"
+    DEFAULT_OUTPUT_ROOT = "runs/resnet"
     DEFAULT_NUM_WORKERS = None  # fitted to the cores per rank (decoding and augmentation)
     TRAINER_OWNED = {**RunConfig.TRAINER_OWNED, "gradient_clip_val": "{clip_grad_norm}",
                      "gradient_clip_algorithm": "{clip_grad_norm} (the global norm)"}
@@ -391,7 +393,7 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
     try:
         classes = resolve_classes(ResNetClassifier, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
         user = open_surface(cfg, callbacks, logger, trainer_kwargs)
-        resume, checkpoint = open_resume(cfg)
+        resume, checkpoint = open_resume(cfg, training=not cfg.test_only)
         if resume:
             classes = follow_checkpoint(classes, checkpoint, resume)
         datamodule = build_datamodule(cfg, classes.datamodule)
@@ -430,6 +432,9 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
         own_data = classes.datamodule is None
         has_val = (cfg.data != "synthetic" or cfg.synthetic_val_samples > 0) if own_data else has_loader(datamodule, "val")
         has_test = has_val if own_data else has_loader(datamodule, "test")
+        how = ("give it some with {synthetic_val_samples} N" if own_data
+               else f"give {type(datamodule).__name__} a val_dataloader")
+        trainer_kwargs = user.trainer_kwargs if cfg.test_only else without_validation(user.trainer_kwargs, has_val, how)
         model = lambda: build_model(cfg, num_classes, lr, classes.model_class, bool(resume))  # noqa: E731
         if cfg.test_only:
             if not resume:
@@ -466,9 +471,9 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
         clip = dict(gradient_clip_val=cfg.clip_grad_norm, gradient_clip_algorithm="norm") if cfg.clip_grad_norm else {}
         return run_fit_test(cfg, model, datamodule, lr, callbacks=[*run_callbacks, *user.callbacks], ckpt_path=resume,
                             checkpoint=checkpoint, test=has_test, save_final=False, classes=classes, extra=extra,
-                            **clip, **user.trainer_kwargs)
+                            **clip, **trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
-        fail(err.cli(), PROG)
+        fail(err, PROG)
     except OSError as err:
         if not is_image_error(err):
             raise

@@ -28,12 +28,8 @@ def checkpoint(step: int, epoch: int) -> dict:
 
 
 def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_path, monkeypatch):
-    from ddp_recipes.checkpointing.checkpoint import (
-        AtomicCheckpointIO,
-        newest_checkpoint,
-        read_checkpoint,
-        resolve_resume,
-    )
+    from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO, read_checkpoint
+    from ddp_recipes.checkpointing.ownership import newest_checkpoint, resolve_resume
     from ddp_recipes.errors import CheckpointError
 
     monkeypatch.chdir(tmp_path)

@@ -214,7 +214,7 @@ def test_a_plain_loader_becomes_resumable_and_an_iterable_one_is_named(tmp_path)
     assert isinstance(trainer.train_dataloader, ResumableDataLoader)
     assert trainer.train_dataloader.sampler.shuffle and trainer.train_dataloader.dataset.dataset is data
     trainer = build_trainer(accelerator="cpu", max_steps=2, default_root_dir=str(tmp_path / "b"), **QUIET)
-    with pytest.warns(UserWarning, match=r"train_dataloader: an IterableDataset \(Stream\) cannot be repositioned"):
+    with pytest.warns(UserWarning, match=r"train_dataloader: an IterableDataset \(Stream\): it cannot be repositioned"):
         trainer.fit(Tiny(), DataLoader(Stream(), batch_size=2))
 
 

@@ -450,14 +450,17 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
-def _output_dir(tmp_path: Path, inputs: dict[str, str]) -> tuple[Path, dict[Path, bytes]]:
-    """An output folder holding an earlier run's files; returns it and their bytes."""
+def _output_dir(tmp_path: Path, inputs: dict[str, str], checkpoint: bool) -> tuple[Path, dict[Path, bytes]]:
+    """An output folder holding an earlier run's files; returns it and their bytes. With its ``checkpoint``
+    only for a case that resumes: a new run into a folder that holds a checkpoint is refused before any other
+    check that needs the run to start (tests/test_second_run.py), which would hide the input error tested."""
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
     (out / "summary.json").write_bytes(SENTINEL_SUMMARY)
     (out / "final.ckpt").write_bytes(b"an earlier run's final weights")
     (out / "results.json").write_bytes(b'{"sentinel": "an earlier benchmark"}\n')
-    (out / "checkpoints" / "last.ckpt").write_bytes(Path(inputs["resnet18_ckpt"]).read_bytes())
+    if checkpoint:
+        (out / "checkpoints" / "last.ckpt").write_bytes(Path(inputs["resnet18_ckpt"]).read_bytes())
     return out, {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
 
@@ -481,7 +484,7 @@ def test_bad_input_fails_in_one_line(case, program, template, expected, inputs, 
         pytest.skip("shared mini-MNIST missing")
     for name in (*LAUNCH_VARS, "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
-    out, before = _output_dir(tmp_path, inputs)
+    out, before = _output_dir(tmp_path, inputs, checkpoint="--resume" in template)
     shown = template.split(" [")[0]  # "[...]" notes describe the environment of the case
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -233,7 +233,7 @@ def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path, capsys):
-    from ddp_recipes.checkpointing.checkpoint import newest_checkpoint
+    from ddp_recipes.checkpointing.ownership import newest_checkpoint
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()

@@ -121,26 +121,31 @@ def test_two_ranks_log_once_and_resume_continues_the_same_tracker_runs(data, tmp
     assert [int(r["step"]) for r in rows] == [1, 3, 5, 7, 9]  # the first run's rows kept, the new ones after
 
 
-def test_resume_from_another_output_dir_leaves_that_dirs_runs_alone(data, tmp_path):
-    """``--resume PATH`` to a checkpoint of another output dir: the checkpoint's version folder is there, and
-    this dir's folder of the same number is another run's. It was continued (cut at the checkpoint's step,
-    its later rows and events dropped, the resumed run's appended); it stays whole, and a new version
-    starts."""
+def test_resume_from_another_output_dir_leaves_that_dirs_runs_alone(data, tmp_path, capsys):
+    """``--resume PATH`` to a checkpoint of another output dir: into a dir that holds another run it is refused
+    (continuing there would cut that run's version folder of the same number at the checkpoint's step); into a
+    new dir it starts a new version there, with a warning, and neither dir's runs change."""
     def argv(out: Path, *extra: str) -> list[str]:
         return [*args(data, out, "--logger", "csv,tensorboard", *extra), "--devices", "1", "--batch-size", "64"]
 
-    other, there = tmp_path / "other", tmp_path / "there"
+    other, there, fresh = tmp_path / "other", tmp_path / "there", tmp_path / "fresh"
     mnist.main(argv(other, "--max-steps", "8"))
     before = (other / "logs" / "version_0" / "metrics.csv").read_text()
     tb_before = scalars(other / "tensorboard" / "version_0")
     mnist.main(argv(there, "--max-steps", "4"))
-    with pytest.warns(UserWarning, match="outside --output-dir"):
+    there_before = (there / "logs" / "version_0" / "metrics.csv").read_text()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
         mnist.main(argv(other, "--max-steps", "6", "--resume", str(there / "final.ckpt")))
+    assert refused.value.code == 2 and "would mix two runs" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="outside --output-dir"):
+        mnist.main(argv(fresh, "--max-steps", "6", "--resume", str(there / "final.ckpt")))
     assert (other / "logs" / "version_0" / "metrics.csv").read_text() == before
     assert scalars(other / "tensorboard" / "version_0") == tb_before
-    trackers = json.loads((other / "summary.json").read_text())["trackers"]
-    assert trackers["csv"]["version"] == trackers["tensorboard"]["version"] == 1
-    assert [int(r["step"]) for r in csv_rows(other / "logs" / "version_1" / "metrics.csv") if r["train_loss"]] == [5]
+    assert (there / "logs" / "version_0" / "metrics.csv").read_text() == there_before
+    trackers = json.loads((fresh / "summary.json").read_text())["trackers"]
+    assert trackers["csv"]["version"] == trackers["tensorboard"]["version"] == 0
+    assert [int(r["step"]) for r in csv_rows(fresh / "logs" / "version_0" / "metrics.csv") if r["train_loss"]] == [5]
 
 
 def test_resumed_at_an_epoch_end_logs_at_the_steps_of_the_run_never_stopped(tmp_path):
@@ -338,11 +343,14 @@ def test_sigterm_and_resume_continue_tensorboard_csv_and_wandb_runs(data, tmp_pa
     assert seen["train/samples_per_sec"][-1][0] == 59
     rows = [int(r["step"]) for r in csv_rows(out / "logs" / "version_0" / "metrics.csv") if r["train_loss"]]
     assert rows == logged_losses(saved)
-    # A new run in the same output dir without --resume is a new tracker run.
-    run([*MNIST, *args(data, out, "--max-steps", "2"), "--logger", "tensorboard,csv,wandb", "--wandb-offline"],
+    # A new run without --resume is a new tracker run, in its own output dir (the run's is refused: it holds a run).
+    again = [*MNIST, *args(data, out, "--max-steps", "2"), "--logger", "tensorboard,csv,wandb", "--wandb-offline"]
+    assert run(again, timeout=300).returncode == 2
+    other = tmp_path / "other"
+    run([*MNIST, *args(data, other, "--max-steps", "2"), "--logger", "tensorboard,csv,wandb", "--wandb-offline"],
         timeout=300, check=True)
-    fresh = json.loads((out / "summary.json").read_text())["trackers"]
-    assert fresh["csv"]["version"] == fresh["tensorboard"]["version"] == 1 and fresh["wandb"]["id"] != ids[0]
+    fresh = json.loads((other / "summary.json").read_text())["trackers"]
+    assert fresh["csv"]["version"] == fresh["tensorboard"]["version"] == 0 and fresh["wandb"]["id"] != ids[0]
 
 
 @pytest.fixture(scope="module")
@@ -394,7 +402,7 @@ def test_mlflow_server_one_run_across_sigterm_and_resume(data, mlflow_server, tm
     losses = sorted(m.step for m in client.get_metric_history(found.info.run_id, "train_loss"))
     assert losses == logged_losses(saved)
     assert {"train/step_time", "train/input_wait_fraction", "train/lr", "test_acc"} <= set(found.data.metrics)
-    # Without --resume, the same output dir starts a new run in the experiment.
-    run([*MNIST, *args(data, out, "--max-steps", "2"), "--logger", "mlflow", "--tracking-uri", mlflow_server,
-         "--experiment", "tracking-test"], timeout=300, check=True)
+    # Without --resume, another output dir starts a new run in the experiment (the same one is refused: it holds a run).
+    run([*MNIST, *args(data, tmp_path / "other", "--max-steps", "2"), "--logger", "mlflow", "--tracking-uri",
+         mlflow_server, "--experiment", "tracking-test"], timeout=300, check=True)
     assert len(client.search_runs([experiment.experiment_id])) == 2

@@ -1,4 +1,4 @@
-"""Checkpoints that survive a kill mid-save, and the ``--resume auto|PATH`` rule.
+"""Checkpoints that survive a kill mid-save, and reading them as plain data.
 
 Lightning's TorchCheckpointIO (``_atomic_save``) writes inside an fsspec transaction: the bytes go to a
 temp file from ``tempfile.mkstemp()``, i.e. in ``$TMPDIR``, which is often another filesystem than the
@@ -23,15 +23,22 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ddp_recipes.atomic import atomic_write
 from ddp_recipes.checkpointing import remote
 from ddp_recipes.errors import CheckpointError, lit
-from ddp_recipes.storage import StorageError, Url, check_store, is_url
+from ddp_recipes.storage import StorageError, is_url
 
 CHECKPOINT_DIR = "checkpoints"
+RUN_KEY = "ddp_recipes_run"  # a checkpoint's run: {"run_id": ...} (see checkpointing.ownership)
+
+
+def run_of(checkpoint: dict[str, Any]) -> str | None:
+    """The run id a loaded checkpoint records (None: written before runs were recorded)."""
+    entry = checkpoint.get(RUN_KEY)
+    run_id = entry.get("run_id") if isinstance(entry, dict) else None
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -44,7 +51,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError("AtomicCheckpointIO does not take storage_options")
         if is_url(path):
             remote.publish(os.fspath(path), lambda f: torch.save(checkpoint, f),
-                           step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)))
+                           step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)),
+                           run_id=run_of(checkpoint))
             return
         if not _is_local_file_protocol(path):
             raise TypeError(f"AtomicCheckpointIO cannot save to {path}")
@@ -69,26 +77,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         super().remove_checkpoint(path)
 
 
-def resolve_resume(resume: str | None, output_dir: str) -> str | None:
-    """The checkpoint to resume from: None (fresh), the newest complete one under ``output_dir`` for
-    "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must exist."""
-    if not resume or resume == "none":
-        return None
-    if resume == "auto":
-        if is_url(output_dir):  # a missing bucket or a refused credential fails here, not as "no checkpoint"
-            check_store(os.fspath(output_dir), "output_dir")
-        return newest_checkpoint(output_dir)
-    if is_url(resume):
-        try:
-            remote.resolve_url(resume)  # raises naming --resume when there is nothing there
-        except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
-            raise err.renamed(output_dir="resume") from err.__cause__
-        return resume
-    if not Path(resume).is_file():
-        raise CheckpointError(f"{{resume}} {lit(resume)}: no such checkpoint file; pass an existing .ckpt, auto or none")
-    return resume
-
-
 def _safe_globals() -> list[Any]:
     """Plain-data types a user's hyper-parameters commonly hold (an argparse Namespace, a Path, numpy
     scalars): rebuilding them runs no code of the file's choosing, so ``weights_only`` loads may accept them."""
@@ -107,60 +95,6 @@ def plain_data():
     """The context for every checkpoint load of the pack (its reader, Lightning's restore):
     ``weights_only`` plus the plain-data types of :func:`_safe_globals`."""
     return torch.serialization.safe_globals(_safe_globals())
-
-
-def checkpoint_candidates(output_dir: str | os.PathLike) -> list[Path]:
-    """What ``--resume auto`` considers: ``checkpoints/*.ckpt`` (last, best, the recipe's others) and
-    Lightning's SLURM ``hpc_ckpt_*.ckpt`` in the output folder. Temp files of unfinished saves are not."""
-    out = Path(output_dir)
-    found = [*sorted((out / CHECKPOINT_DIR).glob("*.ckpt")), *sorted(out.glob("hpc_ckpt_*.ckpt"))]
-    return [p for p in found if p.is_file() and not p.name.startswith(".")]
-
-
-def checkpoint_position(path: str | os.PathLike) -> tuple[int, int]:
-    """(global step, epoch) of a checkpoint, read without loading its tensors; raises if unreadable."""
-    with plain_data():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError("not a Lightning checkpoint")
-    return int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0))
-
-
-def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The complete checkpoint with the most optimizer steps, skipping truncated or unreadable files with a
-    one-line warning each; None when there is none. Ties go to last.ckpt, then the newest hpc_ckpt_N, then
-    by name: every rank resolves this on its own before the process group exists, so the rule uses what
-    the files say, not their write times. On a URL: the newest manifest whose object is complete
-    (:func:`~ddp_recipes.checkpointing.remote.newest_published`), as the name it was saved under."""
-    if is_url(output_dir):
-        found = remote.newest_published(Url(os.fspath(output_dir)) / CHECKPOINT_DIR)
-        return found.removesuffix(remote.MANIFEST) if found else None
-    return newest_of(checkpoint_candidates(output_dir))
-
-
-def newest_of(paths: list[Path], asked: str = "--resume auto") -> str | None:
-    """:func:`newest_checkpoint`'s rule over ``paths``; ``asked`` names the request in the warnings."""
-    best: tuple[tuple[int, int, tuple[int, int, str]], Path] | None = None
-    for path in paths:
-        try:
-            step, epoch = checkpoint_position(path)
-        except Exception as err:  # truncated zip, garbage, not a checkpoint: skip it, keep looking
-            reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-            rank_zero_warn(f"{asked}: skipping {path}: not a readable checkpoint ({reason})")
-            continue
-        key = (step, epoch, _tie_rank(path))
-        if best is None or key > best[0]:
-            best = (key, path)
-    return str(best[1]) if best else None
-
-
-def _tie_rank(path: Path) -> tuple[int, int, str]:
-    number = path.stem.removeprefix("hpc_ckpt_")
-    if path.name == "last.ckpt":
-        return (2, 0, path.name)
-    if path.name.startswith("hpc_ckpt_") and number.isdigit():
-        return (1, int(number), path.name)
-    return (0, 0, path.name)
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:

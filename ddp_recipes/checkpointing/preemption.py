@@ -29,12 +29,11 @@ from typing import Any
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.vote import StopVote
 from ddp_recipes.storage import Url, location
 
@@ -140,18 +139,33 @@ class LastCheckpoint(Checkpoint):
     SIGTERM (and SLURM's requeue signal, requeueing the job when Lightning's SLURM environment has
     ``auto_requeue``). Saves go through the trainer, so through its (atomic) checkpoint IO, on rank 0.
 
+    Where the fit stops before its epoch ends (``max_steps``, ``max_time``, ``trainer.should_stop``), the save
+    is made at that batch's end, as a preemption's is, so a run continued with a larger limit goes on with the
+    rest of the epoch. Lightning's epoch-end hooks still run after such a stop, and a checkpoint written there
+    says the epoch is over: continuing it skipped the rest of the epoch (and ``--max-epochs 1`` counted it as
+    done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
+
+    The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.ownership`): ``run_id`` (decided on rank 0
+    when fitting starts, :mod:`~ddp_recipes.checkpointing.connector`) goes into every checkpoint the trainer
+    writes. ``words`` is the vocabulary of the messages: a recipe's flags or the library's arguments.
+
     A ``Checkpoint`` subclass, so Lightning runs its epoch-end hook after the LightningModule's.
     """
 
     def __init__(self, dirpath: str | os.PathLike | None, every_n_steps: int = 0,
-                 resume_hint: str = RECIPE_RESUME) -> None:
+                 resume_hint: str | None = None, words: ownership.Words | None = None) -> None:
         if every_n_steps < 0:
             raise ValueError(f"--checkpoint-every-n-steps must be >= 0 (got {every_n_steps})")
         # None: set before fit (build_trainer puts it under the Trainer's default_root_dir). A URL stays one:
         # Path("s3://b/run") would be a local folder named "s3:".
         self.dirpath = location(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
-        self.resume_hint = resume_hint  # the preemption message's last words: how to continue
+        if words is None:
+            words = ownership.LIBRARY if resume_hint == LIBRARY_RESUME else ownership.RECIPE
+        self.words = words
+        # the preemption message's last words: how to continue
+        self.resume_hint = resume_hint or (LIBRARY_RESUME if words is ownership.LIBRARY else RECIPE_RESUME)
+        self.run_id: str | None = None
         self._seen_step = -1
         self._saved_step = -1
         self._signals: _FlagSignalConnector | None = None
@@ -186,10 +200,15 @@ class LastCheckpoint(Checkpoint):
         signum = self._agreed_signal(trainer)
         last_of_epoch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         due = self.every_n_steps > 0 and step % self.every_n_steps == 0 and not last_of_epoch
-        if signum or due:
+        if signum or due or (not last_of_epoch and _stops_after_this_batch(trainer)):
             self.save(trainer)
         if signum:
             self._exit(trainer, signum)
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.run_id is not None:  # every checkpoint of the trainer (ModelCheckpoint's too) names its run
+            checkpoint[ownership.RUN_KEY] = {"run_id": self.run_id}
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -219,7 +238,7 @@ class LastCheckpoint(Checkpoint):
 
     def save(self, trainer: L.Trainer) -> None:
         """Write last.ckpt (every rank calls; rank 0 writes), once per step."""
-        if trainer.global_step == self._saved_step:  # the same decision on every rank: save is collective
+        if trainer.global_step == self._saved_step or trainer.fast_dev_run:  # the same on every rank: collective
             return
         trainer.save_checkpoint(self.path, weights_only=False)
         self._saved_step = trainer.global_step
@@ -263,59 +282,10 @@ class LastCheckpoint(Checkpoint):
         return f"; SLURM job {job_id} requeued" if ok else f"; requeueing SLURM job {job_id} failed ({detail})"
 
 
-class _LastAwareCheckpointConnector(_CheckpointConnector):
-    """Lightning's checkpoint connector, with ``ckpt_path="last"`` meaning the newest *complete*
-    checkpoint among :class:`LastCheckpoint`'s folder and every ``ModelCheckpoint``'s ``last*.ckpt``.
-
-    Lightning's own "last" knows only ``ModelCheckpoint`` and picks by file time; here the checkpoint's own
-    step decides (every rank resolves it alone, before the process group exists) and unreadable files are
-    skipped. No checkpoint yet: a fresh start, as Lightning does, so one script serves both runs.
-    """
-
-    @override
-    def _parse_ckpt_path(self, state_fn: TrainerFn, ckpt_path: Any, model_provided: bool,
-                         model_connected: bool) -> Any:
-        if ckpt_path != "last":
-            return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
-        from ddp_recipes.checkpointing.checkpoint import newest_of
-        from ddp_recipes.checkpointing.remote import newest_published
-
-        candidates: list[Path] = []
-        folders = [c.dirpath for c in self.trainer.callbacks if isinstance(c, LastCheckpoint) and c.dirpath]
-        for callback in self.trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and isinstance(location(callback.dirpath or ""), Url):
-                folders.append(Url(callback.dirpath))
-        remote = [folder for folder in dict.fromkeys(folders) if isinstance(folder, Url)]
-        if remote:  # an object-store run: manifests name the complete checkpoints (see checkpointing.remote)
-            found_remote = [newest_published(folder) for folder in remote]
-            best = max((f for f in found_remote if f), default=None, key=_published_step)
-            if best is not None:
-                return best.removesuffix(".manifest.json")
-        for folder in folders:
-            if not isinstance(folder, Url):
-                candidates += [p for p in sorted(folder.glob("*.ckpt")) if p.is_file() and not p.name.startswith(".")]
-        for callback in self.trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and not isinstance(location(callback.dirpath or ""), Url):
-                candidates += [Path(p) for p in sorted(callback._find_last_checkpoints(self.trainer))]
-        found = newest_of(list(dict.fromkeys(candidates)), asked='ckpt_path="last"')
-        if found is None:
-            where = ", ".join(str(f) for f in folders) or "the checkpoint folders"
-            rank_zero_info(f'ckpt_path="last": no checkpoint in {where} yet; starting from the beginning')
-        return found
-
-
-def _published_step(manifest: Url) -> tuple[int, int]:
-    from ddp_recipes.checkpointing.remote import resolve_url
-
-    entry = resolve_url(manifest)[1] or {}
-    return int(entry.get("global_step", 0)), int(entry.get("epoch", 0))
-
-
-def find_last_checkpoint(trainer: L.Trainer) -> None:
-    """Make ``trainer.fit(..., ckpt_path="last")`` resolve as :class:`_LastAwareCheckpointConnector` does.
-    The connector keeps its state; only its class changes (Lightning creates it in ``Trainer.__init__``)."""
-    connector = trainer._checkpoint_connector
-    if type(connector) is _CheckpointConnector:
-        connector.__class__ = _LastAwareCheckpointConnector
+def _stops_after_this_batch(trainer: L.Trainer) -> bool:
+    """Whether the fit loop ends after this batch (checked at its end, every rank alike): ``max_steps``
+    reached, or ``should_stop`` set (``max_time``'s Timer, whose batch-end hook runs before any checkpoint
+    callback's, a module, a callback) where Lightning lets the fit stop early."""
+    if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+        return True
+    return bool(trainer.should_stop) and trainer.fit_loop._can_stop_early

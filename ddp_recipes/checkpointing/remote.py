@@ -6,7 +6,7 @@ A save of ``<folder>/last.ckpt`` on a URL writes two things, in this order:
    cache first, then uploaded; a multipart upload appears only once complete, and a cut one is a new name
    nobody points at);
 2. the manifest ``<folder>/last.ckpt.manifest.json``: a small JSON naming that object, its size, sha256,
-   global step and epoch, written in one request.
+   global step, epoch and run id (:mod:`~ddp_recipes.checkpointing.ownership`), written in one request.
 
 Then the object the manifest named before is deleted. ``--resume auto`` reads only manifests and takes the
 one with the most steps whose object is there with the recorded size; the download is checked against the
@@ -52,7 +52,7 @@ def manifest_url(url: str) -> Url:
     return Url(url + MANIFEST)
 
 
-def publish(url: str, write: Callable[[IO[bytes]], None], step: int, epoch: int) -> Url:
+def publish(url: str, write: Callable[[IO[bytes]], None], step: int, epoch: int, run_id: str | None = None) -> Url:
     """Save a checkpoint as ``url`` on an object store (the module docstring's two steps); returns the
     object written. ``write`` serialises the checkpoint into a binary file."""
     url = Url(url)
@@ -69,7 +69,7 @@ def publish(url: str, write: Callable[[IO[bytes]], None], step: int, epoch: int)
     finally:
         spool.unlink(missing_ok=True)
     entry = {"format": FORMAT, "name": name, "object": f"{OBJECTS}/{target.name}", "bytes": nbytes,
-             "sha256": digest, "global_step": int(step), "epoch": int(epoch)}
+             "sha256": digest, "global_step": int(step), "epoch": int(epoch), "run_id": run_id}
     put_bytes(manifest_url(url), (json.dumps(entry, indent=2, sort_keys=True) + "\n").encode())
     # The new manifest is in place: the object it replaced, and any left by an upload killed before its
     # manifest (a store without atomic uploads keeps a partial one), are garbage now.
@@ -101,9 +101,10 @@ def _read_manifest(url: Url) -> dict[str, Any] | None:
     return entry
 
 
-def published(folder: str) -> list[tuple[Url, dict[str, Any]]]:
+def published(folder: str, asked: str = "--resume auto") -> list[tuple[Url, dict[str, Any]]]:
     """(manifest URL, manifest) of every complete checkpoint in ``folder``: the manifest parses and names
-    an object that is there with the recorded size. Others are skipped with a one-line warning."""
+    an object that is there with the recorded size. Others are skipped with a one-line warning (naming the
+    request, ``asked``)."""
     folder = Url(folder)
     found = []
     for entry_name in listing(folder):
@@ -112,12 +113,12 @@ def published(folder: str) -> list[tuple[Url, dict[str, Any]]]:
         where = folder / entry_name
         entry = _read_manifest(where)
         if entry is None:
-            rank_zero_warn(f"--resume auto: skipping {where}: not a checkpoint manifest")
+            rank_zero_warn(f"{asked}: skipping {where}: not a checkpoint manifest")
             continue
         actual = size(folder / entry["object"])
         if actual != entry.get("bytes"):
             state = "missing" if actual is None else f"{actual} bytes, the manifest says {entry.get('bytes')}"
-            rank_zero_warn(f"--resume auto: skipping {where}: its object {entry['object']} is {state}")
+            rank_zero_warn(f"{asked}: skipping {where}: its object {entry['object']} is {state}")
             continue
         found.append((where, entry))
     return found

@@ -100,6 +100,14 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     return out
 
 
+def completed_epochs(trainer: L.Trainer) -> int:
+    """Whole epochs trained: ``trainer.current_epoch``, except after a fit that stopped inside an epoch
+    (``max_steps``, ``max_time``), where Lightning counts the cut epoch as done; a run continued from that
+    checkpoint counts it as not done. The same checkpoint then gives the same count, whichever run wrote it."""
+    state = next((c for c in trainer.callbacks if isinstance(c, ResumeState)), None)
+    return trainer.current_epoch - int(state is not None and state.epoch_cut_short)
+
+
 def reposition_train_loader(trainer: L.Trainer) -> None:
     """Load the checkpoint's loader states Lightning skipped, set the resumed epoch, rebuild the iterator.
 
@@ -117,6 +125,25 @@ def reposition_train_loader(trainer: L.Trainer) -> None:
     for loader in combined.flattened:
         _set_sampler_epoch(loader, epoch)
     iter(fetcher)  # a fresh iterator: workers start at the restored position and epoch
+
+
+def _schedule_steps(trainer: L.Trainer) -> list[int | None]:
+    """The run length each LR schedule was sized for (``run_steps``: the pack's cosine decays over the run),
+    None for a schedule that does not depend on it."""
+    return [getattr(config.scheduler, "run_steps", None) for config in trainer.lr_scheduler_configs]
+
+
+def _warn_resized_schedule(trainer: L.Trainer, saved: list[int | None] | None, now: list[int | None]) -> None:
+    """A run continued with another limit re-sizes a schedule that decays over the run: say that the steps
+    before the checkpoint followed the other curve, so the end differs from a run with this limit throughout."""
+    changed = [(old, new) for old, new in zip(saved or [], now, strict=False) if old and new and old != new]
+    if changed:
+        old, new = changed[0]
+        rank_zero_warn(f"the LR schedule decays over the whole run: it was sized for {old} steps when the checkpoint "
+                       f"was written and is sized for {new} now (another step or epoch limit); from step "
+                       f"{trainer.global_step} the LR follows the {new}-step curve, but the steps before followed the "
+                       f"{old}-step one, so the weights will differ from a run that had this limit from the start (a "
+                       "schedule that does not depend on the run's length, e.g. without cosine decay, continues exactly)")
 
 
 def _warn_unresumable_loader(trainer: L.Trainer) -> None:
@@ -141,11 +168,15 @@ class ResumeState(Callback):
     every rank at the same point (never from a signal handler: see :mod:`ddp_recipes.checkpointing.preemption`).
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, prebuilt: Any = None) -> None:
         self.seed = seed
+        # LightningModules built before build_trainer(seed=...) seeded (a weakref.WeakSet), or None
+        self.prebuilt = prebuilt
         self._trainer: L.Trainer | None = None
         self._pending: dict[str, Any] | None = None
         self._fresh_lrs: list[list[float]] = []
+        self._schedule: list[int | None] = []
+        self.epoch_cut_short = False  # this fit's last epoch ended before its last batch (a limit, should_stop)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -165,6 +196,7 @@ class ResumeState(Callback):
         state["global_batch_size"] = (per_device * trainer.world_size * trainer.accumulate_grad_batches
                                       if isinstance(per_device, int) else None)
         state["steps_per_epoch"] = steps_per_epoch(trainer, size_loader=False)
+        state["schedule_steps"] = self._schedule
         hook_state = getattr(trainer.strategy, "comm_hook_state_dict", None)
         if callable(hook_state):
             state["comm_hook"] = hook_state()
@@ -181,9 +213,20 @@ class ResumeState(Callback):
         # configure_optimizers has run, the checkpoint's optimizer state is not loaded yet: these are the
         # LRs this run was configured with.
         self._fresh_lrs = [[g.get("initial_lr", g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers]
+        self._schedule = _schedule_steps(trainer)  # the restore of the scheduler state replaces run_steps
+        if self.prebuilt is not None and pl_module in self.prebuilt and trainer.ckpt_path is None:
+            rank_zero_warn(f"{type(pl_module).__name__} was built before build_trainer(seed={self.seed}) seeded the random "
+                           "streams, so its initial weights (all not loaded from a file) differ from run to run; build "
+                           "the model after build_trainer(...), or call lightning.seed_everything(seed) before building "
+                           "it (every rank still starts from rank 0's weights: DDP copies them)")
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epoch_cut_short = not trainer.fit_loop.epoch_loop._num_ready_batches_reached()
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epoch_cut_short = False
         pending, self._pending = self._pending, None
         resuming = trainer.ckpt_path is not None
         saved_world = (pending or {}).get("world_size")
@@ -197,6 +240,7 @@ class ResumeState(Callback):
         reposition_train_loader(trainer)
         _warn_unresumable_loader(trainer)
         lr_change = self._reapply_lrs(trainer, pending or {})
+        _warn_resized_schedule(trainer, (pending or {}).get("schedule_steps"), self._schedule)
         if same_world and pending.get("comm_hook") is not None:
             loader = getattr(trainer.strategy, "load_comm_hook_state_dict", None)
             if callable(loader):

@@ -110,10 +110,22 @@ def writable_dir(path: str, param: str) -> Path | Url:
     return out
 
 
-def fail(message: str, prog: str) -> typing.NoReturn:
-    """Print a one-line error naming the flag and exit 2, argparse's convention for bad usage."""
+def fail(message: str | ConfigError, prog: str) -> typing.NoReturn:
+    """Print a one-line error naming the flag and exit 2, argparse's convention for bad usage. An error every
+    rank raised alike from rank 0's decision (``agreed``) is printed by rank 0 only."""
+    if isinstance(message, ConfigError):
+        if getattr(message, "agreed", False) and _rank() != 0:
+            raise SystemExit(2)
+        message = message.cli()
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _rank() -> int:
+    """This process's global rank as Lightning knows it (0 before Lightning is imported)."""
+    module = sys.modules.get("lightning_utilities.core.rank_zero")
+    rank = getattr(getattr(module, "rank_zero_only", None), "rank", 0)
+    return rank if isinstance(rank, int) else 0
 
 
 # ---- YAML config files -----------------------------------------------------------------------------------

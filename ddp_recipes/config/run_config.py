@@ -61,8 +61,9 @@ class RunConfig:
     comm_hook: CommHook = opt("none", "gradient compression for the all-reduce: none, fp16, bf16, powersgd")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     timeout_s: float = opt(1800.0, "seconds a collective may wait before the run fails instead of hanging")
-    output_dir: str = opt("runs/default", "where logs, checkpoints and summary.json go: a folder or an object-storage URL "
-                                           "(s3://bucket/prefix, gs://..., any fsspec URL)")
+    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go: a folder or an object-storage URL "
+                                       "(s3://bucket/prefix, gs://..., any fsspec URL), owned by one run (default: "
+                                       "runs/<recipe>/version_N, a new N for each run)")
     resume: str = opt("none", "none, auto (the newest complete checkpoint in --output-dir) or a checkpoint PATH or URL")
     checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
                                            "each epoch end and on SIGTERM/SLURM's requeue signal)")
@@ -102,6 +103,7 @@ class RunConfig:
     DEFAULT_REFERENCE_BATCH: typing.ClassVar[int] = 64
     DEFAULT_MAX_EPOCHS: typing.ClassVar[int] = 5
     DEFAULT_EXPERIMENT: typing.ClassVar[str] = "ddp-recipes"  # --experiment's default: the recipe's name
+    DEFAULT_OUTPUT_ROOT: typing.ClassVar[str] = "runs/default"  # --output-dir's default: <this>/version_N
 
     DEFAULT_NUM_WORKERS: typing.ClassVar[int | None] = 0  # None: fitted to the cores per rank
     # lightning.Trainer settings the recipe sets itself (refused in --trainer), and the flag to use instead.
@@ -131,6 +133,7 @@ class RunConfig:
         for name in ("experiment", "run_name", "tracking_uri", "wandb_project", "wandb_entity"):
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
                 raise ConfigError(f"{{{name}}} is empty; give a value or leave it out", name)
+        self._check_tracker_flags()
         if self.checkpoint_every_n_steps < 0:
             raise ConfigError(f"{{checkpoint_every_n_steps}} must be >= 0 (got {self.checkpoint_every_n_steps})")
         self.trainer = check_trainer_settings(self.trainer, self.TRAINER_OWNED)
@@ -139,6 +142,19 @@ class RunConfig:
         # Resolve now, once: a bad combination fails before any process starts, and everything downstream
         # reads the frozen plan instead of re-deriving it.
         self.__dict__["_plan"] = self.resolve()
+
+    # Tracker flags and the trackers they configure (a flag without one of them would be dropped silently).
+    _TRACKER_FLAGS: typing.ClassVar[dict[str, tuple[str, ...]]] = {
+        "tracking_uri": ("mlflow",), "experiment": ("mlflow", "wandb"), "run_name": ("mlflow", "wandb"),
+        "wandb_project": ("wandb",), "wandb_entity": ("wandb",), "wandb_offline": ("wandb",)}
+
+    def _check_tracker_flags(self) -> None:
+        for name, trackers in self._TRACKER_FLAGS.items():
+            if getattr(self, name) not in (None, False) and not set(trackers) & set(self.trackers):
+                needs = " or ".join(trackers)
+                example = ",".join([*self.trackers, trackers[0]])
+                raise ConfigError(f"{{{name}}} has no effect without {needs} in {{logger}} (it is {self.logger}): add "
+                                  f"{needs} to {{logger}} (e.g. {{logger}} {example}), or drop {{{name}}}", name)
 
     def _check_positive(self, *names: str) -> None:
         for name in names:

@@ -149,6 +149,55 @@ def check_trainer_settings(settings: dict[str, Any], owned: dict[str, str], sour
 _MISSING = object()
 
 
+def probe_trainer(settings: dict[str, Any], source: str = "{trainer}") -> None:
+    """Lightning's own checks of ``settings``, before any process starts: a value ``lightning.Trainer`` refuses
+    when it is built (``max_time=abc``, ``val_check_interval=-1``, ...) is a one-line error naming ``source``
+    and the setting. One CPU Trainer is built and dropped; the process-wide switches a Trainer sets (torch's
+    deterministic mode, cuDNN benchmark, CUBLAS_WORKSPACE_CONFIG) and its log lines are left as they were."""
+    if not settings:
+        return
+    failed = _probe(settings)
+    if failed is None:
+        return
+    culprit = next((key for key in settings if _probe({key: settings[key]}) is not None), None)
+    shown = f"{culprit}={settings[culprit]!r}" if culprit is not None else ", ".join(settings)
+    raise ConfigError(f"{source} {lit(shown)}: lightning.Trainer refuses it ({lit(failed)})")
+
+
+def _probe(settings: dict[str, Any]) -> str | None:
+    """None when ``lightning.Trainer`` takes ``settings``; else the first line of its error."""
+    import logging
+    import os
+    import warnings
+
+    import lightning as L
+    import torch
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    quiet = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+             "enable_progress_bar": False, "enable_model_summary": False}
+    logger = logging.getLogger("lightning.pytorch")
+    saved = (logger.level, torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.benchmark,
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            L.Trainer(**{**quiet, **settings})
+    except (MisconfigurationException, ValueError, TypeError) as err:
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    finally:
+        logger.setLevel(saved[0])
+        torch.use_deterministic_algorithms(saved[1], warn_only=saved[2])
+        torch.backends.cudnn.benchmark = saved[3]
+        if saved[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[4]
+    return None
+
+
 def split_setting(text: str, param: str = "trainer") -> tuple[str, str]:
     """``KEY=VALUE`` as (key, value text)."""
     key, sep, value = text.partition("=")

@@ -34,6 +34,16 @@ def launched_per_pod(env: Mapping[str, str] | None = None) -> bool:
             and not any(name in env for name in SCHEDULER_VARS))
 
 
+def will_be_global_zero() -> bool:
+    """Whether this process will be global rank 0, known before the process group exists: Lightning's rank
+    from the launcher's environment (torchrun's and a pod's RANK, Lightning's own LOCAL_RANK, SLURM_PROCID)
+    and, for Lightning's launcher on several nodes, NODE_RANK 0. The process that writes a run's files."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    node = os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or "0"
+    return rank_zero_only.rank == 0 and (node == "0" or "RANK" in os.environ or "SLURM_PROCID" in os.environ)
+
+
 def launch_environment(env: Mapping[str, str] | None = None) -> str:
     """One line on who started this process and what it was told (the doctor prints it)."""
     env = os.environ if env is None else env

@@ -9,8 +9,10 @@ and knows what it is for, so the pack takes over there:
   :class:`~ddp_recipes.data.resumable.ResumableDataLoader`: the same shuffle as Lightning's sampler (seed
   ``PL_GLOBAL_SEED``), a position Lightning saves and restores mid-epoch, and augmentation seeded per
   sample, so loader workers draw the same crops after a restart (any ``num_workers``). Loaders it cannot
-  rebuild (iterable datasets, DataLoader subclasses, custom samplers or batch samplers) keep Lightning's
-  handling and get one warning naming the loader and what a resume will not reproduce.
+  rebuild (DataLoader subclasses, custom samplers or batch samplers) keep Lightning's handling and get one
+  warning naming the loader and what a resume will not reproduce. An iterable dataset, which Lightning does
+  not split at all, is split by position where that is safe, or named with the fix
+  (:mod:`ddp_recipes.data.streams`).
 * **evaluation**: a non-shuffled or shuffled sampler becomes an unpadded
   :class:`~ddp_recipes.data.samplers.ExactDistributedSampler` shard; a user's own padding sampler is
   kept, with a warning that says how many samples are scored twice. (Prediction is Lightning's already
@@ -43,6 +45,7 @@ from ddp_recipes.data.resumable import (
     kill_loader_workers_at_exit,
 )
 from ddp_recipes.data.samplers import ExactDistributedSampler
+from ddp_recipes.data.streams import RankShardedStream, StreamLoader, classify
 
 _EVAL = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 
@@ -102,9 +105,7 @@ class _AdoptingDataConnector(_DataConnector):
             self._warn(name, f"a {type(loader).__name__}, not a DataLoader: {not_exact}")
             return None
         if has_iterable_dataset(loader):
-            self._warn(name, f"an IterableDataset ({type(loader.dataset).__name__}) cannot be repositioned: "
-                             f"{not_exact}; use a map-style Dataset for an exact resume")
-            return None
+            return self._adopt_stream(loader, name, not_exact)
         if type(loader) is not DataLoader:
             self._warn(name, f"a DataLoader subclass ({type(loader).__name__}) is left as it is: {not_exact}; "
                              "a plain DataLoader gets the resumable order and per-sample augmentation seeding")
@@ -137,19 +138,42 @@ class _AdoptingDataConnector(_DataConnector):
         batch_size = loader.batch_size if loader.batch_size is not None else loader.batch_sampler.batch_size
         batch_drop = loader.drop_last if loader.batch_size is not None else loader.batch_sampler.drop_last
         seeded = SeededDataset(loader.dataset, seed)
-        workers = loader.num_workers
-        return ResumableDataLoader(
-            seeded, batch_size=batch_size, drop_last=batch_drop, shuffle=None,
-            sampler=ResumableSampler(seeded, num_replicas=world, rank=rank, seed=seed, drop_last=drop_last,
-                                     shuffle=shuffle),
-            num_workers=workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-            timeout=loader.timeout, worker_init_fn=WorkerInit(loader.worker_init_fn),
-            multiprocessing_context=loader.multiprocessing_context,
-            # A private generator: the workers' base seed must not come from (and advance) the global RNG.
-            generator=torch.Generator().manual_seed(seed),
-            prefetch_factor=loader.prefetch_factor if workers > 0 else None,
-            persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
-            in_order=loader.in_order)
+        return _rebuilt(loader, seeded, seed, ResumableDataLoader, batch_size=batch_size, drop_last=batch_drop,
+                        shuffle=None, sampler=ResumableSampler(seeded, num_replicas=world, rank=rank, seed=seed,
+                                                               drop_last=drop_last, shuffle=shuffle))
+
+    def _adopt_stream(self, loader: DataLoader, name: str, not_exact: str) -> DataLoader | None:
+        """An iterable training loader: split by position where that is safe (:mod:`ddp_recipes.data.streams`),
+        said once, naming the loader, at the take-over."""
+        world, rank = self._world()
+        stream = type(loader.dataset).__name__
+        resume = f"it cannot be repositioned, so {not_exact}"
+        if world < 2 or isinstance(loader.dataset, RankShardedStream):
+            self._warn(name, f"an IterableDataset ({stream}): {resume}; use a map-style Dataset for an exact resume")
+            return None
+        found = classify(self.trainer.strategy, loader.dataset)
+        split_it = (f"split it in {stream}.__iter__ by torch.distributed.get_rank() and get_world_size() (and by "
+                    "torch.utils.data.get_worker_info() in loader workers), or use a map-style Dataset, which the "
+                    "pack shards (and resumes exactly)")
+        unsplit = (f"an IterableDataset ({stream}) is not split by Lightning, and each of the {world} ranks reads the "
+                   f"whole stream: every sample would be trained {world} times per epoch")
+        if found == "split":  # its __iter__ splits by rank
+            self._warn(name, f"an IterableDataset ({stream}): {resume}; use a map-style Dataset for an exact resume")
+            return None
+        rebuildable = type(loader) is DataLoader and self.trainer._accelerator_connector.use_distributed_sampler
+        if found == "shard" and rebuildable:
+            seed = int(os.getenv("PL_GLOBAL_SEED", 0))
+            self._warn(name, f"{unsplit}; its order depends on neither the rank nor the random state, so the pack "
+                             f"splits it: rank r keeps samples r, r+{world}, r+{2 * world}, ... (a last group of fewer "
+                             f"than {world} is dropped, so every rank has as many batches). Each rank still reads the "
+                             f"whole stream: to read only its part, {split_it}. And {resume}")
+            return _rebuilt(loader, RankShardedStream(loader.dataset, rank, world, seed), seed, StreamLoader)
+        why = {"shard": "use_distributed_sampler=False leaves the split to you" if type(loader) is DataLoader
+                        else f"the pack does not rebuild a DataLoader subclass ({type(loader).__name__})",
+               "random": "its order depends on the random state (it shuffles), so the pack cannot split it by position",
+               "unknown": "its first samples could not be read at the take-over, so the pack cannot tell"}[found]
+        self._warn(name, f"{unsplit} unless its __iter__ splits by rank; {why}: {split_it}")
+        return None
 
     # ---- evaluation ---------------------------------------------------------------------------------
 
@@ -182,6 +206,22 @@ class _AdoptingDataConnector(_DataConnector):
                              f"which pads {length} samples to {length + duplicated}: {duplicated} sample(s) are "
                              "scored twice and bias the metrics")
         return None
+
+
+def _rebuilt(loader: DataLoader, dataset: Any, seed: int, cls: type[DataLoader] = DataLoader, **kwargs: Any
+             ) -> DataLoader:
+    """``loader``'s settings over ``dataset`` (``kwargs`` replace some), with the pack's worker set-up and a
+    private generator: the workers' base seed must not come from (and advance) the global RNG."""
+    workers = loader.num_workers
+    settings = dict(batch_size=loader.batch_size, drop_last=loader.drop_last, num_workers=workers,
+                    collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                    worker_init_fn=WorkerInit(loader.worker_init_fn),
+                    multiprocessing_context=loader.multiprocessing_context,
+                    generator=torch.Generator().manual_seed(seed),
+                    prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+                    persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
+                    in_order=loader.in_order)
+    return cls(dataset, **{**settings, **kwargs})
 
 
 def adopt_user_loaders(trainer: L.Trainer) -> None:

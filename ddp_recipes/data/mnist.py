@@ -17,7 +17,7 @@ from torchvision.datasets import MNIST
 from typing_extensions import override
 
 from ddp_recipes.data.base import SplitDataModule
-from ddp_recipes.data.samplers import TensorBatchDataset
+from ddp_recipes.data.samplers import TensorBatchDataset, _world
 from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
 
 MEAN, STD = 0.1307, 0.3081  # over the 60k MNIST training images; the write-up's Normalize values
@@ -150,9 +150,7 @@ class MNISTDataModule(SplitDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Decode the needed splits once; every rank draws the same validation split from ``seed``."""
         # Other nodes never ran prepare_data: check here too, with the same message.
-        counts = check_mnist(self.data_dir)
-        if self.val_size >= counts["train"]:
-            raise ConfigError(f"{{val_size}} {self.val_size} leaves no training data ({counts['train']} images)")
+        self._check_hold_out(check_mnist(self.data_dir)["train"], _world()[0])
         if stage in (None, "fit", "validate") and self.train_set is None:
             images, labels = load_split(self.data_dir, train=True)
             perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
@@ -161,6 +159,24 @@ class MNISTDataModule(SplitDataModule):
             self.val_set = TensorBatchDataset(images[self.val_indices], labels[self.val_indices])
         if stage in (None, "test", "predict") and self.test_set is None:
             self.test_set = TensorBatchDataset(*load_split(self.data_dir, train=False))
+
+    def check_split(self, world_size: int) -> None:
+        """``val_size`` against the files and the ranks, before any process starts (when the files are there:
+        a download in ``prepare_data`` is checked in ``setup``, on every rank)."""
+        try:
+            train = check_mnist(self.data_dir)["train"]
+        except FileNotFoundError:
+            if self.download:
+                return
+            raise
+        self._check_hold_out(train, world_size)
+
+    def _check_hold_out(self, train: int, world_size: int) -> None:
+        left = train - self.val_size
+        if left < max(1, world_size):
+            short = "leaves no training data" if left < 1 else f"leaves {left} training image(s) for {world_size} ranks"
+            raise ConfigError(f"{{val_size}} {self.val_size} {short} (the train split has {train} images); pass a "
+                              f"{{val_size}} of at most {train - max(1, world_size)}")
 
     @property
     def train_size(self) -> int:

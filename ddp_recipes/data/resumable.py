@@ -259,7 +259,9 @@ def _live_loader_worker_pids() -> set[int]:
 
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-    return {w.pid for obj in gc.get_objects() if isinstance(obj, _MultiProcessingDataLoaderIter)
+    # type(), not isinstance: isinstance also reads obj.__class__, and torch.distributed's deprecated
+    # reduce_op object (among the gc's objects) answers that with a FutureWarning, on every rank.
+    return {w.pid for obj in gc.get_objects() if issubclass(type(obj), _MultiProcessingDataLoaderIter)
             for w in getattr(obj, "_workers", ()) if w.pid is not None}
 
 

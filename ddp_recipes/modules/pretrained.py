@@ -150,9 +150,19 @@ def read_weights(weights: PretrainedWeights) -> dict[str, torch.Tensor]:
     except ConfigError:
         raise
     except Exception as err:  # truncated zip, wrong format
+        if weights.path is not None and not _is_zip(weights.path) and not _is_pickle(weights.path):
+            # torch.load's legacy reader reads any other file as a pickle and fails with e.g. "KeyError: 101"
+            raise ConfigError(f"{{weights}} {lit(weights.name)} is not a PyTorch file (neither a torch.save archive "
+                              "nor a pickle); save the weights with torch.save(model.state_dict(), path)") from None
         raise ConfigError(f"{{weights}} {lit(weights.name)} is not a readable state-dict file ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); replace it") from None
     return unwrap_state_dict(state, weights.name)
+
+
+def _is_pickle(path: Path) -> bool:
+    """A pickle of protocol 2 or later (torch.save's legacy format) starts with the PROTO opcode."""
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"
 
 
 def _is_zip(path: Path) -> bool:
@@ -186,6 +196,12 @@ def unwrap_state_dict(state: Any, name: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def _some(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names``, and how many more: a wrong file lists hundreds of keys."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 @dataclass
 class LoadReport:
     """What :func:`load_pretrained` did: tensors loaded, and the head layers replaced (name -> text)."""
@@ -217,12 +233,13 @@ def load_pretrained(network: nn.Module, state: dict[str, torch.Tensor], head: se
     replaced = [k for k in mismatched if k in head and own[k].shape[1:] == state[k].shape[1:]]
     wrong = [k for k in mismatched if k not in replaced]
     if missing or unexpected or wrong:
-        parts = [f"missing {', '.join(missing)}" if missing else "",
-                 f"unexpected {', '.join(unexpected)}" if unexpected else "",
-                 "shape mismatch " + ", ".join(f"{k} {list(state[k].shape)} vs {list(own[k].shape)}"
-                                               for k in wrong) if wrong else ""]
-        raise ConfigError(f"{{weights}} {lit(name)} do not fit this model: {'; '.join(p for p in parts if p)} (file vs "
-                          "model); pass the --arch (and flags) they were trained with, or weights of this model")
+        parts = [f"{len(missing)} missing ({_some(missing)})" if missing else "",
+                 f"{len(unexpected)} unexpected ({_some(unexpected)})" if unexpected else "",
+                 f"{len(wrong)} of another shape ("
+                 + _some([f"{k} {list(state[k].shape)} vs {list(own[k].shape)}" for k in wrong]) + ")" if wrong else ""]
+        raise ConfigError(f"{{weights}} {lit(name)} do not fit this model: {lit('; '.join(p for p in parts if p))} of "
+                          f"its {len(own)} tensors (file vs model); pass the {{arch}} (and flags) they were trained "
+                          "with, or weights of this model")
     if copy:
         with torch.no_grad():
             for key, value in own.items():

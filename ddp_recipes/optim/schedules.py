@@ -57,6 +57,7 @@ def lightning_scheduler(optimizer: torch.optim.Optimizer, trainer, warmup_epochs
     if warmup_steps == 0 and not (cosine and total):
         return None
     scheduler = warmup_cosine(optimizer, warmup_steps, total if cosine else 0, min_factor)
+    scheduler.run_steps = total if cosine else None  # what the curve was sized for (ResumeState compares it)
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}
 
 
@@ -190,4 +191,5 @@ def lightning_reference_scheduler(optimizer: torch.optim.Optimizer, trainer, sch
     estimate = trainer.estimated_stepping_batches if trainer is not None else 0
     total = int(estimate) if math.isfinite(estimate) and 0 < estimate < 2**62 else 0
     scheduler = reference_scheduler(optimizer, steps_per_epoch(trainer), total, schedule)
+    scheduler.run_steps = total if schedule.lr_scheduler == "cosineannealinglr" else None
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}

@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from ddp_recipes.config.choices import LR_SCALING_RULES, check_choice
 from ddp_recipes.ddp.syncbn import CPUSyncBatchNorm
+from ddp_recipes.errors import _PARAM, flag
 from ddp_recipes.train.diagnostic_rules import (
     batch_fingerprint,
     batch_size_of,
@@ -70,7 +71,8 @@ COINCIDENCE_LIMIT = 1e-6
 INPUT_BOUND_FRACTION = 0.2
 INPUT_MIN_STEPS, INPUT_WARMUP_STEPS = 10, 5  # timed steps needed; intervals skipped at the start of the fit
 
-# The troubleshooting table's fix for each finding, appended to its message.
+# The troubleshooting table's fix for each finding, appended to its message. A setting is written {name}:
+# a recipe run reads it as its flag (--name), a build_trainer run as LIBRARY_SPELLING says.
 FIXES = {
     "unsharded-data": "let Lightning insert a DistributedSampler (Trainer(use_distributed_sampler=True), the "
                       "default) or build DistributedSampler(dataset) with its default num_replicas and rank.",
@@ -82,12 +84,12 @@ FIXES = {
     "loss-divergence": "check the data sharding (DistributedSampler), per-rank data differences (another "
                        "file, split or transform on some rank) and that every rank maps labels the same way.",
     "unused-params": "use them in the loss, freeze them (requires_grad=False) or remove them; keep "
-                     "--find-unused-parameters only if some steps use them (without it DDP fails next step).",
-    "small-batch-bn": f"--sync-batchnorm (Trainer(sync_batchnorm=True)) or a per-device batch >= {SMALL_BN_BATCH}.",
-    "lr-not-scaled": "--lr-scaling linear (SGD) or sqrt (adaptive optimizers), and/or --warmup-epochs (e.g. 1-5).",
-    "accum-remainder": "make batches per epoch a multiple of --accumulate-grad-batches (another --batch-size or "
-                       "--global-batch-size, or Trainer(limit_train_batches=<a multiple>)).",
-    "input-bound": "in this order: more --num-workers per rank (up to the CPU cores per device), "
+                     "{find_unused_parameters} only if some steps use them (without it DDP fails next step).",
+    "small-batch-bn": f"{{sync_batchnorm}} or a per-device batch >= {SMALL_BN_BATCH}.",
+    "lr-not-scaled": "{lr_scaling} linear (SGD) or sqrt (adaptive optimizers), and/or {warmup_epochs} (e.g. 1-5).",
+    "accum-remainder": "make batches per epoch a multiple of {accumulate_grad_batches} (another {batch_size} or "
+                       "{global_batch_size}, or Trainer(limit_train_batches=<a multiple>)).",
+    "input-bound": "in this order: more {num_workers} per rank (up to the CPU cores per device), "
                    "persistent_workers=True (workers kept across epochs), pin_memory=True on CUDA, then cheaper "
                    "decoding (images stored at training size, torchvision.io.decode_image on tensors, or GPU "
                    "decoding: the ResNet recipe's --decode gpu with --data imagefolder, elsewhere "
@@ -96,6 +98,24 @@ FIXES = {
     "memory-imbalance": "side work (evaluation, logging, metrics) belongs under torch.no_grad(), on CPU, or on "
                         "all ranks, not on rank 0 only with autograd on the GPU.",
 }
+LIBRARY_SPELLING = {
+    "find_unused_parameters": "find_unused_parameters=True", "sync_batchnorm": "build_trainer(sync_batchnorm=True)",
+    "lr_scaling": "lr_scaling", "accumulate_grad_batches": "accumulate_grad_batches",
+    "batch_size": "DataLoader batch_size", "global_batch_size": "global_batch",
+    "num_workers": "DataLoader(num_workers=...)",
+}
+# Fixes that read otherwise for a build_trainer script (there lr_scaling only describes the module's LR).
+LIBRARY_FIXES = {
+    "lr-not-scaled": "scale the module's LR with the global batch, linearly (SGD) or by its square root (adaptive "
+                     "optimizers), and/or warm it up over 1-5 epochs; build_trainer(lr_scaling=..., "
+                     "warmup_epochs=...) tells these checks what the module does.",
+}
+
+
+def spell(text: str, library: bool) -> str:
+    """``text`` with each ``{setting}`` as the recipe's flag, or (``library``) as a build_trainer script sets it."""
+    return _PARAM.sub(lambda m: (LIBRARY_SPELLING.get(m.group(1), m.group(1)) if library else flag(m.group(1)))
+                      if m.group(1) else m.group(0)[0], text)
 
 
 class DDPDiagnosticWarning(UserWarning):
@@ -115,11 +135,12 @@ class DDPDiagnostics(Callback):
     """
 
     def __init__(self, *, lr_scaling: str | None = None, warmup_epochs: float | None = None,
-                 reference_batch: int | None = None, global_batch: int | None = None) -> None:
+                 reference_batch: int | None = None, global_batch: int | None = None, library: bool = False) -> None:
         if lr_scaling is not None:
             check_choice("lr_scaling", lr_scaling, LR_SCALING_RULES)
         self.lr_scaling, self.warmup_epochs = lr_scaling, warmup_epochs
         self.reference_batch, self.global_batch = reference_batch, global_batch
+        self.library = library  # a build_trainer script: fixes name its arguments, not a recipe's flags
         self.findings: list[tuple[str, str]] = []
         self.checked: set[str] = set()
         self.on_train_start()
@@ -141,7 +162,8 @@ class DDPDiagnostics(Callback):
         """Record a finding (the problem, then its fix) on this rank and warn on rank 0, once per code."""
         if any(c == code for c, _ in self.findings):
             return
-        message = f"{problem} Fix: {FIXES[code]}"
+        fix = LIBRARY_FIXES.get(code, FIXES[code]) if self.library else FIXES[code]
+        message = spell(f"{problem} Fix: {fix}", self.library)
         self.findings.append((code, message))
         rank_zero_warn(f"{PREFIX} [{code}] {message}", category=DDPDiagnosticWarning)
 
@@ -204,7 +226,7 @@ class DDPDiagnostics(Callback):
         if global_batch != self.reference_batch and self.lr_scaling == "none" and not self.warmup_epochs:
             self.report("lr-not-scaled", (
                 f"the global batch is {global_batch} but the LR was tuned for batch {self.reference_batch}, "
-                f"with --lr-scaling none and no warm-up: each step averages "
+                f"with {{lr_scaling}} none and no warm-up: each step averages "
                 f"{global_batch / self.reference_batch:.3g}x the samples at the same LR."))
 
     def _check_accumulation(self, accum: int, batches: Any) -> None:
@@ -302,7 +324,7 @@ class DDPDiagnostics(Callback):
             self.report("unused-params", (
                 f"{len(missing)} parameter(s) received no gradient in the first optimizer step: "
                 f"{first_few(missing, 5)}. They take memory and optimizer state for nothing (and, with "
-                "--find-unused-parameters, an extra autograd traversal every step)."))
+                "{find_unused_parameters}, an extra autograd traversal every step)."))
 
     # ---- epoch end: one gather for weights, loss, memory and the sampler's order ---------------------
 

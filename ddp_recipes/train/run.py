@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -17,9 +18,13 @@ from ddp_recipes.checkpointing.checkpoint import (
     plain_data,
     read_checkpoint,
 )
+from ddp_recipes.checkpointing.connector import Continue
 from ddp_recipes.config.cli import writable_dir
 from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.config.world import will_be_global_zero
+from ddp_recipes.storage import Url, location
 from ddp_recipes.train.callbacks import PlannedBatch, ThroughputMeter
+from ddp_recipes.train.checkpoints import refuse_other_runs
 from ddp_recipes.train.perf import (
     flops_summary,
     peak_flops,
@@ -30,6 +35,12 @@ from ddp_recipes.train.summary import scalar_metrics, summarize
 from ddp_recipes.train.tracking import TrackerRun, build_loggers, identities, run_params
 from ddp_recipes.train.trainer import Lifecycle, trainer_for
 from ddp_recipes.train.userclass import RecipeClasses, RecordClasses, class_path
+
+
+def debug_run(trainer_kwargs: dict[str, Any]) -> bool:
+    """Whether the run is a ``fast_dev_run``: a debugging run that writes no checkpoint and no summary.json
+    (Lightning suppresses its checkpoints and loggers), so it never touches a run's folder."""
+    return bool(trainer_kwargs.get("fast_dev_run"))
 
 
 def has_loader(datamodule: L.LightningDataModule, stage: str) -> bool:
@@ -57,6 +68,15 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, checkp
     own_bar = any(isinstance(c, ProgressBar) for c in callbacks or [])
     progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) and not own_bar else []
     return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=[*progress, *(callbacks or [])], **kwargs)
+
+
+def output_folder(cfg: RunConfig) -> Path | Url:
+    """The run's output folder; the process that will be rank 0 (the one that writes) creates it and proves it
+    writable (a URL: its store). The other ranks write nothing there, and take rank 0's folder once the process
+    group is up."""
+    if will_be_global_zero():
+        return writable_dir(cfg.output_dir, "output_dir")
+    return location(cfg.output_dir)
 
 
 def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
@@ -96,9 +116,9 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     """
     if ckpt_path and checkpoint is None:
         checkpoint = read_checkpoint(ckpt_path)
+    debugging = debug_run(trainer_kwargs)
     if "logger" not in trainer_kwargs:  # a missing tracker package fails here, before anything is written
         trainer_kwargs["logger"] = build_loggers(cfg, checkpoint)
-    out = writable_dir(cfg.output_dir, "output_dir")
     meter = ThroughputMeter(flops_per_sample=lambda example: training_flops_per_sample(build_model, example))
     callbacks = [meter, *(callbacks or [])]
     if classes is not None:
@@ -107,6 +127,9 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
         if classes.datamodule is not None:
             callbacks.append(PlannedBatch(cfg.plan.batch.per_device, class_path(classes.datamodule)))
     trainer = make_trainer(cfg, callbacks=callbacks, checkpoint=checkpoint, **trainer_kwargs)
+    if not debugging:  # the last check before any rank starts; a debugging run writes nothing, touches no run
+        refuse_other_runs(cfg, ckpt_path, checkpoint)
+    out = output_folder(cfg)  # after the trainer: a setting it refuses leaves nothing behind
     model = build_model()
     if cfg.plan.compile_backend:
         # Lightning unwraps the compiled module and compiles its forward and its step methods (training,
@@ -117,12 +140,15 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, lr), flush=True)
     start = time.perf_counter()
+    # --resume auto: continue the folder's run, as rank 0 decides for every rank once the process group is up
+    # (it opened ckpt_path already; every rank must load that very file).
+    request = Continue(ckpt_path) if cfg.resume == "auto" else ckpt_path
     # weights_only: Lightning's restore must not unpickle code either (read_checkpoint already vetted it).
     with plain_data():
-        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=request, weights_only=True if ckpt_path else None)
     fit_seconds = time.perf_counter() - start
     fit_metrics = scalar_metrics(trainer)  # before test(), which replaces the callback metrics
-    if save_final:
+    if save_final and not debugging:
         # Collective-safe: every rank calls it, rank 0 writes. The weights the test below evaluates.
         trainer.save_checkpoint(out / "final.ckpt", weights_only=False)
     test_metrics: dict[str, float] = {}
@@ -136,7 +162,8 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops)
     if trainer.is_global_zero:
         summary["trackers"] = identities(trainer.loggers)
-        write_json_atomic(out / "summary.json", summary)
+        if not debugging:
+            write_json_atomic(out / "summary.json", summary)
         shown = {k: summary[k] for k in ("world_size", "global_batch_size", "epochs", "steps", "fit_seconds",
                                          "train_samples_per_sec", "input_wait_fraction", "mfu") if k in summary}
         shown.update({k: round(v, 4) for k, v in test_metrics.items()})
@@ -154,7 +181,7 @@ def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], 
     ``trainer_kwargs`` are the run's own (:mod:`ddp_recipes.train.surface`); no logger unless one is given."""
     from ddp_recipes.optim.ema import EMAArgs, ModelEMA, ema_state_dict
 
-    out = writable_dir(cfg.output_dir, "output_dir")
+    out = output_folder(cfg)
     callbacks: list[Callback] = []
     ema_state = next((state for key, state in (checkpoint.get("callbacks") or {}).items()
                       if str(key).split("{")[0] == ModelEMA.__qualname__), None)

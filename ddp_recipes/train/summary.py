@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from ddp_recipes.checkpointing.resume import completed_epochs
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.train.callbacks import ThroughputMeter
 
@@ -31,7 +32,7 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         "accumulate_grad_batches": batch.accumulation,
         "global_batch_size": batch.global_batch,
         "precision": trainer.precision,
-        "epochs": trainer.current_epoch,
+        "epochs": completed_epochs(trainer),
         "steps": trainer.global_step,
         "fit_seconds": round(fit_seconds, 3),
         "train_samples_per_sec": round(meter.samples_per_sec, 1) if meter.samples_per_sec else None,

@@ -21,7 +21,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 
 from ddp_recipes.config.run_config import RunConfig
-from ddp_recipes.config.trainer_settings import check_trainer_settings
+from ddp_recipes.config.trainer_settings import check_trainer_settings, probe_trainer
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.train.userclass import check_subclass, import_class
 
@@ -48,6 +48,8 @@ def open_surface(cfg: RunConfig, callbacks: Any = None, logger: Any = None,
     if trainer_kwargs is not None and not isinstance(trainer_kwargs, dict):
         raise ConfigError(f"{source} must be a dict of lightning.Trainer arguments (got {lit(repr(trainer_kwargs))})")
     kwargs = {**check_trainer_settings(dict(trainer_kwargs or {}), cfg.TRAINER_OWNED, source=source), **cfg.trainer}
+    probe_trainer(kwargs, "{trainer}" if cfg.trainer else source)
+    _refuse_checkpoint_io(kwargs.get("plugins"), "{trainer}" if "plugins" in cfg.trainer else source)
     if logger is not None:
         kwargs["logger"] = logger
     built = [build_callback(spec) for spec in cfg.callbacks]
@@ -61,6 +63,39 @@ def open_surface(cfg: RunConfig, callbacks: Any = None, logger: Any = None,
 _TUNERS = {"BatchSizeFinder": "the batch size the run planned (global batch, LR scaling, resume position); set "
                               "{batch_size} or {global_batch_size}",
            "LearningRateFinder": "the learning rate the run planned (scaled to the global batch); set {lr}"}
+
+
+# Trainer settings that only act on validation (a value that turns it off is fine without it).
+_VALIDATION_SETTINGS = {"val_check_interval": None, "check_val_every_n_epoch": None, "limit_val_batches": 0,
+                        "num_sanity_val_steps": 0}
+
+
+def without_validation(trainer_kwargs: dict[str, Any], has_val: bool, how: str) -> dict[str, Any]:
+    """A run's Trainer settings, checked against whether it has validation data: a validation setting on a
+    run without it would do nothing, so it is refused naming ``how`` a run gets a validation set. A run without
+    validation gets ``limit_val_batches=0`` (Lightning then skips validation without asking for the empty
+    loader, which it warned about: "Total length of `list` across ranks is zero")."""
+    if has_val:
+        return trainer_kwargs
+    for key, off in _VALIDATION_SETTINGS.items():
+        if key in trainer_kwargs and (off is None or trainer_kwargs[key] != off):
+            raise ConfigError(f"{{trainer}} {key}={lit(repr(trainer_kwargs[key]))} has no effect: this run has no "
+                              f"validation data; {how}, or drop it")
+    return {**trainer_kwargs, "limit_val_batches": 0}
+
+
+def _refuse_checkpoint_io(plugins: Any, source: str) -> None:
+    """A CheckpointIO among the plugins would replace the recipe's AtomicCheckpointIO without a word."""
+    from lightning.pytorch.plugins.io import CheckpointIO
+
+    from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO
+
+    for plugin in plugins if isinstance(plugins, list | tuple) else [plugins]:
+        if isinstance(plugin, CheckpointIO) and not isinstance(plugin, AtomicCheckpointIO):
+            raise ConfigError(f"{source} plugins {lit(type(plugin).__name__)} would replace the recipe's "
+                              "AtomicCheckpointIO, which writes last.ckpt atomically (a kill mid-save keeps the previous "
+                              "one) and, on object storage, the manifests {resume} auto reads; subclass AtomicCheckpointIO "
+                              "to change it, or leave it out")
 
 
 def _refuse_tuner(callback: Callback, source: str) -> None:

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage import cache_dir, is_url, location, put_bytes, retrying
 
@@ -84,10 +85,9 @@ def build_loggers(cfg: RunConfig, checkpoint: dict[str, Any] | None = None) -> l
 
 
 def logging_rank() -> bool:
-    """Whether this process will be global rank 0, before the Trainer knows (the launcher's environment:
-    torchrun's RANK, SLURM_PROCID, or Lightning's LOCAL_RANK with NODE_RANK)."""
-    node = os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or "0"
-    return rank_zero_only.rank == 0 and (node == "0" or "RANK" in os.environ or "SLURM_PROCID" in os.environ)
+    """Whether this process will be global rank 0, the one that logs (see
+    :func:`~ddp_recipes.config.world.will_be_global_zero`)."""
+    return will_be_global_zero()
 
 
 def _continued_version(cfg: RunConfig, tracker: str, folder: str, recorded: dict[str, Any] | None) -> Any:

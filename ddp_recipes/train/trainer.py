@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpointIO
-from ddp_recipes.checkpointing.preemption import LIBRARY_RESUME, LastCheckpoint, find_last_checkpoint
+from ddp_recipes.checkpointing.connector import check_checkpoint_names, find_last_checkpoint
+from ddp_recipes.checkpointing.preemption import LastCheckpoint
 from ddp_recipes.checkpointing.remote import see_published
 from ddp_recipes.checkpointing.resume import ResumeState
 from ddp_recipes.config.plan import DDPOptions, RunPlan
@@ -102,7 +108,8 @@ def build_trainer(
         plan = plan.replace(precision=lightning_precision)
     if device_ids is not None:
         trainer_kwargs["devices"] = device_ids if plan.accelerator == "cuda" else len(device_ids)
-    lifecycle = Lifecycle(preemption, checkpoint_dir, checkpoint_every_n_steps)
+    lifecycle = Lifecycle(preemption, checkpoint_dir, checkpoint_every_n_steps, prebuilt=models_built_before(seed),
+                          library=True)
     return trainer_for(plan, lifecycle=lifecycle, global_batch=global_batch, strategy_kwargs=strategy_kwargs,
                        **trainer_kwargs)
 
@@ -124,8 +131,13 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         L.seed_everything(plan.seed, workers=True, verbose=False)
 
     plugins = _as_list(trainer_kwargs.pop("plugins", None), "plugins")
-    if not any(isinstance(p, CheckpointIO) for p in plugins):
+    own_io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
+    if own_io is None:
         plugins.append(AtomicCheckpointIO())  # a kill mid-save keeps the previous checkpoint intact
+    elif not isinstance(own_io, AtomicCheckpointIO):
+        rank_zero_warn(f"plugins: {type(own_io).__name__} replaces the pack's AtomicCheckpointIO: saves are no longer "
+                       "atomic (a kill mid-save can leave a truncated last.ckpt) and on object storage no manifest is "
+                       'written for ckpt_path="last" to find; subclass AtomicCheckpointIO to keep both')
     if launched_per_pod() and plan.distributed and not any(isinstance(p, ClusterEnvironment) for p in plugins):
         # One process per pod (RANK/WORLD_SIZE from the operator, no torchrun): Lightning does not detect
         # Kubeflow's environment and would take every pod for node 0; this one reads RANK as the pod's rank.
@@ -141,10 +153,11 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
     if not any(isinstance(c, ResumeState) for c in callbacks):
         # Per-rank streams from seed + rank once training starts; a resumed run gets the checkpoint's
         # streams, loader position and comm-hook state back instead (and this run's LRs).
-        callbacks.append(ResumeState(seed=plan.seed))
+        callbacks.append(ResumeState(seed=plan.seed, prebuilt=lifecycle.prebuilt if lifecycle is not None else None))
     if plan.diagnostics and not any(isinstance(c, DDPDiagnostics) for c in callbacks):
         callbacks.append(DDPDiagnostics(lr_scaling=plan.lr_scaling, warmup_epochs=plan.warmup_epochs,
-                                        reference_batch=plan.reference_batch, global_batch=global_batch))
+                                        reference_batch=plan.reference_batch, global_batch=global_batch,
+                                        library=lifecycle is not None and lifecycle.library))
     ddp = plan.ddp
     if "strategy" not in trainer_kwargs:
         if plan.distributed:
@@ -169,6 +182,8 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
     )
     if last is not None and last.dirpath is None:
         last.dirpath = location(trainer.default_root_dir) / CHECKPOINT_DIR
+    if last is not None:
+        check_checkpoint_names(trainer.callbacks, last)  # the dirpaths given; the others when fit sets them
     see_published(trainer.checkpoint_callbacks)  # ModelCheckpoint's version counter on a URL
     if lifecycle is not None:  # a recipe's loaders are resumable already and left alone; a user's are adopted
         adopt_user_loaders(trainer)
@@ -180,23 +195,40 @@ class Lifecycle:
     """build_trainer's ``preemption``, ``checkpoint_dir`` and ``checkpoint_every_n_steps`` (a recipe's run: the
     defaults, with its own :class:`LastCheckpoint` among the callbacks)."""
 
-    def __init__(self, preemption: bool = True, checkpoint_dir: str | None = None, every_n_steps: int = 0) -> None:
+    def __init__(self, preemption: bool = True, checkpoint_dir: str | None = None, every_n_steps: int = 0,
+                 prebuilt: weakref.WeakSet | None = None, library: bool = False) -> None:
         if not isinstance(preemption, bool):
             raise ConfigError(f"{{preemption}} must be True or False (got {lit(repr(preemption))})")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ConfigError(f"{{checkpoint_every_n_steps}} must be an integer >= 0 (got {lit(repr(every_n_steps))})")
         self.preemption, self.checkpoint_dir, self.every_n_steps = preemption, checkpoint_dir, every_n_steps
+        self.prebuilt = prebuilt  # the LightningModules that existed before seed= seeded (models_built_before)
+        self.library = library  # a build_trainer script (its messages name arguments), not a recipe (flags)
 
     def callback(self, callbacks: list[Any]) -> LastCheckpoint | None:
         """The run's LastCheckpoint (the caller's own, else a new one appended); None when opted out."""
         own = next((c for c in callbacks if isinstance(c, LastCheckpoint)), None)
         if own is not None or not self.preemption:
             return own
-        last = LastCheckpoint(self.checkpoint_dir or ".", every_n_steps=self.every_n_steps, resume_hint=LIBRARY_RESUME)
+        last = LastCheckpoint(self.checkpoint_dir or ".", every_n_steps=self.every_n_steps,
+                              words=ownership.LIBRARY if self.library else ownership.RECIPE)
         if self.checkpoint_dir is None:
             last.dirpath = None  # set from the Trainer's default_root_dir once it exists
         callbacks.append(last)
         return last
+
+
+def models_built_before(seed: int | None) -> weakref.WeakSet | None:
+    """The LightningModules alive now, before ``build_trainer(seed=...)`` seeds the random streams: their
+    initial weights came from whatever the streams were, and seeding now cannot change them. None when there
+    is no seed, or the script seeded already (``lightning.seed_everything`` sets ``PL_GLOBAL_SEED``;
+    ``torch.manual_seed`` leaves an initial seed below 2**32, which torch's own random 64-bit one almost
+    never is): its models were built from a seeded stream. :class:`ResumeState` names such a model when it
+    starts training from scratch, with the fix. Walks the garbage collector's objects once (milliseconds)."""
+    if seed is None or os.environ.get("PL_GLOBAL_SEED") is not None or torch.initial_seed() < 2**32:
+        return None
+    # type(), not isinstance: some objects (torch.distributed's deprecated reduce_op) warn on __class__ access.
+    return weakref.WeakSet(obj for obj in gc.get_objects() if issubclass(type(obj), L.LightningModule))
 
 
 def _as_list(value: Any, name: str) -> list[Any]:

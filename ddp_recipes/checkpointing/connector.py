@@ -1,0 +1,263 @@
+"""Which checkpoint a fit starts from, decided once on rank 0 and sent to every rank.
+
+Lightning resolves ``ckpt_path`` in every rank before the process group exists (``_select_ckpt_path``, run
+under each launcher before ``_run``): each rank reads its own view of the folder, so ranks on node-local
+disks (or a folder that changes while they start) can pick different files, and none of them can tell.
+Here ``ckpt_path="last"`` is only noted then; the decision is made in ``resume_start``, which every rank
+reaches after the process group is up (``strategy.setup_environment``) and after every set-up hook, on
+every launcher (Lightning's subprocess launcher, spawn/fork, torchrun, SLURM, one process per pod):
+
+1. rank 0 reads the checkpoint folder and decides, by :mod:`~ddp_recipes.checkpointing.ownership`'s rules:
+   the checkpoint to continue (the newest of the folder's run), or a fresh start (refused when the folder
+   holds another run), or the given path (refused when it is another run's, in a folder that holds one);
+2. the decision (path, its step and run, the folder, the run id) is broadcast;
+3. every other rank checks that it reads that very checkpoint at that path (same step, same run) and the
+   ranks gather their answers: a rank that cannot (a node-local disk holding another copy, or none) fails
+   every rank with one line, instead of training from another file;
+4. rank 0 records the run in the folder (``run.json``) when the fit trains, and every rank's
+   :class:`~ddp_recipes.checkpointing.preemption.LastCheckpoint` takes rank 0's folder and run id.
+
+An error of step 1 is raised on every rank with the same text (printed once, by rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch.distributed as dist
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from ddp_recipes.checkpointing import ownership
+from ddp_recipes.checkpointing.preemption import LastCheckpoint
+from ddp_recipes.errors import CheckpointError, ConfigError, lit
+from ddp_recipes.storage import Url, location
+
+
+class Continue(str):
+    """``ckpt_path`` for "continue this folder's run" (``--resume auto``): ``"last"``, with the checkpoint the
+    recipe already opened on rank 0 before the process group existed (``expected``), which the decision must
+    match."""
+
+    expected: str | None
+
+    def __new__(cls, expected: str | None = None) -> Continue:
+        value = super().__new__(cls, "last")
+        value.expected = expected
+        return value
+
+
+class RunCheckpointConnector(_CheckpointConnector):
+    """Lightning's checkpoint connector, with ``ckpt_path`` decided on rank 0 (module docstring).
+
+    ``ckpt_path="last"`` means the newest complete checkpoint of the folder's run (by its step, unreadable
+    files skipped) among :class:`LastCheckpoint`'s folder, Lightning's SLURM ``hpc_ckpt_N`` and every
+    ModelCheckpoint's last files; none yet is a fresh start, as Lightning does, so one script serves both
+    runs. Without a LastCheckpoint (``preemption=False``) it is resolved at once, by the same rule.
+    """
+
+    @override
+    def _parse_ckpt_path(self, state_fn: TrainerFn, ckpt_path: Any, model_provided: bool,
+                         model_connected: bool) -> Any:
+        if ckpt_path != "last":
+            return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
+        if _last_checkpoint(self.trainer) is not None:
+            return ckpt_path if isinstance(ckpt_path, Continue) else Continue()  # decided in resume_start
+        found = ownership.newest_of_run(_survey(self.trainer, None, ownership.LIBRARY), ownership.LIBRARY)
+        if found is None:
+            rank_zero_info('ckpt_path="last": no checkpoint yet; starting from the beginning')
+        return found.path if found is not None else None
+
+    @override
+    def resume_start(self, checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        last = _last_checkpoint(self.trainer)
+        fitting = self.trainer.state.fn == TrainerFn.FITTING
+        if last is not None and (fitting or isinstance(checkpoint_path, Continue)):
+            checkpoint_path = agree(self.trainer, last, checkpoint_path, fitting)
+        super().resume_start(checkpoint_path, weights_only=weights_only)
+
+
+def find_last_checkpoint(trainer: L.Trainer) -> None:
+    """Give ``trainer`` the :class:`RunCheckpointConnector` (Lightning creates its connector in
+    ``Trainer.__init__``; its state is kept, only its class changes)."""
+    connector = trainer._checkpoint_connector
+    if type(connector) is _CheckpointConnector:
+        connector.__class__ = RunCheckpointConnector
+
+
+def _last_checkpoint(trainer: L.Trainer) -> LastCheckpoint | None:
+    return next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint) and c.dirpath is not None), None)
+
+
+def _survey(trainer: L.Trainer, last: LastCheckpoint | None, words: ownership.Words) -> ownership.Survey:
+    """The run's checkpoint folder (LastCheckpoint's, else the first ModelCheckpoint's), with Lightning's
+    ``hpc_ckpt_N`` in ``default_root_dir`` and the last files of every ModelCheckpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    models = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+    folder = last.dirpath if last is not None else (location(models[0].dirpath) if models else None)
+    extra: list[Path] = []
+    root = location(trainer.default_root_dir)
+    if not isinstance(root, Url):
+        extra += [p for p in sorted(root.glob("hpc_ckpt_*.ckpt")) if p.is_file()]
+    others: list[Url] = []
+    for callback in models:
+        where = location(callback.dirpath)
+        if isinstance(where, Url):
+            others.append(where)
+        else:
+            extra += [Path(p) for p in sorted(callback._find_last_checkpoints(trainer))]
+    if folder is None:
+        return ownership.Survey(root, checkpoints=[ownership.facts(p) for p in extra])
+    found = ownership.survey(folder, extra=extra, asked=words.asked)
+    for where in dict.fromkeys(others):
+        if str(where).rstrip("/") != str(folder).rstrip("/"):
+            found.checkpoints += [c for c in ownership.survey(where, asked=words.asked).checkpoints
+                                  if c.name.startswith("last")]
+    return found
+
+
+# ---- the decision ----------------------------------------------------------------------------------------
+
+def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool) -> dict[str, Any]:
+    """Rank 0's decision for ``request`` (None: a fresh start; a :class:`Continue`; a checkpoint path)."""
+    words = last.words
+    found = _survey(trainer, last, words)
+    debugging = bool(trainer.fast_dev_run)
+    step = None
+    if isinstance(request, Continue):
+        newest = ownership.newest_of_run(found, words)
+        if newest is not None and request.expected is not None and newest.path != request.expected:
+            opened = next((c for c in found.checkpoints if c.path == request.expected), None)
+            if opened is None or (opened.step, opened.run_id) != (newest.step, newest.run_id):
+                raise CheckpointError(f"the newest checkpoint of the run in {lit(found.folder)} changed while the run "
+                                      f"started (it was {lit(request.expected)}, it is now {lit(newest.path)}); run "
+                                      "it again")
+            newest = opened  # as new as the one found (another callback's last file): the one the recipe opened
+        path = newest.path if newest is not None else None
+        if newest is None:
+            rank_zero_info(f"{words.asked}: no checkpoint of this run yet; starting from the beginning")
+        run_id = (newest.run_id if newest is not None else None) or found.owner() or ownership.new_run_id()
+        step = newest.step if newest is not None else None
+    elif not request:
+        path = None
+        if fitting and not debugging:
+            ownership.refuse_new_run(found, words)
+        run_id = ownership.new_run_id()
+    else:
+        path = os.fspath(request)
+        try:
+            given = ownership.facts(path)
+        except ConfigError:
+            raise
+        except Exception as err:
+            asked = "{resume}" if words.parent else "ckpt_path"
+            raise CheckpointError(f"{asked} {lit(path)} is not a readable checkpoint ({type(err).__name__})") from None
+        if fitting and not debugging:
+            ownership.refuse_foreign_checkpoint(found, given, words)
+        run_id = given.run_id or found.owner() or ownership.new_run_id()
+        step = given.step
+    return {"path": path, "step": step, "run_id": run_id, "folder": str(last.dirpath)}
+
+
+def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool) -> str | None:
+    """Steps 1-4 of the module docstring; returns the checkpoint every rank loads (None: fresh)."""
+    check_checkpoint_names(trainer.callbacks, last)  # the dirpaths are resolved now (ModelCheckpoint.setup)
+    decision: dict[str, Any] | None = None
+    failure: BaseException | None = None
+    if trainer.is_global_zero:
+        try:
+            decision = decide(trainer, last, request, fitting)
+        except ConfigError as err:
+            decision = {"error": (type(err).__name__, err.template, err.param)}
+        except Exception as err:  # a bug: rank 0 raises it, the other ranks must not wait in the broadcast
+            failure, decision = err, {"error": ("RuntimeError", f"rank 0 failed to decide the checkpoint ({err!r})", None)}
+    decision = trainer.strategy.broadcast(decision)
+    if failure is not None:
+        raise failure
+    if "error" in decision:
+        kind, template, param = decision["error"]
+        if kind == "RuntimeError":
+            raise RuntimeError(template)
+        error = (CheckpointError if kind == "CheckpointError" else ConfigError)(template, param)
+        error.agreed = True  # the same on every rank: rank 0 prints it
+        raise error
+    problem = None if trainer.is_global_zero else _check_same(decision, trainer.global_rank)
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        words = last.words
+        asked = words.asked if isinstance(request, Continue) else "{resume}" if words.parent else "ckpt_path"
+        where = "{output_dir}" if words.parent else "checkpoint_dir"
+        error = CheckpointError(f"{asked}: {problems[0]}: every rank must read the same checkpoints: put {where} on a "
+                                "filesystem every node shares, or on object storage (s3://...)")
+        error.agreed = True
+        raise error
+    last.dirpath = location(decision["folder"])
+    last.run_id = decision["run_id"]
+    if fitting and trainer.is_global_zero and not trainer.fast_dev_run:
+        ownership.claim(last.dirpath, last.run_id)
+    return decision["path"]
+
+
+def check_checkpoint_names(callbacks: list[Any], last: LastCheckpoint) -> None:
+    """A user's ModelCheckpoint must not write the pack's file names (``last.ckpt``, a recipe's ``best.ckpt``)
+    in the pack's checkpoint folder: its saves would replace the checkpoint a resume continues from. Checked
+    when the trainer is built (dirpaths given) and once ModelCheckpoint has resolved the others."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if last.dirpath is None:
+        return
+    models = [c for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+    here = [c for c in models if _same_place(location(c.dirpath), last.dirpath)]
+    taken = {"last", *(c.filename for c in here if getattr(c, "pack_owned", False))}
+    for callback in here:
+        if getattr(callback, "pack_owned", False):
+            continue
+        last_name = callback.CHECKPOINT_NAME_LAST if callback.save_last else None
+        name = last_name if last_name in taken else callback.filename if callback.filename in taken else None
+        if name is None:
+            continue
+        setting = "save_last=True" if name == last_name else f"filename={name!r}"
+        where = "{callbacks}" if last.words.parent else "callbacks:"
+        whose = "the recipe's" if last.words.parent else "the pack's"
+        fix = "give it another dirpath" + (", or save_last=False" if name == last_name else ", or another filename")
+        if not last.words.parent:
+            fix += ", or move the pack's with build_trainer(checkpoint_dir=...)"
+        raise ConfigError(f"{where} ModelCheckpoint({setting}) would write {name}.ckpt in {lit(last.dirpath)}, over "
+                          f"{whose} own {name}.ckpt (what {last.words.resume} continues from): {fix}", "callbacks")
+
+
+def _same_place(a: Path | Url, b: Path | Url) -> bool:
+    if isinstance(a, Url) or isinstance(b, Url):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_same(decision: dict[str, Any], rank: int) -> str | None:
+    """None when this rank reads rank 0's checkpoint as rank 0 does; else what it reads instead."""
+    path = decision["path"]
+    if path is None:
+        return None
+    try:
+        mine = ownership.facts(path)
+    except Exception as err:
+        reason = "no such file" if isinstance(err, FileNotFoundError) else type(err).__name__
+        return f"rank 0 resumes from {lit(path)} (step {decision['step']}), which rank {rank} cannot read ({reason})"
+    if (mine.step, mine.run_id) != (decision["step"], decision["run_id"]):
+        return (f"rank 0 resumes from {lit(path)} (step {decision['step']} of run {decision['run_id']}), which rank {rank} "
+                f"reads as step {mine.step} of run {mine.run_id}")
+    return None
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank (``[obj]`` without a process group). Collective."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,334 @@
+"""A checkpoint folder belongs to one run: a new run never touches another run's checkpoints, and continuing
+(``--resume auto``, ``trainer.fit(..., ckpt_path="last")``) takes only the folder's own run's.
+
+A run is named by a run id, made when it starts fresh and kept by every continuation of it (a resume, a
+preemption, a requeue). The id is recorded twice:
+
+* in the folder: ``<checkpoint folder>/run.json`` (``{"format", "run_id", "started"}``), written once by
+  rank 0 when the run first trains there (:func:`claim`);
+* in every checkpoint the run writes, under ``checkpoint["ddp_recipes_run"]`` (and on an object store in its
+  manifest too), so a checkpoint says whose it is wherever it is copied.
+
+The rules, decided on rank 0 (:mod:`ddp_recipes.checkpointing.connector` sends the decision to every rank):
+
+* a new run into a folder that holds a run (a record, or any complete checkpoint) is refused in one line
+  naming the run found and the two ways on (:func:`refuse_new_run`);
+* continuing takes the newest checkpoint of the folder's run (:func:`newest_of_run`): the record's id, else
+  the one id its checkpoints carry; any other run's checkpoint is skipped with a warning whatever its step
+  count, and a folder whose checkpoints name several runs and which has no record is refused;
+* a checkpoint given by path continues its own run; into a folder that holds another run it is refused
+  (:func:`refuse_foreign_checkpoint`).
+
+Checkpoints and folders written before runs were recorded carry no id: such a folder keeps the old rule
+(the newest complete checkpoint), and once a folder has a recorded run its id-less checkpoints are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from ddp_recipes.checkpointing import remote
+from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, plain_data, read_checkpoint, run_of
+from ddp_recipes.checkpointing.checkpoint import (
+    RUN_KEY as RUN_KEY,  # the checkpoint's entry, set where it is written
+)
+from ddp_recipes.errors import CheckpointError, lit
+from ddp_recipes.storage import StorageError, Url, check_store, is_url, location, put_bytes, read_bytes, size
+
+RUN_FILE = "run.json"
+FORMAT = "ddp-recipes-run/1"
+
+
+@dataclass(frozen=True)
+class Words:
+    """How messages name the folder and the ways on, in the vocabulary of the path the user is on."""
+
+    folder: str      # the folder as a parameter, e.g. "{output_dir}" (the CLI renders --output-dir)
+    resume: str      # how to continue the folder's run
+    resume_path: str  # how to continue from one given checkpoint
+    another: str     # what to pass instead, for another folder
+    asked: str       # the request, as warnings name it
+    parent: bool     # whether ``folder`` names the checkpoint folder's parent (a recipe's output dir)
+
+
+RECIPE = Words(folder="{output_dir}", resume="{resume} auto", resume_path="{resume} PATH", another="{output_dir}",
+               asked="--resume auto", parent=True)
+LIBRARY = Words(folder="checkpoint folder", resume='trainer.fit(..., ckpt_path="last")',
+                resume_path="trainer.fit(..., ckpt_path=PATH)", another="default_root_dir or checkpoint_dir",
+                asked='ckpt_path="last"', parent=False)
+
+
+def new_run_id() -> str:
+    """A new run's id: 12 hex digits (48 random bits)."""
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass(frozen=True)
+class Found:
+    """One complete checkpoint of a folder: where, its position, and whose it is."""
+
+    path: str
+    step: int
+    epoch: int
+    run_id: str | None
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    def describe(self) -> str:
+        return f"{self.name} at step {self.step}, epoch {self.epoch}"
+
+
+def facts(path: str | os.PathLike) -> Found:
+    """A checkpoint's step, epoch and run, read without loading its tensors (a local file mapped, a URL from
+    its manifest); raises if it is not a readable checkpoint."""
+    path = os.fspath(path)
+    if is_url(path):
+        _, entry = remote.resolve_url(path)
+        if entry is None:  # a plain object without a manifest: read it
+            loaded = read_checkpoint(path)
+            return Found(path, int(loaded.get("global_step", 0)), int(loaded.get("epoch", 0)), run_of(loaded))
+        return Found(path, int(entry.get("global_step", 0)), int(entry.get("epoch", 0)), entry.get("run_id") or None)
+    with plain_data():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError("not a Lightning checkpoint")
+    return Found(path, int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0)), run_of(checkpoint))
+
+
+@dataclass
+class Survey:
+    """What a checkpoint folder holds: its run record and its complete checkpoints."""
+
+    folder: Path | Url
+    record: dict[str, Any] | None = None
+    checkpoints: list[Found] = field(default_factory=list)
+
+    @property
+    def recorded_run(self) -> str | None:
+        return (self.record or {}).get("run_id")
+
+    @property
+    def run_ids(self) -> list[str]:
+        """The distinct run ids the checkpoints carry, the newest checkpoint's first."""
+        ordered = sorted(self.checkpoints, key=_newest_key, reverse=True)
+        return list(dict.fromkeys(c.run_id for c in ordered if c.run_id))
+
+    def owner(self) -> str | None:
+        """The folder's run: the record's id, else the one id its checkpoints carry (None: none recorded)."""
+        if self.recorded_run:
+            return self.recorded_run
+        ids = self.run_ids
+        return ids[0] if len(ids) == 1 else None
+
+    def holds_a_run(self) -> bool:
+        return self.record is not None or bool(self.checkpoints)
+
+    def describe(self, run_id: str | None = None) -> str:
+        """"run 3f2a9c1e7b40 (last.ckpt at step 189, epoch 3)" for ``run_id`` (default: the owner's)."""
+        run_id = run_id or self.owner()
+        mine = [c for c in self.checkpoints if c.run_id == run_id] if run_id else list(self.checkpoints)
+        newest = max(mine, key=_newest_key, default=None)
+        where = newest.describe() if newest is not None else "no checkpoint yet"
+        if run_id is None:
+            return f"a run of an earlier ddp-recipes, which recorded no run id ({where})"
+        started = (self.record or {}).get("started") if run_id == self.recorded_run else None
+        return f"run {run_id} ({where}{', started ' + started if started else ''})"
+
+
+def survey(folder: str | os.PathLike, extra: list[Path] | None = None, asked: str = "--resume auto") -> Survey:
+    """Read ``folder`` (a checkpoint folder, local or URL): its ``run.json`` and every complete checkpoint in
+    it (``*.ckpt``; on a URL, the manifests), plus the local ``extra`` files (Lightning's ``hpc_ckpt_N``, a
+    ModelCheckpoint's last files elsewhere). Unreadable files are skipped with a one-line warning each."""
+    where = location(folder)
+    found = Survey(where, record=read_record(where))
+    if isinstance(where, Url):
+        for manifest, entry in remote.published(where, asked=asked):
+            name = manifest.removesuffix(remote.MANIFEST)
+            found.checkpoints.append(Found(name, int(entry.get("global_step", 0)), int(entry.get("epoch", 0)),
+                                           entry.get("run_id") or None))
+        return found
+    paths = [p for p in sorted(where.glob("*.ckpt")) if p.is_file() and not p.name.startswith(".")] \
+        if where.is_dir() else []
+    for path in dict.fromkeys([*paths, *(extra or [])]):
+        try:
+            found.checkpoints.append(facts(path))
+        except Exception as err:  # truncated zip, garbage, not a checkpoint: skip it, keep looking
+            reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+            rank_zero_warn(f"{asked}: skipping {path}: not a readable checkpoint ({reason})")
+    return found
+
+
+def _newest_key(found: Found) -> tuple[int, int, tuple[int, int, str]]:
+    """The order of "newest": optimizer steps, then epochs, then last.ckpt, the newest hpc_ckpt_N, the name.
+    It reads what the files say, not their write times (every rank reads the same answer)."""
+    name = found.name
+    number = name.removesuffix(".ckpt").removeprefix("hpc_ckpt_")
+    if name == "last.ckpt":
+        tie = (2, 0, name)
+    elif name.startswith("hpc_ckpt_") and number.isdigit():
+        tie = (1, int(number), name)
+    else:
+        tie = (0, 0, name)
+    return found.step, found.epoch, tie
+
+
+def _folder_text(found: Survey, words: Words) -> str:
+    shown = found.folder.parent if words.parent else found.folder
+    return f"{words.folder} {lit(shown)}"
+
+
+def newest_of_run(found: Survey, words: Words = RECIPE) -> Found | None:
+    """The checkpoint continuing the folder's run takes: the newest of the owner's (see the module
+    docstring); None when it has none yet. Skipped checkpoints of other runs are named in one warning each."""
+    owner = found.owner()
+    if owner is None and len(found.run_ids) > 1:
+        runs = "; ".join(found.describe(run_id) for run_id in found.run_ids)
+        raise CheckpointError(f"{_folder_text(found, words)} holds the checkpoints of {len(found.run_ids)} runs ({runs}) "
+                              f"and no {RUN_FILE} saying whose folder it is; pass the one to continue with "
+                              f"{words.resume_path}, or pass another {words.another}")
+    if owner is None:  # a folder of an earlier ddp-recipes: every checkpoint is the run's
+        mine = list(found.checkpoints)
+    else:
+        mine = [c for c in found.checkpoints if c.run_id == owner]
+        for other in found.checkpoints:
+            if other.run_id != owner:
+                whose = f"run {other.run_id}" if other.run_id else "a run of an earlier ddp-recipes (no run id)"
+                rank_zero_warn(f"{words.asked}: skipping {other.path} ({other.describe()}): it belongs to {whose}, "
+                               f"not to this folder's run {owner}")
+    return max(mine, key=_newest_key, default=None)
+
+
+def refuse_new_run(found: Survey, words: Words = RECIPE) -> None:
+    """A new run must not start in a folder that holds a run: raise naming the run found and the ways on."""
+    if found.holds_a_run():
+        raise CheckpointError(f"{_folder_text(found, words)} holds {found.describe()}: a new run there would overwrite "
+                              f"its checkpoints; continue it with {words.resume}, or pass another {words.another}",
+                              "output_dir" if words.parent else None)
+
+
+def refuse_foreign_checkpoint(found: Survey, checkpoint: Found, words: Words = RECIPE) -> None:
+    """Continuing ``checkpoint`` in a folder that holds another run is refused (a checkpoint of the folder
+    itself, or of the same run elsewhere, is fine)."""
+    inside = _same_folder(location(checkpoint.path), found.folder)
+    if inside or not found.holds_a_run():
+        return
+    owner = found.owner()
+    if owner is not None and owner == checkpoint.run_id:
+        return
+    if owner is None and checkpoint.run_id is None and not found.run_ids:
+        return  # neither records a run (both of an earlier ddp-recipes): as before
+    whose = f"run {checkpoint.run_id}'s" if checkpoint.run_id else "an unrecorded run's"
+    raise CheckpointError(f"{_folder_text(found, words)} holds {found.describe()}, and {lit(checkpoint.path)} is "
+                          f"{whose} checkpoint: continuing it there would mix two runs; pass another {words.another} "
+                          f"to continue it, or {words.resume} to continue the folder's own run")
+
+
+def _same_folder(path: Path | Url, folder: Path | Url) -> bool:
+    parent = path.parent
+    if isinstance(parent, Url) or isinstance(folder, Url):
+        return str(parent).rstrip("/") == str(folder).rstrip("/")
+    return os.path.abspath(parent) == os.path.abspath(folder)
+
+
+# ---- a recipe's output folder and --resume ---------------------------------------------------------------
+
+def output_survey(output_dir: str | os.PathLike) -> Survey:
+    """What a recipe's output folder holds (:func:`survey`):
+    ``checkpoints/`` (last, best, the recipe's others) and Lightning's SLURM ``hpc_ckpt_*.ckpt`` beside it."""
+    out = location(output_dir)
+    hpc = [] if isinstance(out, Url) else [p for p in sorted(out.glob("hpc_ckpt_*.ckpt")) if p.is_file()]
+    return survey(out / CHECKPOINT_DIR, extra=hpc)
+
+
+def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint ``--resume auto`` takes in a recipe's output folder: the newest complete one of the
+    folder's run (:func:`newest_of_run`: by optimizer step, ties to
+    last.ckpt, then the newest hpc_ckpt_N; another run's checkpoints, truncated and unreadable files are
+    skipped with one warning each); None when there is none. On a URL: from the manifests of complete
+    objects, as the name it was saved under."""
+    found = newest_of_run(output_survey(output_dir))
+    return found.path if found is not None else None
+
+
+def resolve_resume(resume: str | None, output_dir: str) -> str | None:
+    """A recipe's ``--resume``: the checkpoint to resume from: None (fresh), the newest complete one of the output folder's run for
+    "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must exist."""
+    if not resume or resume == "none":
+        return None
+    if resume == "auto":
+        if is_url(output_dir):  # a missing bucket or a refused credential fails here, not as "no checkpoint"
+            check_store(os.fspath(output_dir), "output_dir")
+        return newest_checkpoint(output_dir)
+    if is_url(resume):
+        try:
+            remote.resolve_url(resume)  # raises naming --resume when there is nothing there
+        except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
+            raise err.renamed(output_dir="resume") from err.__cause__
+        return resume
+    if not Path(resume).is_file():
+        raise CheckpointError(f"{{resume}} {lit(resume)}: no such checkpoint file; pass an existing .ckpt, auto or none")
+    return resume
+
+
+# ---- the record ------------------------------------------------------------------------------------------
+
+def read_record(folder: Path | Url) -> dict[str, Any] | None:
+    """``run.json`` of ``folder``, or None (none there; one that does not parse counts as a record of no id)."""
+    target = folder / RUN_FILE
+    try:
+        if isinstance(folder, Url):
+            if size(target) is None:
+                return None
+            text = read_bytes(target).decode()
+        else:
+            if not target.is_file():
+                return None
+            text = target.read_text()
+        record = json.loads(text)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {"format": "unreadable"}
+    return record if isinstance(record, dict) else {"format": "unreadable"}
+
+
+def claim(folder: str | os.PathLike, run_id: str) -> None:
+    """Record ``run_id`` as the folder's run (rank 0, once training starts there). A folder another run
+    recorded meanwhile (two runs started into one folder at the same moment) is an error, never overwritten."""
+    where = location(folder)
+    record = read_record(where)
+    if record is not None and record.get("run_id") == run_id:
+        return
+    if record is not None and record.get("format") != "unreadable":
+        raise CheckpointError(f"{lit(where)} was claimed by run {record.get('run_id')} while this run started; "
+                              "run it with another output folder")
+    payload = (json.dumps({"format": FORMAT, "run_id": run_id,
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2) + "\n").encode()
+    if isinstance(where, Url):
+        put_bytes(where / RUN_FILE, payload)
+        return
+    where.mkdir(parents=True, exist_ok=True)
+    tmp = where / f".{RUN_FILE}.tmp-{os.getpid()}"
+    tmp.write_bytes(payload)
+    try:
+        if record is not None:  # unreadable: replaced
+            os.replace(tmp, where / RUN_FILE)
+            return
+        try:
+            os.link(tmp, where / RUN_FILE)  # atomic, and fails if another process created it first
+        except FileExistsError:
+            raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
+                                  "another output folder") from None
+        except OSError:  # a filesystem without hard links
+            os.replace(tmp, where / RUN_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
