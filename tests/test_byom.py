@@ -68,6 +68,7 @@ def examples_on_path(monkeypatch):
 # ---- a class defined in the user's own script, 2 ranks, resumed by running the script again ------------
 
 @needs_mnist
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_script_subclass_two_ranks_every_feature_then_resume(tmp_path, capsys):
     out = tmp_path / "out"
     first = run(["my_model.py", *mnist_flags(out, "--devices", "2", "--max-steps", "12", "--lr-scaling", "none",
@@ -124,6 +125,7 @@ def write_npz(dest: Path, n_train: int, n_test: int) -> Path:
 
 
 @needs_mnist
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_import_paths_two_ranks_then_resume_rebuilds_both_classes(tmp_path, monkeypatch):
     # 400 images, 40 held out by the DataModule: 180 per rank, 12 batches of 16 per epoch.
     data, out = write_npz(tmp_path / "npz", 400, 301), tmp_path / "out"

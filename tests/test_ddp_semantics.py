@@ -65,6 +65,7 @@ def test_two_ranks_at_b_equal_one_process_at_2b(root):
     assert two[0]["record"]["indices"][4] != two[0]["record"]["indices"][0]  # set_epoch: a new order
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_sync_batchnorm_matches_single_process_and_without_it_differs(root):
     single = run_scenario(root, "train", "--devices", "1", "--batch", "16", "--batchnorm")
     synced = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--batchnorm", "--sync-batchnorm")
@@ -80,6 +81,7 @@ def test_sync_batchnorm_matches_single_process_and_without_it_differs(root):
     assert "body.1.num_batches_tracked" in synced[0]["state"]
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_accumulation_equals_larger_batch_and_skips_allreduce(root):
     accumulated = run_scenario(root, "train", "--devices", "1", "--batch", "8", "--accumulate", "2")
     big = run_scenario(root, "train", "--devices", "1", "--batch", "16", "--steps", "6")
@@ -114,6 +116,7 @@ def test_seed_plus_rank(root):
             assert torch.equal(value, again[rank]["state"][key])
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_unused_parameters_error_names_them_and_the_flag(root):
     proc = run_scenario(root, "unused", "--devices", "2", "--steps", "3", expect_ok=False)
     assert proc.returncode != 0
@@ -123,7 +126,8 @@ def test_unused_parameters_error_names_them_and_the_flag(root):
     assert_same_across_ranks(fixed)
 
 
-@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+@pytest.mark.parametrize("hook", ["fp16", pytest.param("bf16", marks=pytest.mark.slow),
+                                  pytest.param("powersgd", marks=pytest.mark.slow)])
 def test_comm_hooks_run_on_cpu(root, hook):
     result = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "12", "--comm-hook", hook)
     assert_same_across_ranks(result)
@@ -133,6 +137,7 @@ def test_comm_hooks_run_on_cpu(root, hook):
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_precisions_on_cpu(root):
     bf16 = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--precision", "bf16-mixed")
     assert bf16[0]["record"]["precision"] == "bf16-mixed"
@@ -142,6 +147,7 @@ def test_precisions_on_cpu(root):
     assert fp16[0]["record"]["precision"] == "bf16-mixed"
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_torchrun_launch_matches_lightning_launch(root):
     launched = run_scenario(root, "train", "--devices", "2", "--batch", "8", "--steps", "6")
     torchrun = run_scenario(root, "train", "--batch", "8", "--steps", "6", torchrun=True)
@@ -174,6 +180,7 @@ def test_a_failure_under_spawn_leaves_no_cleanup_crash(root):
     assert "Exception ignored" not in proc.stderr and "has no attribute 'wait'" not in proc.stderr
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_unequal_batches_per_rank_fail_before_the_first_step(root):
     """Rank 0 has 8 batches, rank 1 has 7: both stop at once with the counts, instead of rank 0 hanging."""
     started = time.monotonic()

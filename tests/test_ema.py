@@ -245,6 +245,7 @@ def test_old_checkpoint_without_ema_then_validated_with_ema(tmp_path):
 
 # ---- 2 ranks (gloo) ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_two_ranks_agree_and_log_exact_ema_metrics(tmp_path):
     out = tmp_path / "run"
     run([SCRIPT, out], timeout=240, drop=["MASTER_ADDR"], check=True)

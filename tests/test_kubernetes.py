@@ -170,6 +170,7 @@ def pods(args: list[str], env_of, tmp_path: Path, **options) -> list:
 
 
 @needs_mnist
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_two_pods_without_torchrun_train_as_one_world(tmp_path):
     port = free_port()
     out = tmp_path / "per-pod"

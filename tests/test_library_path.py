@@ -67,6 +67,7 @@ def straight(tmp_path_factory) -> Path:
     return last_of(out)
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_sigterm_to_the_launcher_saves_exits_143_and_ckpt_path_last_is_exact(straight, tmp_path):
     proc = scenario(tmp_path, every_n_steps=1, step_s=0.3)
     seen = proc.wait_for_step(last_of(tmp_path), 2, timeout=WAIT_S)

@@ -123,6 +123,7 @@ def test_five_epoch_default_accuracy_two_devices(tmp_path):
     assert summary["test_acc"] >= 0.945
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_validation_set_smaller_than_the_world_stops_every_rank(tmp_path):
     """1 validation sample, 2 ranks: exact sharding leaves rank 1 empty. Every rank stops with one line at
     once, instead of Lightning failing rank 1 alone and rank 0 waiting out --timeout-s for it."""

@@ -26,6 +26,7 @@ def test_one_device_smoke(tmp_path):
     assert (tmp_path / "checkpoints" / "last.ckpt").exists() and (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_two_devices_sync_batchnorm_smoke(tmp_path):
     run(["-m", "recipes.resnet", *TINY, "--devices", "2", "--max-steps", "2", "--sync-batchnorm",
          "--output-dir", str(tmp_path)], check=True)

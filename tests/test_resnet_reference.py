@@ -186,6 +186,7 @@ def test_yaml_numbers_and_kebab_keys_are_read(tmp_path):
     assert (cfg.lr, cfg.warmup_epochs, cfg.optimizer, cfg.max_steps) == (0.001, 2.0, "adamw", 5)
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_test_only_reproduces_the_runs_own_test_on_any_world_size(tmp_path):
     """Train (EMA, MixUp, AdamW, a step schedule), then evaluate last.ckpt with --test-only on 1 and on 2
     ranks: the metrics are the run's own test metrics, EMA included (exact sharding, no padding)."""

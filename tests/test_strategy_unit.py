@@ -125,11 +125,11 @@ for step in steps:
 
 @pytest.mark.parametrize(("steps", "expected"), [
     ("run", "destroyed"),
-    ("run,fail", "alive"),
+    pytest.param("run,fail", "alive", marks=pytest.mark.slow),
     # Lightning's own NCCL exit handler must not tear the group down after a failure either.
     ("lightning_nccl,run,fail", "alive"),
     # A failed run, then one that succeeds in the same process (a script retrying): destroyed again.
-    ("run,fail,run", "destroyed"),
+    pytest.param("run,fail,run", "destroyed", marks=pytest.mark.slow),
 ])
 def test_the_group_is_destroyed_at_exit_unless_the_last_run_failed(tmp_path, steps, expected):
     from tests.helpers import free_port

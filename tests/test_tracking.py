@@ -87,6 +87,7 @@ def assert_steps_continue(points: list[tuple[int, float]], resumed_at: int) -> N
     assert steps[0] < resumed_at < steps[-1], steps
 
 
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_two_ranks_log_once_and_resume_continues_the_same_tracker_runs(data, tmp_path):
     """csv + tensorboard, 2 ranks: one run in each; the continued run (``--resume auto`` with more steps) logs
     into the same version folders, its steps after the checkpoint's. The continuation runs in this process

@@ -232,6 +232,7 @@ def test_lightning_cli_takes_the_strategy_by_class_path(tmp_path, monkeypatch, f
 
 @needs_mnist
 @needs_lightning_cli
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
 def test_lightning_cli_two_ranks_with_the_registry_name(tmp_path):
     """``fit --trainer.strategy tuned_ddp --trainer.devices 2`` with the pack's MNIST module and DataModule named
     on the command line: 2 gloo ranks under TunedDDPStrategy, identical parameters after training."""
