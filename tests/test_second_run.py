@@ -186,6 +186,8 @@ class _Strategy:
         self.rank0 = rank0
 
     def broadcast(self, obj):
+        if isinstance(obj, tuple):  # the claim's outcome: rank 0 recorded the run
+            return ("claim", None)
         return self.rank0
 
 
@@ -201,7 +203,8 @@ def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_pat
     folder.mkdir()
     torch.save({"state_dict": {}, "global_step": 3, "epoch": 0, ownership.RUN_KEY: {"run_id": "aaaaaaaaaaaa"}},
                folder / "last.ckpt")
-    rank0 = {"path": str(folder / "last.ckpt"), "step": 6, "run_id": "aaaaaaaaaaaa", "folder": str(folder)}
+    rank0 = {"path": str(folder / "last.ckpt"), "step": 6, "run_id": "aaaaaaaaaaaa", "ckpt_run": "aaaaaaaaaaaa",
+             "folder": str(folder)}
     trainer = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=_Strategy(rank0), callbacks=[],
                               fast_dev_run=False)
     monkeypatch.setattr(connector, "_gather", lambda problem: [None, problem])
@@ -216,6 +219,69 @@ def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_pat
     assert connector.agree(trainer, last, connector.Continue(), fitting=True) == str(folder / "last.ckpt")
     assert last.dirpath == folder and last.run_id == "aaaaaaaaaaaa"
     assert not (folder / "run.json").exists()  # only rank 0 records the run
+
+
+def test_a_checkpoint_without_a_run_id_continues_at_two_ranks(tmp_path, monkeypatch):
+    """A checkpoint older than run ids (or plain Lightning's, given by path) gets a new run id for this fit;
+    rank 1 must compare its own read of the file with what the file records (no id), not with that new id,
+    or every resume of such a file at 2 ranks failed with the node-local-disk error."""
+    from types import SimpleNamespace
+
+    from ddp_recipes.checkpointing import connector
+    from ddp_recipes.checkpointing.preemption import LastCheckpoint
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"state_dict": {}, "global_step": 7, "epoch": 0}, folder / "last.ckpt")  # no RUN_KEY
+    rank0_trainer = SimpleNamespace(is_global_zero=True, global_rank=0, callbacks=[], checkpoint_callbacks=[],
+                                    fast_dev_run=False, default_root_dir=str(tmp_path))
+    for request in (connector.Continue(), str(folder / "last.ckpt")):
+        decision = connector.decide(rank0_trainer, LastCheckpoint(folder), request, fitting=True)
+        assert decision["ckpt_run"] is None and decision["run_id"], decision
+        assert connector._check_same(decision, 1) is None
+    trainer = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=_Strategy(decision), callbacks=[],
+                              fast_dev_run=False)
+    monkeypatch.setattr(connector, "_gather", lambda problem: [None, problem])
+    last = LastCheckpoint(folder)
+    assert connector.agree(trainer, last, str(folder / "last.ckpt"), fitting=True) == str(folder / "last.ckpt")
+    assert last.run_id == decision["run_id"]
+
+
+def test_a_claim_refused_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
+    """Rank 0 records the run; when that fails (claimed meanwhile, read-only, a denied bucket) the outcome is
+    broadcast, so rank 1 raises too instead of waiting in DDP's set-up for the collective timeout."""
+    from types import SimpleNamespace
+
+    from ddp_recipes.checkpointing import connector
+    from ddp_recipes.checkpointing.preemption import LastCheckpoint
+
+    class Told:
+        def __init__(self, outcome):
+            self.outcome = outcome
+
+        def broadcast(self, obj):
+            return self.outcome if isinstance(obj, tuple) else obj
+
+    folder = tmp_path / "checkpoints"
+    rank1 = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=Told(("claim", "CheckpointError: taken")),
+                            fast_dev_run=False)
+    with pytest.raises(ConfigError, match="rank 0 could not record the run in .*taken.*every rank stops") as info:
+        connector._claim_on_rank_0(rank1, LastCheckpoint(folder))
+    assert info.value.agreed
+    sent = []
+
+    class Records(Told):
+        def broadcast(self, obj):
+            sent.append(obj)
+            return obj
+
+    ownership.claim(folder, "bbbbbbbbbbbb")
+    last = LastCheckpoint(folder)
+    last.run_id = "aaaaaaaaaaaa"
+    rank0 = SimpleNamespace(is_global_zero=True, global_rank=0, strategy=Records(None), fast_dev_run=False)
+    with pytest.raises(ConfigError, match="was claimed by run bbbbbbbbbbbb"):
+        connector._claim_on_rank_0(rank0, last)
+    assert sent and sent[0][0] == "claim" and "was claimed by run bbbbbbbbbbbb" in sent[0][1]
 
 
 # ---- 3. continuing past the run's own limit is exact ---------------------------------------------------------
@@ -357,6 +423,8 @@ class _Vote:
         self.rank0, self.other = rank0, list(other)
 
     def broadcast(self, obj):
+        if isinstance(obj, tuple):  # the claim's outcome: rank 0 recorded the run
+            return ("claim", None)
         return self.rank0
 
     def reduce_boolean_decision(self, mine: bool, all: bool = True) -> bool:  # noqa: A002

@@ -144,8 +144,9 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
             rank_zero_info(f"{words.asked}: no checkpoint of this run yet; starting from the beginning")
         run_id = (newest.run_id if newest is not None else None) or found.owner() or ownership.new_run_id()
         step = newest.step if newest is not None else None
+        ckpt_run = newest.run_id if newest is not None else None
     elif not request:
-        path = None
+        path = ckpt_run = None
         if fitting and not debugging:
             ownership.refuse_new_run(found, words)
         run_id = ownership.new_run_id()
@@ -161,8 +162,10 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
         if fitting and not debugging:
             ownership.refuse_foreign_checkpoint(found, given, words)
         run_id = given.run_id or found.owner() or ownership.new_run_id()
-        step = given.step
-    return {"path": path, "step": step, "run_id": run_id, "folder": str(last.dirpath)}
+        step, ckpt_run = given.step, given.run_id
+    # run_id: the run this fit is (and records); ckpt_run: what the checkpoint itself records, which every rank
+    # compares with its own read of the file (None for a checkpoint older than run ids, or plain Lightning's).
+    return {"path": path, "step": step, "run_id": run_id, "ckpt_run": ckpt_run, "folder": str(last.dirpath)}
 
 
 def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool) -> str | None:
@@ -199,9 +202,29 @@ def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool)
         raise error
     last.dirpath = location(decision["folder"])
     last.run_id = decision["run_id"]
-    if fitting and trainer.is_global_zero and not trainer.fast_dev_run:
-        ownership.claim(last.dirpath, last.run_id)
+    if fitting and not trainer.fast_dev_run:
+        _claim_on_rank_0(trainer, last)
     return decision["path"]
+
+
+def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint) -> None:
+    """Rank 0 records the run in its folder; its outcome is broadcast, so a refusal there (claimed meanwhile,
+    a read-only folder, a denied bucket) stops every rank at once instead of leaving the others waiting in
+    DDP's set-up for the collective timeout. Collective (once per fit)."""
+    failure: BaseException | None = None
+    told: str | None = None
+    if trainer.is_global_zero:
+        try:
+            ownership.claim(last.dirpath, last.run_id)
+        except Exception as err:
+            failure, told = err, f"{type(err).__name__}: {err}"
+    told = trainer.strategy.broadcast(("claim", told))[1]
+    if failure is not None:
+        raise failure
+    if told is not None:
+        error = CheckpointError(f"rank 0 could not record the run in {lit(last.dirpath)} ({lit(told)}); every rank stops")
+        error.agreed = True  # rank 0 prints its own error
+        raise error
 
 
 def check_checkpoint_names(callbacks: list[Any], last: LastCheckpoint) -> None:
@@ -248,9 +271,9 @@ def _check_same(decision: dict[str, Any], rank: int) -> str | None:
     except Exception as err:
         reason = "no such file" if isinstance(err, FileNotFoundError) else type(err).__name__
         return f"rank 0 resumes from {lit(path)} (step {decision['step']}), which rank {rank} cannot read ({reason})"
-    if (mine.step, mine.run_id) != (decision["step"], decision["run_id"]):
-        return (f"rank 0 resumes from {lit(path)} (step {decision['step']} of run {decision['run_id']}), which rank {rank} "
-                f"reads as step {mine.step} of run {mine.run_id}")
+    if (mine.step, mine.run_id) != (decision["step"], decision["ckpt_run"]):
+        return (f"rank 0 resumes from {lit(path)} (step {decision['step']} of run {decision['ckpt_run']}), which rank "
+                f"{rank} reads as step {mine.step} of run {mine.run_id}")
     return None
 
 
