@@ -27,7 +27,7 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
+from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs, open_resume
 from ddp_recipes.train.run import has_loader, run_fit_test
 from ddp_recipes.train.surface import open_surface, without_validation
 from ddp_recipes.train.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
                             ckpt_path=resume, checkpoint=checkpoint, test=own_data or has_loader(datamodule, "test"),
                             classes=classes, extra={"arch": cfg.arch, "resumed_from": resume}, **trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
+        discard_unused_output_dirs()  # nothing written: not even the empty version_N of a default output dir
         fail(err, PROG)
 
 

@@ -51,7 +51,7 @@ from ddp_recipes.modules.resnet import (
 )
 from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_dict
 from ddp_recipes.optim.schedules import ReferenceSchedule
-from ddp_recipes.train.checkpoints import checkpoint_callbacks, open_resume
+from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs, open_resume
 from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
 from ddp_recipes.train.surface import open_surface, without_validation
 from ddp_recipes.train.userclass import (
@@ -473,6 +473,7 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
                             checkpoint=checkpoint, test=has_test, save_final=False, classes=classes, extra=extra,
                             **clip, **trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
+        discard_unused_output_dirs()  # nothing written: not even the empty version_N of a default output dir
         fail(err, PROG)
     except OSError as err:
         if not is_image_error(err):

@@ -470,6 +470,17 @@ def test_bad_input_fails_in_one_line_before_anything_is_written(extra, expected,
 
 
 @needs_mnist
+@needs_mnist
+def test_bad_input_into_the_default_output_dir_leaves_no_version_folder(tmp_path, monkeypatch, capsys):
+    """Without --output-dir the run's folder is runs/mnist/version_N, made before the input is checked; a
+    refused run removes it again (and takes no N): nothing written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        mnist.main(["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--val-size", "99999"])
+    assert info.value.code == 2 and "--val-size" in capsys.readouterr().err
+    assert not any((tmp_path / "runs" / "mnist").glob("version_*")), list((tmp_path / "runs").rglob("*"))
+
+
 def test_a_checkpoint_io_plugin_is_refused_by_the_recipe_and_named_by_the_library(tmp_path, capsys):
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 

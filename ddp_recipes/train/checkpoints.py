@@ -92,6 +92,20 @@ def refuse_other_runs(cfg: RunConfig, resume: str | None, checkpoint: dict[str, 
         ownership.refuse_foreign_checkpoint(found, given)
 
 
+_MADE: list[Path] = []  # version_N folders this process made (settle_output_dir), for discard_unused_output_dirs
+
+
+def discard_unused_output_dirs() -> None:
+    """A run refused before it wrote anything (bad input: one line, exit 2) leaves no empty ``version_N``
+    behind it: each folder this process made and nothing wrote into is removed again."""
+    while _MADE:
+        made = _MADE.pop()
+        try:
+            made.rmdir()  # only an empty folder: anything written there stays
+        except OSError:
+            pass
+
+
 def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
     """``cfg.output_dir`` when ``--output-dir`` was not given: ``<DEFAULT_OUTPUT_ROOT>/version_N`` (Lightning's
     ``lightning_logs/version_N``), so two runs never share a folder. A new run takes the next N, claimed on
@@ -119,6 +133,7 @@ def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
             while True:
                 try:
                     (root / f"{VERSION}{number}").mkdir()
+                    _MADE.append(root / f"{VERSION}{number}")
                     break
                 except FileExistsError:
                     number += 1
