@@ -94,11 +94,6 @@ def straight_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow  # over 30 s: the fast suite keeps its 10-minute budget
-# KNOWN REGRESSION, found 2026-12-02 after merging #30/#31/#33 (it failed twice here, on a loaded host, in both the
-# merged tree and the tree before the last review fixes): the run resumed after rank 1's SIGKILL ends with other
-# weights than the straight run (model.conv1.weight). Not yet diagnosed; #30 stays open until it passes again.
-@pytest.mark.xfail(reason="known regression after the #30/#31 merge: resume after a killed rank is not exact yet",
-                   strict=False)
 def test_killed_rank_ends_the_run_and_resume_auto_matches(straight_run, tmp_path):
     """SIGKILL rank 1 during step 3 (last checkpoint: step 2): rank 0 exits non-zero within the timeout
     saying a peer was lost; the rerun with --resume auto ends with the uninterrupted run's weights."""
