@@ -396,6 +396,36 @@ def test_seed_names_a_model_built_before_build_trainer(tmp_path, monkeypatch):
     assert not said
 
 
+
+class Steps(L.Callback):
+    """(epoch, batch index) of every training batch this fit trained."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((trainer.current_epoch, batch_idx))
+
+
+def test_resumed_at_an_epoch_end_without_validation_trains_the_next_epoch_exactly(tmp_path):
+    """A user's module without validation, 4 batches per epoch: stopped by max_steps at epoch 0's end (last.ckpt
+    written there), the continued fit trains epoch 1 from its first batch and ends at the straight run's weights.
+    (Lightning 2.6 alone trains a 5th batch inside the finished epoch 0, and the run no longer matches.)"""
+    def fit(root: Path, max_steps: int, ckpt_path: str | None = None) -> tuple[Net, Steps]:
+        steps = Steps()
+        trainer = build_trainer(accelerator="cpu", seed=0, max_steps=max_steps, default_root_dir=str(root),
+                                callbacks=[steps], **QUIET)
+        trainer.fit(Net(), _loader(), ckpt_path=ckpt_path)
+        return trainer.lightning_module, steps
+
+    straight, _ = fit(tmp_path / "straight", 6)
+    _, first = fit(tmp_path / "split", 4)
+    assert first.seen == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    resumed, then = fit(tmp_path / "split", 6, ckpt_path="last")
+    assert then.seen == [(1, 0), (1, 1)]
+    want, got = straight.state_dict(), resumed.state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
 # ---- 5. iterable loaders ------------------------------------------------------------------------------------
 
 class Counting(IterableDataset):

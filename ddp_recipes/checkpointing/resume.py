@@ -127,6 +127,27 @@ def reposition_train_loader(trainer: L.Trainer) -> None:
     iter(fetcher)  # a fresh iterator: workers start at the restored position and epoch
 
 
+def close_finished_epoch(trainer: L.Trainer) -> None:
+    """Resumed from a checkpoint written after an epoch's last batch (at the epoch end: ``last.ckpt``, a
+    ``--max-steps`` run's end) in a fit that does not validate there (no validation step or data,
+    ``limit_val_batches=0``, ``check_val_every_n_epoch``), let the restored epoch end without another batch.
+
+    Lightning 2.6 restarts that epoch's loop "on last" and keeps it open until its validation has run; with
+    none to run, it fetches another batch and trains it inside the finished epoch (plain Lightning resumed
+    from such a ``last.ckpt`` trains batch 2 of a 2-batch epoch 1, then epoch 2), so the run no longer matches
+    the uninterrupted one. Uses two loop internals of Lightning 2.6 (pinned by the exact-resume tests): the
+    epoch loop's restart stage and its validation check.
+    """
+    loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
+    if fetcher is None or not loop.restarted_on_last or not loop.batch_progress.is_last_batch:
+        return
+    if loop._should_check_val_fx(fetcher):
+        return  # the epoch's validation is still due: Lightning runs it (or skips it when it already ran)
+    fetcher.done = True  # the next fetch ends the epoch (StopIteration), as the uninterrupted run's did
+    if getattr(fetcher, "batches", None):
+        fetcher.batches.clear()  # batches an iterable loader prefetched belong to no epoch of this run
+
+
 def _schedule_steps(trainer: L.Trainer) -> list[int | None]:
     """The run length each LR schedule was sized for (``run_steps``: the pack's cosine decays over the run),
     None for a schedule that does not depend on it."""
@@ -238,6 +259,7 @@ class ResumeState(Callback):
         if not resuming:
             return
         reposition_train_loader(trainer)
+        close_finished_epoch(trainer)
         _warn_unresumable_loader(trainer)
         lr_change = self._reapply_lrs(trainer, pending or {})
         _warn_resized_schedule(trainer, (pending or {}).get("schedule_steps"), self._schedule)
