@@ -407,24 +407,63 @@ class Steps(L.Callback):
         self.seen.append((trainer.current_epoch, batch_idx))
 
 
-def test_resumed_at_an_epoch_end_without_validation_trains_the_next_epoch_exactly(tmp_path):
-    """A user's module without validation, 4 batches per epoch: stopped by max_steps at epoch 0's end (last.ckpt
-    written there), the continued fit trains epoch 1 from its first batch and ends at the straight run's weights.
-    (Lightning 2.6 alone trains a 5th batch inside the finished epoch 0, and the run no longer matches.)"""
-    def fit(root: Path, max_steps: int, ckpt_path: str | None = None) -> tuple[Net, Steps]:
-        steps = Steps()
-        trainer = build_trainer(accelerator="cpu", seed=0, max_steps=max_steps, default_root_dir=str(root),
-                                callbacks=[steps], **QUIET)
-        trainer.fit(Net(), _loader(), ckpt_path=ckpt_path)
-        return trainer.lightning_module, steps
+class Batches(IterableDataset):
+    """_loader()'s 32 samples as 4 batches of 8, in a fixed order: a stream with no length."""
 
-    straight, _ = fit(tmp_path / "straight", 6)
-    _, first = fit(tmp_path / "split", 4)
-    assert first.seen == [(0, 0), (0, 1), (0, 2), (0, 3)]
-    resumed, then = fit(tmp_path / "split", 6, ckpt_path="last")
-    assert then.seen == [(1, 0), (1, 1)]
-    want, got = straight.state_dict(), resumed.state_dict()
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    def __iter__(self):
+        x, y = _loader().dataset.tensors
+        return iter([(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)])
+
+
+def _fit_steps(root: Path, ckpt_path: str | None = None, save_after: Path | None = None, stream: bool = False,
+               **limits: int) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+    """A user's module without validation (4 batches per epoch, dropout): its weights and the (epoch, batch)
+    pairs this fit trained; ``save_after``: a checkpoint saved after fit returned, as a script's own would be."""
+    steps = Steps()
+    trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(root), callbacks=[steps], **limits,
+                            **QUIET)
+    model = Net()
+    trainer.fit(model, DataLoader(Batches(), batch_size=None) if stream else _loader(), ckpt_path=ckpt_path)
+    if save_after is not None:
+        trainer.save_checkpoint(save_after)
+    return {k: v.clone() for k, v in model.state_dict().items()}, steps.seen
+
+
+EPOCH = [(0, 0), (0, 1), (0, 2), (0, 3)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["shuffled", "stream"])
+def test_resumed_at_an_epoch_end_without_validation_trains_the_next_epoch_exactly(tmp_path, stream):
+    """Stopped by max_steps at epoch 0's end (last.ckpt written there), the continued fit trains epoch 1 from its
+    first batch and ends at the straight run's weights. (Lightning 2.6 alone trains a 5th batch inside the
+    finished epoch 0; a loader the pack does not adopt, the stream, also drew its workers' seed from the restored
+    global stream a second time, which dropout then felt.)"""
+    straight, _ = _fit_steps(tmp_path / "straight", max_steps=6, stream=stream)
+    _, first = _fit_steps(tmp_path / "split", max_steps=4, stream=stream)
+    resumed, then = _fit_steps(tmp_path / "split", ckpt_path="last", max_steps=6, stream=stream)
+    assert (first, then) == (EPOCH, [(1, 0), (1, 1)])
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_checkpoint_saved_after_fit_continues_with_a_whole_next_epoch(tmp_path):
+    """Lightning 2.6 alone numbers the next epoch's batches on from the finished one's (batch 4) and trains one
+    batch fewer in it."""
+    straight, _ = _fit_steps(tmp_path / "straight", max_steps=10)
+    _fit_steps(tmp_path / "split", max_steps=4, save_after=tmp_path / "after.ckpt")
+    resumed, then = _fit_steps(tmp_path / "split", ckpt_path=str(tmp_path / "after.ckpt"), max_steps=10)
+    assert then == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1)]
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_continuing_into_max_epochs_with_max_steps_set_trains_every_epoch(tmp_path):
+    """Both limits set: stopped by max_steps at epoch 0's end, continued with max_epochs=3 (and a large
+    max_steps): epochs 1 and 2 both train (Lightning 2.6 alone counts the restored epoch twice and stops after
+    epoch 1)."""
+    straight, _ = _fit_steps(tmp_path / "straight", max_epochs=3, max_steps=100)
+    _fit_steps(tmp_path / "split", max_epochs=3, max_steps=4)
+    resumed, then = _fit_steps(tmp_path / "split", ckpt_path="last", max_epochs=3, max_steps=100)
+    assert then == [(e, b) for e in (1, 2) for b in range(4)]
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 # ---- 5. iterable loaders ------------------------------------------------------------------------------------
 

@@ -124,28 +124,53 @@ def reposition_train_loader(trainer: L.Trainer) -> None:
     epoch = fit_loop.epoch_progress.current.processed  # what on_advance_start will give set_epoch
     for loader in combined.flattened:
         _set_sampler_epoch(loader, epoch)
+    stream = torch.get_rng_state()
     iter(fetcher)  # a fresh iterator: workers start at the restored position and epoch
+    # Building it draws the workers' base seed from the global stream for a loader without a generator of its
+    # own (the pack's loaders have one). The uninterrupted run drew it at the epoch's start, before the
+    # checkpoint saved the streams: the restored stream must not pay for it a second time.
+    torch.set_rng_state(stream)
 
 
 def close_finished_epoch(trainer: L.Trainer) -> None:
-    """Resumed from a checkpoint written after an epoch's last batch (at the epoch end: ``last.ckpt``, a
-    ``--max-steps`` run's end) in a fit that does not validate there (no validation step or data,
-    ``limit_val_batches=0``, ``check_val_every_n_epoch``), let the restored epoch end without another batch.
+    """Resumed from a checkpoint written after an epoch's last batch, start the next epoch at its first batch.
 
-    Lightning 2.6 restarts that epoch's loop "on last" and keeps it open until its validation has run; with
-    none to run, it fetches another batch and trains it inside the finished epoch (plain Lightning resumed
-    from such a ``last.ckpt`` trains batch 2 of a 2-batch epoch 1, then epoch 2), so the run no longer matches
-    the uninterrupted one. Uses two loop internals of Lightning 2.6 (pinned by the exact-resume tests): the
-    epoch loop's restart stage and its validation check.
+    Two checkpoints Lightning 2.6 restarts wrongly (it restarts the epoch loop "on last" for both):
+
+    * one written at the epoch's end (``last.ckpt``, a ``--max-steps`` stop on the last batch) in a fit that
+      does not validate there (no validation step or data, ``limit_val_batches=0``,
+      ``check_val_every_n_epoch``). Lightning keeps the finished epoch open until its validation has run; with
+      none to run it fetches another batch and trains it inside that epoch (plain Lightning resumed from such
+      a ``last.ckpt`` trains batch 2 of a 2-batch epoch 1, then epoch 2). Here the finished epoch ends at once;
+    * one written after ``fit`` returned (``final.ckpt``, ``trainer.save_checkpoint`` after fit), where the
+      epoch is counted complete too. Lightning starts the next epoch, but numbers its batches on from the old
+      epoch's and trains one batch fewer in it. Here the new epoch's counters start from zero, as in the
+      uninterrupted run.
+
+    Uses loop internals of Lightning 2.6 (pinned by the exact-resume tests): the loops' restart stages, the
+    epoch loop's progress and its validation check.
     """
-    loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
+    fit_loop = trainer.fit_loop
+    loop, fetcher = fit_loop.epoch_loop, fit_loop._data_fetcher
     if fetcher is None or not loop.restarted_on_last or not loop.batch_progress.is_last_batch:
         return
-    if loop._should_check_val_fx(fetcher):
-        return  # the epoch's validation is still due: Lightning runs it (or skips it when it already ran)
-    fetcher.done = True  # the next fetch ends the epoch (StopIteration), as the uninterrupted run's did
-    if getattr(fetcher, "batches", None):
-        fetcher.batches.clear()  # batches an iterable loader prefetched belong to no epoch of this run
+    if fit_loop.restarted_on_epoch_end:
+        if fit_loop._iteration_based_training():
+            # The restored epoch's end hooks run again and count it processed a second time (the checkpoint,
+            # written in on_train_epoch_end, counted it already): max_epochs would stop one epoch early.
+            fit_loop.epoch_progress.current.processed -= 1
+            fit_loop.epoch_progress.total.processed -= 1
+        if loop._should_check_val_fx(fetcher):
+            return  # the epoch's validation is still due: Lightning runs it (or skips it when it already ran)
+        fetcher.done = True  # the next fetch ends the epoch (StopIteration), as the uninterrupted run's did
+        if getattr(fetcher, "batches", None):
+            fetcher.batches.clear()  # batches an iterable loader prefetched belong to no epoch of this run
+    elif not (fit_loop.restarted_mid_epoch or fit_loop.restarted_on_epoch_start):
+        # the epoch is over in every counter: this fit starts a new one, as a fresh epoch does
+        loop.batch_progress.reset_on_run()
+        loop.scheduler_progress.reset_on_run()
+        loop.automatic_optimization.optim_progress.reset_on_run()
+        loop.val_loop.batch_progress.total.reset()
 
 
 def _schedule_steps(trainer: L.Trainer) -> list[int | None]:
