@@ -396,7 +396,6 @@ def test_seed_names_a_model_built_before_build_trainer(tmp_path, monkeypatch):
     assert not said
 
 
-
 class Steps(L.Callback):
     """(epoch, batch index) of every training batch this fit trained."""
 
@@ -464,6 +463,7 @@ def test_continuing_into_max_epochs_with_max_steps_set_trains_every_epoch(tmp_pa
     resumed, then = _fit_steps(tmp_path / "split", ckpt_path="last", max_epochs=3, max_steps=100)
     assert then == [(e, b) for e in (1, 2) for b in range(4)]
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
 
 # ---- 5. iterable loaders ------------------------------------------------------------------------------------
 
