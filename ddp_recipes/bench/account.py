@@ -182,6 +182,21 @@ def _components(text: str) -> list[str]:
     return names
 
 
+def _measuring_args(argv: list[str]) -> list[str]:
+    """The arguments that decide the figures: ``--out`` and ``--doc`` only say where they went (and a doc must
+    not carry one machine's paths)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--doc"):
+            skip = True
+        elif not arg.startswith(("--out=", "--doc=")):
+            kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None, bench: Bench) -> int:
     from ddp_recipes.bench.account_report import markdown, rewrite_doc
     from ddp_recipes.bench.hostinfo import host_facts
@@ -206,7 +221,8 @@ def main(argv: list[str] | None, bench: Bench) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         started = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
-        command = " ".join(["python -m ddp_recipes.bench account", *(argv if argv is not None else sys.argv[2:])])
+        command = " ".join(["python -m ddp_recipes.bench account",
+                            *_measuring_args(argv if argv is not None else sys.argv[2:])])
         load_start = _load()
         rows = measure(bench, settings, components, args.rounds, out,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
