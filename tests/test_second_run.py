@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_recipes import build_trainer
 from ddp_recipes.checkpointing import ownership
+from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
 from ddp_recipes.errors import ConfigError
 from recipes import mnist
 from tests.helpers import SHARED_DATA
@@ -395,6 +397,18 @@ def test_seed_names_a_model_built_before_build_trainer(tmp_path, monkeypatch):
     _, said = _fit(tmp_path / "c", model_first=True)
     assert not said
 
+
+
+def test_a_trainer_that_names_a_prebuilt_model_still_pickles_into_spawned_ranks(monkeypatch):
+    """start_method="spawn" pickles the model and the Trainer's callbacks into every rank: the mark of a model
+    built before build_trainer(seed=...) travels with both (a set of the modules did not pickle at all)."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    torch.seed()
+    model = Net()
+    trainer = build_trainer(accelerator="cpu", seed=0, **QUIET)
+    state = next(c for c in trainer.callbacks if isinstance(c, ResumeState))
+    in_rank = pickle.loads(pickle.dumps((state, model)))
+    assert state.prebuilt is not None and in_rank[0].prebuilt == getattr(in_rank[1], PREBUILT) == state.prebuilt
 
 class Steps(L.Callback):
     """(epoch, batch index) of every training batch this fit trained."""

@@ -38,6 +38,9 @@ from ddp_recipes.optim.schedules import steps_per_epoch
 _STEP_SPAN = 1_000_003  # separates the per-rank seeds of different resume steps
 
 
+PREBUILT = "_ddp_recipes_built_before"  # the mark build_trainer(seed=...) leaves on a model built before it
+
+
 def seed_rank(seed: int, rank: int, step: int = 0) -> int:
     """Seed python, numpy and torch (all devices, :func:`~ddp_recipes.data.resumable.seed_all`) with ``seed + rank`` (``+ step * 1000003`` when resuming
     at another world size, so the streams are not the run's first ones again); returns the value."""
@@ -214,9 +217,9 @@ class ResumeState(Callback):
     every rank at the same point (never from a signal handler: see :mod:`ddp_recipes.checkpointing.preemption`).
     """
 
-    def __init__(self, seed: int | None = None, prebuilt: Any = None) -> None:
+    def __init__(self, seed: int | None = None, prebuilt: str | None = None) -> None:
         self.seed = seed
-        # LightningModules built before build_trainer(seed=...) seeded (a weakref.WeakSet), or None
+        # the mark of the LightningModules built before build_trainer(seed=...) seeded, or None
         self.prebuilt = prebuilt
         self._trainer: L.Trainer | None = None
         self._pending: dict[str, Any] | None = None
@@ -260,7 +263,8 @@ class ResumeState(Callback):
         # LRs this run was configured with.
         self._fresh_lrs = [[g.get("initial_lr", g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers]
         self._schedule = _schedule_steps(trainer)  # the restore of the scheduler state replaces run_steps
-        if self.prebuilt is not None and pl_module in self.prebuilt and trainer.ckpt_path is None:
+        built_before = self.prebuilt is not None and getattr(pl_module, PREBUILT, None) == self.prebuilt
+        if built_before and trainer.ckpt_path is None:
             rank_zero_warn(f"{type(pl_module).__name__} was built before build_trainer(seed={self.seed}) seeded the random "
                            "streams, so its initial weights (all not loaded from a file) differ from run to run; build "
                            "the model after build_trainer(...), or call lightning.seed_everything(seed) before building "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-import weakref
+import uuid
 from typing import Any
 
 import lightning as L
@@ -18,7 +18,7 @@ from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpoin
 from ddp_recipes.checkpointing.connector import check_checkpoint_names, find_last_checkpoint
 from ddp_recipes.checkpointing.preemption import LastCheckpoint
 from ddp_recipes.checkpointing.remote import see_published
-from ddp_recipes.checkpointing.resume import ResumeState
+from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
 from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun, launched_per_pod
 from ddp_recipes.data.adopt import adopt_user_loaders
@@ -196,13 +196,13 @@ class Lifecycle:
     defaults, with its own :class:`LastCheckpoint` among the callbacks)."""
 
     def __init__(self, preemption: bool = True, checkpoint_dir: str | None = None, every_n_steps: int = 0,
-                 prebuilt: weakref.WeakSet | None = None, library: bool = False) -> None:
+                 prebuilt: str | None = None, library: bool = False) -> None:
         if not isinstance(preemption, bool):
             raise ConfigError(f"{{preemption}} must be True or False (got {lit(repr(preemption))})")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ConfigError(f"{{checkpoint_every_n_steps}} must be an integer >= 0 (got {lit(repr(every_n_steps))})")
         self.preemption, self.checkpoint_dir, self.every_n_steps = preemption, checkpoint_dir, every_n_steps
-        self.prebuilt = prebuilt  # the LightningModules that existed before seed= seeded (models_built_before)
+        self.prebuilt = prebuilt  # the mark of the LightningModules that existed before seed= seeded (models_built_before)
         self.library = library  # a build_trainer script (its messages name arguments), not a recipe (flags)
 
     def callback(self, callbacks: list[Any]) -> LastCheckpoint | None:
@@ -218,17 +218,23 @@ class Lifecycle:
         return last
 
 
-def models_built_before(seed: int | None) -> weakref.WeakSet | None:
-    """The LightningModules alive now, before ``build_trainer(seed=...)`` seeds the random streams: their
-    initial weights came from whatever the streams were, and seeding now cannot change them. None when there
-    is no seed, or the script seeded already (``lightning.seed_everything`` sets ``PL_GLOBAL_SEED``;
-    ``torch.manual_seed`` leaves an initial seed below 2**32, which torch's own random 64-bit one almost
-    never is): its models were built from a seeded stream. :class:`ResumeState` names such a model when it
-    starts training from scratch, with the fix. Walks the garbage collector's objects once (milliseconds)."""
+def models_built_before(seed: int | None) -> str | None:
+    """Mark the LightningModules alive now, before ``build_trainer(seed=...)`` seeds the random streams: their
+    initial weights came from whatever the streams were, and seeding now cannot change them. Returns this
+    call's mark (each module's ``PREBUILT`` attribute holds it), or None when there is no seed, or the script
+    seeded already (``lightning.seed_everything`` sets ``PL_GLOBAL_SEED``; ``torch.manual_seed`` leaves an
+    initial seed below 2**32, which torch's own random 64-bit one almost never is): its models were built from
+    a seeded stream. :class:`ResumeState` names such a model when it starts training from scratch, with the
+    fix. A mark, not a set of the modules, because it travels with a module pickled into spawned ranks (and
+    the Trainer's callbacks must pickle too). Walks the garbage collector's objects once (milliseconds)."""
     if seed is None or os.environ.get("PL_GLOBAL_SEED") is not None or torch.initial_seed() < 2**32:
         return None
+    mark = uuid.uuid4().hex
     # type(), not isinstance: some objects (torch.distributed's deprecated reduce_op) warn on __class__ access.
-    return weakref.WeakSet(obj for obj in gc.get_objects() if issubclass(type(obj), L.LightningModule))
+    for obj in gc.get_objects():
+        if issubclass(type(obj), L.LightningModule):
+            obj.__dict__[PREBUILT] = mark  # a plain attribute: no nn.Module registration, no state_dict entry
+    return mark
 
 
 def _as_list(value: Any, name: str) -> list[Any]:
