@@ -22,7 +22,8 @@ from torchvision.io import ImageReadMode, decode_image
 from ddp_recipes.data.device_decode import DeviceDecoder
 from ddp_recipes.data.encoded import EncodedBatch, EncodedImageFolder, EvalPipeline, TrainPipeline
 from ddp_recipes.data.images import ImageFolderDataModule
-from ddp_recipes.data.resumable import ResumableDataLoader, resumable_loader, sample_seed, seed_all
+from ddp_recipes.data.resumable import ResumableDataLoader, resumable_loader
+from ddp_recipes.data.seeding import sample_seed, seed_all
 from ddp_recipes.modules.resnet import ResNetClassifier
 from tests.helpers import raises_cli, write_jpeg_tree, write_odd_images
 from tests.launch import run, saved_step, start

@@ -13,7 +13,7 @@ import torch
 
 from ddp_recipes.data.device_decode import DeviceDecoder
 from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
-from ddp_recipes.data.resumable import sample_seed, seed_all
+from ddp_recipes.data.seeding import sample_seed, seed_all
 from tests.helpers import write_jpeg_tree, write_odd_images
 
 pytestmark = pytest.mark.gpu

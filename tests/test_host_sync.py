@@ -216,7 +216,7 @@ def test_decoding_and_augmenting_a_batch_on_the_device_makes_no_host_read(tmp_pa
 
     from ddp_recipes.data.device_decode import DeviceDecoder
     from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
-    from ddp_recipes.data.resumable import sample_seed, seed_all
+    from ddp_recipes.data.seeding import sample_seed, seed_all
     from tests.helpers import write_jpeg_tree
 
     root = write_jpeg_tree(tmp_path / "jpegs", per_class=6, side=30)

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_recipes import build_trainer
-from ddp_recipes.checkpointing.preemption import LastCheckpoint
+from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.data.resumable import ResumableDataLoader
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError

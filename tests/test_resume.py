@@ -214,7 +214,7 @@ TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--
 @pytest.mark.parametrize("val_samples", ["32", "0"])
 def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
     """last.ckpt at every epoch end (validation or not, improving or not) and every N steps, once per step."""
-    from ddp_recipes.checkpointing.preemption import LastCheckpoint
+    from ddp_recipes.checkpointing.last import LastCheckpoint
     from recipes import resnet
 
     saved: list[int] = []

@@ -199,7 +199,7 @@ def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_pat
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing import connector
-    from ddp_recipes.checkpointing.preemption import LastCheckpoint
+    from ddp_recipes.checkpointing.last import LastCheckpoint
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -230,7 +230,7 @@ def test_a_checkpoint_without_a_run_id_continues_at_two_ranks(tmp_path, monkeypa
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing import connector
-    from ddp_recipes.checkpointing.preemption import LastCheckpoint
+    from ddp_recipes.checkpointing.last import LastCheckpoint
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -255,7 +255,7 @@ def test_a_claim_refused_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing import connector
-    from ddp_recipes.checkpointing.preemption import LastCheckpoint
+    from ddp_recipes.checkpointing.last import LastCheckpoint
 
     class Told:
         def __init__(self, outcome):
@@ -611,7 +611,7 @@ def test_a_fast_dev_run_writes_nothing_in_a_runs_folder(tmp_path):
 
 def test_looking_for_loader_workers_at_exit_warns_nothing():
     """torch.distributed's deprecated reduce_op is among the gc's objects; isinstance() on it warned."""
-    from ddp_recipes.data.resumable import _live_loader_worker_pids
+    from ddp_recipes.data.loader_workers import _live_loader_worker_pids
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -107,7 +107,7 @@ import sys
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
-from ddp_recipes.ddp.strategy import destroy_group_at_exit, keep_group_at_exit
+from ddp_recipes.ddp.group_exit import destroy_group_at_exit, keep_group_at_exit
 
 steps = sys.argv[1].split(",")
 # Registered first, so it runs last: whether the group outlived every other exit handler.

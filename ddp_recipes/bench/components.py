@@ -89,7 +89,7 @@ def switch_off(trainer: Any, names: list[str]) -> None:
     from lightning.pytorch.profilers import PassThroughProfiler
     from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 
-    from ddp_recipes.checkpointing.preemption import LastCheckpoint
+    from ddp_recipes.checkpointing.last import LastCheckpoint
     from ddp_recipes.train.callbacks import ThroughputMeter
     from ddp_recipes.train.diagnostics import DDPDiagnostics
     from ddp_recipes.train.tracking import TrackerRun

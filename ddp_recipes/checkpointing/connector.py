@@ -15,7 +15,7 @@ every launcher (Lightning's subprocess launcher, spawn/fork, torchrun, SLURM, on
    ranks gather their answers: a rank that cannot (a node-local disk holding another copy, or none) fails
    every rank with one line, instead of training from another file;
 4. rank 0 records the run in the folder (``run.json``) when the fit trains, and every rank's
-   :class:`~ddp_recipes.checkpointing.preemption.LastCheckpoint` takes rank 0's folder and run id.
+   :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` takes rank 0's folder and run id.
 
 An error of step 1 is raised on every rank with the same text (printed once, by rank 0).
 """
@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from ddp_recipes.checkpointing import ownership
-from ddp_recipes.checkpointing.preemption import LastCheckpoint
+from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.errors import CheckpointError, ConfigError, lit
 from ddp_recipes.storage import Url, location
 

@@ -1,4 +1,4 @@
-"""``last.ckpt`` on a fixed cadence, and preemption that saves it and exits cleanly on every rank.
+"""Preemption: signal handlers that only record the signal, the SLURM requeue, and ranks that follow their launcher.
 
 Clusters stop jobs with a signal and a grace period: Kubernetes, spot/preemptible VMs and torchrun send
 SIGTERM (SIGKILL follows, 30 s later by default); SLURM sends the signal of ``#SBATCH --signal`` (SIGUSR1
@@ -8,13 +8,10 @@ SLURM handler saves a checkpoint, which gathers RNG states) runs at a different 
 pairs with whatever collective the others are in. So here the handlers only set a flag; at each
 optimizer-step boundary the ranks agree through the rendezvous store, with no collective and no device
 read per step (:class:`~ddp_recipes.checkpointing.vote.StopVote`): if any rank was signalled, all of them save
-``last.ckpt`` together at the boundary after the one where it saw the signal, rank 0 requeues the SLURM
-job if SLURM asked for it, and every rank exits with 128 + signal number and one line on rank 0 (no
+``last.ckpt`` together at the boundary after the one where it saw the signal
+(:class:`~ddp_recipes.checkpointing.last.LastCheckpoint`), rank 0 requeues the SLURM job if SLURM asked for
+it (:func:`requeue_slurm_job`), and every rank exits with 128 + signal number and one line on rank 0 (no
 traceback).
-
-:class:`LastCheckpoint` writes ``last.ckpt`` at every epoch end and every ``every_n_steps`` optimizer
-steps, with or without validation and independent of any best-checkpoint callback (Lightning's
-``ModelCheckpoint(save_last=True)`` refreshes it only when it saves a top-k checkpoint).
 """
 
 from __future__ import annotations
@@ -23,25 +20,13 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
-
-from ddp_recipes.checkpointing import ownership
-from ddp_recipes.checkpointing.vote import StopVote
-from ddp_recipes.storage import Url, location
-
-LAST = "last.ckpt"
-RECIPE_RESUME = "rerun with --resume auto"
-# What a build_trainer user does instead (their script has no --resume flag).
-LIBRARY_RESUME = 'run the script again with trainer.fit(..., ckpt_path="last") to continue from it'
-
 
 LAUNCHER_PID_VAR = "DDP_RECIPES_LAUNCHER_PID"  # in the environment of the ranks Lightning launched, only
 
@@ -100,7 +85,7 @@ class Preempted(SystemExit):
         self.message = message
 
 
-class _FlagSignalConnector(_SignalConnector):
+class FlagSignalConnector(_SignalConnector):
     """Lightning's signal connector, with handlers that only record the signal (while fitting).
 
     Replaces Lightning's own handlers, which broadcast (SIGTERM) or save a checkpoint (SLURM) from inside
@@ -134,158 +119,20 @@ class _FlagSignalConnector(_SignalConnector):
             self.signum = int(signum)
 
 
-class LastCheckpoint(Checkpoint):
-    """``<dirpath>/last.ckpt`` at every epoch end and every ``every_n_steps`` steps; saves and exits on
-    SIGTERM (and SLURM's requeue signal, requeueing the job when Lightning's SLURM environment has
-    ``auto_requeue``). Saves go through the trainer, so through its (atomic) checkpoint IO, on rank 0.
-
-    Where the fit stops before its epoch ends (``max_steps``, ``max_time``, ``trainer.should_stop``), the save
-    is made at that batch's end, as a preemption's is, so a run continued with a larger limit goes on with the
-    rest of the epoch. Lightning's epoch-end hooks still run after such a stop, and a checkpoint written there
-    says the epoch is over: continuing it skipped the rest of the epoch (and ``--max-epochs 1`` counted it as
-    done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
-
-    The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.ownership`): ``run_id`` (decided on rank 0
-    when fitting starts, :mod:`~ddp_recipes.checkpointing.connector`) goes into every checkpoint the trainer
-    writes. ``words`` is the vocabulary of the messages: a recipe's flags or the library's arguments.
-
-    A ``Checkpoint`` subclass, so Lightning runs its epoch-end hook after the LightningModule's.
-    """
-
-    def __init__(self, dirpath: str | os.PathLike | None, every_n_steps: int = 0,
-                 resume_hint: str | None = None, words: ownership.Words | None = None) -> None:
-        if every_n_steps < 0:
-            raise ValueError(f"--checkpoint-every-n-steps must be >= 0 (got {every_n_steps})")
-        # None: set before fit (build_trainer puts it under the Trainer's default_root_dir). A URL stays one:
-        # Path("s3://b/run") would be a local folder named "s3:".
-        self.dirpath = location(dirpath) if dirpath is not None else None
-        self.every_n_steps = every_n_steps
-        if words is None:
-            words = ownership.LIBRARY if resume_hint == LIBRARY_RESUME else ownership.RECIPE
-        self.words = words
-        # the preemption message's last words: how to continue
-        self.resume_hint = resume_hint or (LIBRARY_RESUME if words is ownership.LIBRARY else RECIPE_RESUME)
-        self.run_id: str | None = None
-        self._seen_step = -1
-        self._saved_step = -1
-        self._signals: _FlagSignalConnector | None = None
-        self._vote: StopVote | None = None
-
-    @property
-    def path(self) -> Path | Url:
-        return self.dirpath / LAST
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == TrainerFn.FITTING and not isinstance(trainer._signal_connector, _FlagSignalConnector):
-            # Before Trainer._run registers handlers: no moment where Lightning's own handlers are live.
-            trainer._signal_connector = self._signals = _FlagSignalConnector(trainer)
-
-    # ---- the cadence -----------------------------------------------------------------------------------
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # The step this process starts at is a boundary already passed (and saved, when resuming): the
-        # first micro-batch of an accumulation window must not look like a new optimizer step.
-        self._seen_step = self._saved_step = trainer.global_step
-        self._vote = StopVote.open(trainer)
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        step = trainer.global_step
-        if step == self._seen_step:
-            return  # an accumulation micro-batch: no optimizer step, no boundary
-        self._seen_step = step
-        signum = self._agreed_signal(trainer)
-        last_of_epoch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        due = self.every_n_steps > 0 and step % self.every_n_steps == 0 and not last_of_epoch
-        if signum or due or (not last_of_epoch and _stops_after_this_batch(trainer)):
-            self.save(trainer)
-        if signum:
-            self._exit(trainer, signum)
-
-    @override
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        if self.run_id is not None:  # every checkpoint of the trainer (ModelCheckpoint's too) names its run
-            checkpoint[ownership.RUN_KEY] = {"run_id": self.run_id}
-
-    @override
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.save(trainer)
-        signum = self._agreed_signal(trainer, now=True)  # a signal during epoch-end validation lands here
-        if signum:
-            self._exit(trainer, signum)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        signum = self._agreed_signal(trainer, now=True)
-        self._close_vote()
-        if signum:  # training is over and saved; do not start testing inside the grace period
-            self.save(trainer)
-            self._exit(trainer, signum)
-
-    @override
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, Preempted) and self._vote is not None:  # Preempted: closed already
-            self._vote.abandon()  # a failing rank must not wait for peers that may be gone
-            self._vote = None
-
-    def _close_vote(self) -> None:
-        if self._vote is not None:
-            self._vote.close()
-            self._vote = None
-
-    def save(self, trainer: L.Trainer) -> None:
-        """Write last.ckpt (every rank calls; rank 0 writes), once per step."""
-        if trainer.global_step == self._saved_step or trainer.fast_dev_run:  # the same on every rank: collective
-            return
-        trainer.save_checkpoint(self.path, weights_only=False)
-        self._saved_step = trainer.global_step
-
-    # ---- preemption ----------------------------------------------------------------------------------
-
-    def _agreed_signal(self, trainer: L.Trainer, *, now: bool = False) -> int:
-        """The signal every rank acts on here (0 if none). At a step boundary: the stop agreed for this
-        boundary (a signal seen at one boundary stops every rank at the next); with ``now``, a vote that
-        waits for every rank (epoch end, train end)."""
-        local = int(self._signals.signum or 0) if self._signals is not None else 0
-        if self._vote is None:
-            return local
-        return self._vote.now(local) if now else self._vote.at_boundary(trainer.global_step, local)
-
-    def _exit(self, trainer: L.Trainer, signum: int) -> None:
-        requeued = self._requeue(trainer, signum)
-        name = signal.Signals(signum).name
-        message = (f"preempted by {name} at step {trainer.global_step} (epoch {trainer.current_epoch}): checkpoint "
-                   f"saved to {self.path}{requeued}; {self.resume_hint}")
-        if trainer.is_global_zero:
-            print(message, file=sys.stderr, flush=True)
-        self._close_vote()
-        raise Preempted(signum, message)
-
-    @staticmethod
-    def _requeue(trainer: L.Trainer, signum: int) -> str:
-        env = trainer._accelerator_connector.cluster_environment
-        if not (isinstance(env, SLURMEnvironment) and env.auto_requeue and signum == env.requeue_signal):
-            return ""
-        array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-        job_id = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID", "")
-        if not trainer.is_global_zero or not job_id:
-            return f"; SLURM job {job_id} requeued by rank 0" if job_id else ""
-        try:
-            result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-            ok = result.returncode == 0
-            detail = (result.stderr or result.stdout).strip().splitlines()[-1:] if not ok else []
-        except (OSError, subprocess.TimeoutExpired) as err:
-            ok, detail = False, [str(err)]
-        return f"; SLURM job {job_id} requeued" if ok else f"; requeueing SLURM job {job_id} failed ({detail})"
-
-
-def _stops_after_this_batch(trainer: L.Trainer) -> bool:
-    """Whether the fit loop ends after this batch (checked at its end, every rank alike): ``max_steps``
-    reached, or ``should_stop`` set (``max_time``'s Timer, whose batch-end hook runs before any checkpoint
-    callback's, a module, a callback) where Lightning lets the fit stop early."""
-    if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
-        return True
-    return bool(trainer.should_stop) and trainer.fit_loop._can_stop_early
+def requeue_slurm_job(trainer: L.Trainer, signum: int) -> str:
+    """Requeue the SLURM job from rank 0 when ``signum`` is its requeue signal and Lightning's SLURM
+    environment has ``auto_requeue``; returns the words the preemption message adds (empty: none)."""
+    env = trainer._accelerator_connector.cluster_environment
+    if not (isinstance(env, SLURMEnvironment) and env.auto_requeue and signum == env.requeue_signal):
+        return ""
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job_id = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID", "")
+    if not trainer.is_global_zero or not job_id:
+        return f"; SLURM job {job_id} requeued by rank 0" if job_id else ""
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        ok = result.returncode == 0
+        detail = (result.stderr or result.stdout).strip().splitlines()[-1:] if not ok else []
+    except (OSError, subprocess.TimeoutExpired) as err:
+        ok, detail = False, [str(err)]
+    return f"; SLURM job {job_id} requeued" if ok else f"; requeueing SLURM job {job_id} failed ({detail})"

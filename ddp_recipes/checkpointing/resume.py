@@ -31,22 +31,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
-from ddp_recipes.data.resumable import seed_all
 from ddp_recipes.data.samplers import loader_batch_size
+from ddp_recipes.data.seeding import seed_rank
 from ddp_recipes.optim.schedules import steps_per_epoch
 
-_STEP_SPAN = 1_000_003  # separates the per-rank seeds of different resume steps
-
-
 PREBUILT = "_ddp_recipes_built_before"  # the mark build_trainer(seed=...) leaves on a model built before it
-
-
-def seed_rank(seed: int, rank: int, step: int = 0) -> int:
-    """Seed python, numpy and torch (all devices, :func:`~ddp_recipes.data.resumable.seed_all`) with ``seed + rank`` (``+ step * 1000003`` when resuming
-    at another world size, so the streams are not the run's first ones again); returns the value."""
-    value = (seed + rank + step * _STEP_SPAN) % 2**32
-    seed_all(value, devices=True)
-    return value
 
 
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:

@@ -37,13 +37,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
-from ddp_recipes.data.resumable import (
-    ResumableDataLoader,
-    ResumableSampler,
-    SeededDataset,
-    ignore_preemption_signals,
-    kill_loader_workers_at_exit,
-)
+from ddp_recipes.data.loader_workers import ignore_preemption_signals, kill_loader_workers_at_exit
+from ddp_recipes.data.resumable import ResumableDataLoader, ResumableSampler, SeededDataset
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from ddp_recipes.data.streams import RankShardedStream, StreamLoader, classify
 

@@ -22,28 +22,18 @@ consumed, taken from the batches actually handed to the training loop (not the o
 
 from __future__ import annotations
 
-import atexit
 import math
-import multiprocessing
-import multiprocessing.util  # noqa: F401  (its exit handler is registered on import: before ours, see kill_loader_workers_at_exit)
-import random
-import signal
 from collections.abc import Iterator, Sized
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset, get_worker_info
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 from torch.utils.data.distributed import DistributedSampler
 
+from ddp_recipes.data.loader_workers import ignore_preemption_signals, kill_loader_workers_at_exit
+from ddp_recipes.data.seeding import RestoredRNG, sample_seed, seed_all
 from ddp_recipes.errors import CheckpointError
-
-# Mixing constants: distinct (epoch, index) pairs of one seed give distinct 64-bit seeds for any index
-# below 2**31 (a 2-billion-sample epoch).
-_INDEX_SPAN = 2**31 - 1
-_EPOCH_SPAN = 1_000_003
-_MASK64 = 2**64 - 1
 
 
 class SampleKey(int):
@@ -60,23 +50,6 @@ class SampleKey(int):
         return SampleKey, (int(self), self.epoch)
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The 64-bit seed of one sample's augmentation."""
-    return ((seed * _EPOCH_SPAN + epoch) * _INDEX_SPAN + index) & _MASK64
-
-
-def seed_all(value: int, devices: bool = False) -> None:
-    """Seed python, numpy and torch's CPU generator with ``value`` (up to 64 bits): the pack's one per-process
-    seeding. ``devices``: every accelerator's generator too (a rank's streams); a loader never draws there."""
-    random.seed(value)
-    np.random.seed([value & 0xFFFFFFFF, value >> 32])
-    if devices:
-        torch.manual_seed(value)  # also seeds every CUDA device
-    else:
-        # torch.manual_seed would also walk every accelerator (~160 us); the CPU generator alone takes ~2 us.
-        torch.default_generator.manual_seed(value)
-
-
 def draws_random_numbers(dataset: Dataset) -> bool:
     """Whether fetching from ``dataset`` may draw random numbers (augmentation), so needs per-sample seeds.
 
@@ -90,19 +63,6 @@ def draws_random_numbers(dataset: Dataset) -> bool:
     if isinstance(declared, bool):
         return declared
     return type(dataset) is not TensorDataset
-
-
-class _RestoredRNG:
-    """Save python/numpy/torch-CPU RNG state on enter, put it back on exit."""
-
-    def __enter__(self) -> None:
-        self.state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-    def __exit__(self, *exc: object) -> None:
-        py, npy, tch = self.state
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(tch)
 
 
 class SeededDataset(Dataset):
@@ -129,7 +89,7 @@ class SeededDataset(Dataset):
         if get_worker_info() is not None:
             seed_all(sample_seed(self.seed, epoch, int(key)))
             return fetch()
-        with _RestoredRNG():
+        with RestoredRNG():
             seed_all(sample_seed(self.seed, epoch, int(key)))
             return fetch()
 
@@ -204,77 +164,6 @@ class ResumableSampler(DistributedSampler):
         if not getattr(self.dataset, "draws_random_numbers", True):
             return iter(shard)
         return iter([SampleKey(i, self.epoch) for i in shard])
-
-
-def ignore_preemption_signals(worker_id: int) -> None:
-    """worker_init_fn: a worker leaves SIGTERM/SIGUSR1 to its training process, which saves and exits.
-
-    A signal sent to the whole process group would otherwise kill the workers first, and the training
-    process would fail on "DataLoader worker killed" instead of checkpointing.
-    """
-    for signum in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
-        if signum is not None:
-            signal.signal(signum, signal.SIG_IGN)
-
-
-def _ignores_sigterm(pid: int) -> bool:
-    """Whether process ``pid`` ignores SIGTERM (Linux: its ``SigIgn`` mask; elsewhere unknown, so False)."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("SigIgn:"):
-                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
-
-
-def _kill_workers_left_at_exit() -> None:
-    """At interpreter exit, SIGKILL the DataLoader workers that ignore SIGTERM, before multiprocessing joins them.
-
-    A loader iterator still alive at exit (persistent workers held by a reference cycle, freed only by the
-    GC after the exit handlers) never shuts its workers down; multiprocessing's own exit handler then
-    sends its daemon children SIGTERM, which workers started with :func:`ignore_preemption_signals`
-    ignore, and joins them, which never returns: a finished run that hangs at exit. Such a worker can do
-    nothing with SIGTERM anyway and holds nothing to save, so it is killed outright. Only torch's loader
-    workers: any other child (a script's own uploader that ignores SIGTERM to finish its work) and workers
-    that honour SIGTERM are left to multiprocessing, which joins them as it always did.
-    """
-    stuck = [p for p in multiprocessing.active_children()
-             if p.daemon and p.pid is not None and _ignores_sigterm(p.pid)]
-    if stuck:  # rare: only then look for the live loader iterators whose workers these are
-        workers = _live_loader_worker_pids()
-        stuck = [p for p in stuck if p.pid in workers]
-    if stuck and hasattr(signal, "SIGCHLD"):
-        # torch's SIGCHLD handler would raise "DataLoader worker ... killed" into whatever exit code runs next.
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for process in stuck:
-        process.kill()
-
-
-def _live_loader_worker_pids() -> set[int]:
-    """The pids of the workers of every multi-process DataLoader iterator still alive (a Process object
-    forgets its target once started, so a worker is known by its iterator)."""
-    import gc
-
-    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
-
-    # type(), not isinstance: isinstance also reads obj.__class__, and torch.distributed's deprecated
-    # reduce_op object (among the gc's objects) answers that with a FutureWarning, on every rank.
-    return {w.pid for obj in gc.get_objects() if issubclass(type(obj), _MultiProcessingDataLoaderIter)
-            for w in getattr(obj, "_workers", ()) if w.pid is not None}
-
-
-_reaper = {"registered": False}
-
-
-def kill_loader_workers_at_exit() -> None:
-    """Register :func:`_kill_workers_left_at_exit` (once per process), when the pack makes a loader whose
-    workers ignore SIGTERM: not at import, so a process that only imports the pack keeps its exit as it was.
-    Exit handlers run last registered first: this one before multiprocessing's (imported above)."""
-    if not _reaper["registered"]:
-        _reaper["registered"] = True
-        atexit.register(_kill_workers_left_at_exit)
 
 
 class ResumableDataLoader(DataLoader):

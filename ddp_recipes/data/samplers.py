@@ -22,11 +22,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_recipes.data.resumable import (
-    ignore_preemption_signals,
-    kill_loader_workers_at_exit,
-    resumable_loader,
-)
+from ddp_recipes.data.loader_workers import ignore_preemption_signals, kill_loader_workers_at_exit
+from ddp_recipes.data.resumable import resumable_loader
 
 
 def _world() -> tuple[int, int]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ddp_recipes.data.resumable import _RestoredRNG, sample_seed, seed_all
+from ddp_recipes.data.seeding import RestoredRNG, sample_seed, seed_all
 
 PEEK = 2  # samples read at take-over, twice
 _STATES = (12345, 67890)  # the two fixed random states the first samples are read under
@@ -83,7 +83,7 @@ def first_samples(dataset: IterableDataset, state: int) -> str | None:
     """A digest of the stream's first :data:`PEEK` samples read from a fresh iterator under the random state
     ``state`` (this process's streams are left as they were); None when it yields none or fails."""
     digest = hashlib.sha256()
-    with _RestoredRNG():
+    with RestoredRNG():
         seed_all(state)
         try:
             iterator = iter(dataset)

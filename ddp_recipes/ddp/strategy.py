@@ -37,28 +37,26 @@ import atexit
 import inspect
 import logging
 import os
-import re
 import sys
 from datetime import timedelta
 from typing import Any
 
-import torch
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ddp_recipes.checkpointing.preemption import Preempted, die_with_launcher, tag_children_with_launcher
-from ddp_recipes.checkpointing.resume import ResumeState, gather_to_rank0, seed_rank
+from ddp_recipes.checkpointing.resume import ResumeState, gather_to_rank0
 from ddp_recipes.config.plan import DDPOptions, check_ddp_values
 from ddp_recipes.config.world import check_bf16_device
+from ddp_recipes.data.seeding import seed_rank
 from ddp_recipes.ddp.commhooks import ResumablePowerSGD
+from ddp_recipes.ddp.equal_batches import check_equal_batches
 from ddp_recipes.ddp.failures import (
     CHILD_GRACE_S,
     PEER_FAILURE_PREFIX,
@@ -70,12 +68,17 @@ from ddp_recipes.ddp.failures import (
     stale_after,
     stop_processes,
 )
+from ddp_recipes.ddp.group_exit import destroy_group_at_exit, keep_group_at_exit
 from ddp_recipes.ddp.syncbn import SyncBatchNormPlugin
+from ddp_recipes.ddp.unused_params import (
+    is_unused_parameters_error,
+    name_unused_parameters,
+    unused_parameter_names,
+)
 from ddp_recipes.errors import ConfigError, lit
 
 log = logging.getLogger(__name__)
 
-UNUSED_PARAMETERS_PATTERN = "Expected to have finished reduction in the prior iteration"
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives each rank remembers for a hang's post-mortem (a few hundred KB)
 
 
@@ -244,36 +247,12 @@ class TunedDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._check_equal_batches()
+        if self.lightning_module is not None:
+            check_equal_batches(self.lightning_module.trainer, self.world_size)
         # ResumeState (when present) seeds or restores the streams itself; doing it again would undo a restore.
         callbacks = getattr(self.lightning_module.trainer, "callbacks", []) if self.lightning_module else []
         if self.seed is not None and not any(isinstance(c, ResumeState) for c in callbacks):
             seed_rank(self.seed, self.global_rank)
-
-    def _check_equal_batches(self) -> None:
-        """Fail on every rank, before the first step, when ranks have different numbers of training batches.
-
-        The rank with more batches would wait forever (or --timeout-s) in a gradient all-reduce the others
-        never start: the classic DDP hang (Lightning#9851). One gather of the counts, once per fit.
-        """
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or self.world_size < 2:
-            return
-        counts: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(counts, trainer.num_training_batches)
-        if len(set(counts)) > 1:
-            listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-            needed = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
-            if trainer.max_steps != -1 and needed <= min(counts):
-                rank_zero_warn(f"DDP: the ranks have different numbers of training batches per epoch ({listed}); "
-                               f"--max-steps ends this run before the shortest epoch does, but a longer run would "
-                               "hang: shard with a DistributedSampler")
-                return
-            raise RuntimeError(
-                f"DDP: the ranks have different numbers of training batches per epoch ({listed}); the rank with "
-                "more would wait forever in a gradient all-reduce the others never start. Shard with a "
-                "DistributedSampler (Lightning inserts one unless use_distributed_sampler=False; it pads the "
-                "shards to one length) or give every rank the same number of batches.")
 
     # ---- comm-hook state in checkpoints (PowerSGD keeps per-rank state between steps) --------------------
 
@@ -320,16 +299,8 @@ class TunedDDPStrategy(DDPStrategy):
         self._stop_other_ranks_at_exit()
         if not isinstance(exception, Preempted):  # Preempted: every rank left at the same vote, all idle
             keep_group_at_exit()
-        if UNUSED_PARAMETERS_PATTERN in str(exception):
-            names = self.unused_parameter_names(str(exception))
-            listed = ", ".join(names) if names else "(names unknown: set TORCH_DISTRIBUTED_DEBUG=DETAIL)"
-            exception.args = (
-                f"DDP: these parameters received no gradient in the last step: {listed}. Use them in the loss, "
-                "freeze them (requires_grad=False), or pass --find-unused-parameters "
-                "(find_unused_parameters=True; costs one extra autograd-graph traversal per step).\n\n"
-                f"{exception.args[0] if exception.args else ''}",
-                *exception.args[1:],
-            )
+        if is_unused_parameters_error(exception):
+            name_unused_parameters(exception, self.unused_parameter_names(str(exception)))
             return
         if is_peer_failure(exception):
             hint = self.peer_failure_hint()
@@ -357,15 +328,9 @@ class TunedDDPStrategy(DDPStrategy):
 
     def unused_parameter_names(self, message: str = "") -> list[str]:
         """Names of the parameters DDP reports without gradient (from its message, else grad is None)."""
-        module = self.lightning_module
-        if module is None:
+        if self.lightning_module is None:
             return []
-        params = ddp_parameter_order(module, getattr(self.model, "parameters_to_ignore", ()))
-        match = re.search(r"did not receive grad for rank \d+:\s*([\d\s]+)", message)
-        if match:
-            indices = [int(i) for i in match.group(1).split()]
-            return [params[i][0] for i in indices if i < len(params)]
-        return [name for name, p in params if p.grad is None]
+        return unused_parameter_names(self.lightning_module, getattr(self.model, "parameters_to_ignore", ()), message)
 
     @classmethod
     @override
@@ -379,38 +344,6 @@ class TunedDDPStrategy(DDPStrategy):
 # What DDPStrategy passes on to DistributedDataParallel besides its own arguments; Lightning sets the
 # module, its devices and the process group itself.
 _DDP_OWN = {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
-
-
-_group_at_exit = {"registered": False, "destroy": True}
-
-
-def destroy_group_at_exit() -> None:
-    """Destroy the default process group at interpreter exit, on every backend (once per process).
-
-    Lightning registers this for NCCL only. A gloo group left to interpreter finalization can abort a run
-    that succeeded: gloo's threads still hold work whose tensors need the GIL once Python is tearing down,
-    and the rank dies with "terminate called without an active exception" (SIGABRT), which torchrun
-    reports as a failed job (pytorch/pytorch#179291). ``atexit`` runs while the interpreter is whole; the
-    handler is a no-op when the group is gone already (a user's own ``destroy_process_group``). Called at
-    each run's set-up: a run that succeeds after a failed one in the same process destroys it again.
-    """
-    _group_at_exit["destroy"] = True
-    if not _group_at_exit["registered"]:
-        _group_at_exit["registered"] = True
-        atexit.register(_destroy_group_unless_failed)
-
-
-def keep_group_at_exit() -> None:
-    """After a failure, leave the group to the process's end: a failing rank may still have a collective in
-    flight that waits for peers stuck in another one, and a teardown would wait with it (torchtitan#1342).
-    Lightning's own exit handler for NCCL groups is taken off too (it would tear the group down regardless)."""
-    _group_at_exit["destroy"] = False
-    atexit.unregister(_destroy_dist_connection)
-
-
-def _destroy_group_unless_failed() -> None:
-    if _group_at_exit["destroy"]:
-        _destroy_dist_connection()
 
 
 def _drop_unset_ddp_own(kwargs: dict[str, Any]) -> None:
@@ -434,20 +367,6 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
                               "process group); leave it out", name)
         raise ConfigError(f"{{{name}}} is not an argument of TunedDDPStrategy, Lightning's DDPStrategy or "
                           f"DistributedDataParallel; check its spelling (DDP accepts: {', '.join(sorted(ddp))})", name)
-
-
-def ddp_parameter_order(module: nn.Module, ignore: Any = ()) -> list[tuple[str, nn.Parameter]]:
-    """The parameters in the order DDP's reducer indexes them (its ``_build_params_for_reducer``)."""
-    seen: set[int] = set()
-    ordered = []
-    for module_name, sub in module.named_modules():
-        for param_name, param in sub.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            if not param.requires_grad or full in ignore or id(param) in seen:
-                continue
-            seen.add(id(param))
-            ordered.append((full, param))
-    return ordered
 
 
 def apply_env_defaults(values: dict[str, Any]) -> dict[str, str]:

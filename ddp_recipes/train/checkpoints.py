@@ -10,9 +10,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from ddp_recipes.checkpointing import ownership
-from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, check_compatible, read_checkpoint
+from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, read_checkpoint
+from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.checkpointing.ownership import output_survey, resolve_resume
-from ddp_recipes.checkpointing.preemption import LastCheckpoint
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.storage import is_url, location
@@ -28,8 +28,8 @@ class BestCheckpoint(ModelCheckpoint):
 
     @property
     def _legacy_state_key(self) -> str:  # type: ignore[override]
-        # Lightning looks a callback's state up by state_key, then by this: the recipe's checkpoints from
-        # before this class kept best.ckpt's state under ModelCheckpoint's own key.
+        # Lightning looks a callback's state up by state_key, then by this: best.ckpt's state kept under
+        # ModelCheckpoint's own key restores too.
         return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
 
     @override
@@ -142,11 +142,3 @@ def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
         asked = "--resume auto" if cfg.resume == "auto" else "--resume"
         print(f"{asked}: continuing the run in {chosen} (--output-dir picks another)", flush=True)
     cfg.output_dir = str(chosen)
-
-
-def resume_checkpoint(cfg: RunConfig, expected: dict[str, Any], accepted: dict[str, tuple] | None = None) -> str | None:
-    """The checkpoint ``--resume`` names (None: start fresh), checked against this run's model flags."""
-    resume, checkpoint = open_resume(cfg)
-    if resume:
-        check_compatible(checkpoint, resume, expected, accepted)
-    return resume
