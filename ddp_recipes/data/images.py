@@ -60,7 +60,8 @@ class _ImageDataModule(SplitDataModule):
 
     @property
     def image_size(self) -> int:
-        raise NotImplementedError
+        """The side of the square images the model sees: the subclass's ``_image_size``."""
+        return self._image_size
 
     @property
     def num_workers(self) -> int:
@@ -97,11 +98,6 @@ class SyntheticImageDataModule(_ImageDataModule):
     @override
     def num_classes(self) -> int:
         return self._num_classes
-
-    @property
-    @override
-    def image_size(self) -> int:
-        return self._image_size
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -240,11 +236,6 @@ class ImageFolderDataModule(_ImageDataModule):
         self.val_transform()
         if decode == "gpu":
             self.train_pipeline().check_device()
-
-    @property
-    @override
-    def image_size(self) -> int:
-        return self._image_size
 
     @property
     @override
