@@ -71,4 +71,4 @@ class CheckpointError(ConfigError):
 
 
 class MissingDataError(DataError, FileNotFoundError):
-    """The data a parameter points at is not there (also a ``FileNotFoundError``, as 0.1 raised)."""
+    """The data a parameter points at is not there; also a ``FileNotFoundError``, which catches it."""

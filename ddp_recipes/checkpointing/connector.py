@@ -164,7 +164,7 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
         run_id = given.run_id or found.owner() or ownership.new_run_id()
         step, ckpt_run = given.step, given.run_id
     # run_id: the run this fit is (and records); ckpt_run: what the checkpoint itself records, which every rank
-    # compares with its own read of the file (None for a checkpoint older than run ids, or plain Lightning's).
+    # compares with its own read of the file (None for a checkpoint without a run id, plain Lightning's included).
     return {"path": path, "step": step, "run_id": run_id, "ckpt_run": ckpt_run, "folder": str(last.dirpath)}
 
 

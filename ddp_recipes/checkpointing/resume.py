@@ -66,12 +66,12 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
 
 
 def _own_cuda_state(saved: Any, device: torch.device) -> torch.Tensor | None:
-    """The saved state of ``device``'s generator. Checkpoints of ddp-recipes <= 0.2 hold every visible
-    device's state by position: that position is this device's only when the process sees as many devices
-    as the saving one did."""
+    """The saved state of ``device``'s generator. A checkpoint that holds a list has every visible device's
+    state by position: that position is this device's only when the process sees as many devices as the
+    saving one did."""
     if saved is None or isinstance(saved, torch.Tensor):
         return saved
-    if not saved:  # an old checkpoint of a CPU run
+    if not saved:  # a list of no device states: a CPU run
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if len(saved) == torch.cuda.device_count() and index < len(saved):

@@ -1,7 +1,7 @@
 """MNIST as in-memory tensors, with a seeded validation split and exact DDP evaluation.
 
-The write-up's loader decoded every sample through PIL + ``ToTensor`` on every epoch, which was the
-bottleneck; here the idx files are decoded once per process into one normalized float tensor.
+Decoding every sample through PIL + ``ToTensor`` on every epoch (the write-up's loader) is the bottleneck;
+here the idx files are decoded once per process into one normalized float tensor.
 Reads torchvision's layout: ``<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``.
 """
 

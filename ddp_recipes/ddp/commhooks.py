@@ -184,7 +184,7 @@ class ResumablePowerSGD:
     def load_state_dict(self, saved: dict[str, Any], device: torch.device) -> None:
         s = self.state
         s.error_dict, s.q_memory_dict, s.p_memory_dict = {}, {}, {}
-        # Checkpoints of ddp-recipes <= 0.2 have no layouts: the first resumed step then runs in DDP's
+        # A checkpoint without layouts: the first resumed step runs in DDP's
         # initial layout (equal to the last bits only where the BLAS does not depend on alignment).
         self.layouts = {int(i): tuple((n, tuple(shape)) for n, shape in layout)
                         for i, layout in saved.get("layouts", {}).items()}
