@@ -174,7 +174,8 @@ class Published:
             if _sha256(local) != entry.get("sha256"):
                 local.unlink(missing_ok=True)
                 raise CheckpointError(f"{{resume}} {lit(url)}: the downloaded object {lit(target)} does not match "
-                                      "its manifest's sha256 (changed or damaged in the store); pass another checkpoint")
+                                      "its manifest's sha256 (changed or damaged in the store); pass another "
+                                      "checkpoint")
         _fetched[target] = local
         return local
 
