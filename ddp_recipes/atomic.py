@@ -1,32 +1,22 @@
-"""One way to write a file that a reader sees whole or not at all: checkpoints, summary.json, doctor JSON.
+"""How a local file is written so that a reader sees it whole or not at all (the local store's whole-file
+write: :func:`ddp_recipes.storage.store.write_atomic`, behind checkpoints, summary.json, the doctor's JSON).
 
 The bytes go to a temp file in the target's own folder (``os.replace`` is atomic only within one
 filesystem), are flushed and fsynced, renamed over the target, and the folder is fsynced so the rename
 survives a power cut. The temp file a killed writer leaves behind is removed by the next write once no
-process has its pid. A URL target (``s3://...``: an object store has no rename) gets the bytes in one
-upload request, which a reader sees whole or not at all (:func:`ddp_recipes.storage.put_bytes`).
+process has its pid.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
-
-from ddp_recipes.storage import is_url, put_bytes
+from typing import IO
 
 
-def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write`` with a binary file object; the result replaces ``target`` in one rename (one upload
-    on a URL)."""
-    if is_url(target):
-        buffer = io.BytesIO()
-        write(buffer)
-        put_bytes(os.fspath(target), buffer.getvalue())
-        return
+def replace_file(target: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Call ``write`` with a binary file object; the result replaces the local file ``target`` in one rename."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -40,12 +30,6 @@ def atomic_write(target: str | os.PathLike, write: Callable[[IO[bytes]], None]) 
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(target.parent)
-
-
-def write_json_atomic(path: str | os.PathLike, payload: Any, indent: int | None = 2) -> None:
-    """``payload`` as JSON (keys sorted, non-JSON values as strings) through :func:`atomic_write`."""
-    text = json.dumps(payload, indent=indent, sort_keys=True, default=str) + "\n"
-    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def _remove_stale_temps(target: Path) -> None:

@@ -87,11 +87,11 @@ def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_pa
 def test_a_run_on_a_bucket_rides_out_503s_and_resumes_from_it(s3, tmp_path, monkeypatch, capsys):
     """The store answers 503 to 3 requests from the first checkpoint upload: retried, reported in one line,
     the run goes on; everything it writes is in the bucket; ``--resume auto`` continues from there."""
-    from ddp_recipes import storage
+    from ddp_recipes.storage import retry
     from recipes import mnist
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    monkeypatch.setattr(retry, "BASE_DELAY_S", 0.01)
     out = s3.bucket("flaky") + "/run"
     s3.fail(3, after=object_upload)
     mnist.main([*MNIST, "--max-steps", "3", "--checkpoint-every-n-steps", "2", "--output-dir", out])
@@ -119,11 +119,11 @@ def test_the_csv_logs_on_a_bucket_ride_out_503s_too(s3, tmp_path, monkeypatch, c
     import csv
     import io
 
-    from ddp_recipes import storage
+    from ddp_recipes.storage import retry
     from recipes import mnist
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    monkeypatch.setattr(retry, "BASE_DELAY_S", 0.01)
     out = s3.bucket("flaky-logs") + "/run"
     s3.fail(3, after=lambda method, path: method == "PUT" and path.endswith("/metrics.csv"))
     summary = mnist.main([*MNIST, "--max-steps", "4", "--log-every-n-steps", "1", "--output-dir", out])
@@ -136,14 +136,14 @@ def test_the_csv_logs_on_a_bucket_ride_out_503s_too(s3, tmp_path, monkeypatch, c
 
 
 def test_a_store_that_stays_down_fails_in_one_line(s3, monkeypatch):
-    from ddp_recipes import storage
+    from ddp_recipes.storage import retry
 
-    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    monkeypatch.setattr(retry, "BASE_DELAY_S", 0.01)
     url = s3.bucket("down") + "/x.json"
     s3.fail(100)
     try:
-        with pytest.raises(storage.StorageError) as info:
-            storage.retrying("upload of " + url, lambda: storage.filesystem(url)[0].pipe_file(url, b"{}"), attempts=3)
+        with pytest.raises(retry.StorageError) as info:
+            retry.retrying("upload of " + url, lambda: retry.filesystem(url)[0].pipe_file(url, b"{}"), attempts=3)
     finally:
         s3.reset_faults()
     line = info.value.cli()
@@ -156,21 +156,22 @@ def test_retries_are_reported_once_per_job_not_once_per_rank(s3, monkeypatch, ca
     the retry line in every one of 16 ranks. Rank 0 reports; a rank that gives up still fails loudly."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-    from ddp_recipes import storage
+    from ddp_recipes.storage import retry
+    from ddp_recipes.storage.store import put_bytes
 
-    monkeypatch.setattr(storage, "BASE_DELAY_S", 0.01)
+    monkeypatch.setattr(retry, "BASE_DELAY_S", 0.01)
     url = s3.bucket("ranks") + "/x.json"
     for rank, lines in ((1, 0), (0, 2)):
         monkeypatch.setattr(rank_zero_only, "rank", rank)
         s3.fail(2)
-        storage.put_bytes(url, b"{}")
+        put_bytes(url, b"{}")
         said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("storage: ")]
         assert len(said) == lines and len(s3.faults.failed) == 2, (rank, said)
     monkeypatch.setattr(rank_zero_only, "rank", 1)
     s3.fail(100)
     try:
-        with pytest.raises(storage.StorageError, match="failed after 3 attempts"):
-            storage.retrying("upload of " + url, lambda: storage.filesystem(url)[0].pipe_file(url, b"{}"), attempts=3)
+        with pytest.raises(retry.StorageError, match="failed after 3 attempts"):
+            retry.retrying("upload of " + url, lambda: retry.filesystem(url)[0].pipe_file(url, b"{}"), attempts=3)
     finally:
         s3.reset_faults()
 
@@ -248,7 +249,7 @@ def test_a_missing_client_package_names_the_extra(monkeypatch):
     import fsspec  # noqa: F401 (loads fsspec.registry)
 
     from ddp_recipes.errors import ConfigError
-    from ddp_recipes.storage import filesystem
+    from ddp_recipes.storage.retry import filesystem
 
     monkeypatch.setitem(sys.modules, "s3fs", None)  # as if s3fs were not installed
     monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, "s3", raising=False)
@@ -336,7 +337,7 @@ def test_an_offline_wandb_run_on_a_bucket_is_refused_before_anything_is_written(
 def test_an_online_wandb_run_on_a_bucket_stages_its_files_outside_the_working_directory(s3, tmp_path, monkeypatch):
     """Online, W&B streams to its server and only stages files locally: not in a ./s3: folder of the cwd."""
     pytest.importorskip("wandb")
-    from ddp_recipes.storage import cache_dir
+    from ddp_recipes.storage.store import cache_dir
     from ddp_recipes.train.tracking import build_loggers
     from recipes.resnet import ResNetConfig
 

@@ -523,7 +523,7 @@ def test_bad_input_fails_in_one_line(case, program, template, expected, inputs, 
 def test_remote_checkpoint_paths_go_to_the_object_store(tmp_path, monkeypatch):
     """s3://bucket/x.ckpt must not become a local folder named 's3:'; memory:// stands in for an object store
     (an object, then the manifest naming it: see tests/test_cloud_storage.py for a real S3 API)."""
-    from ddp_recipes.checkpointing.remote import fetch
+    from ddp_recipes.checkpointing.files import fetch
 
     monkeypatch.chdir(tmp_path)
     ckpt_io.AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "step": 5}, "memory://runs/x.ckpt")
@@ -535,7 +535,7 @@ def test_remote_checkpoint_paths_go_to_the_object_store(tmp_path, monkeypatch):
 
 def test_json_writes_go_through_the_same_atomic_path(tmp_path):
     """summary.json and the doctor's JSON use the checkpoints' writer: no temp left, a dead writer's temp removed."""
-    from ddp_recipes.atomic import write_json_atomic
+    from ddp_recipes.storage.store import write_json_atomic
 
     target = tmp_path / "summary.json"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -163,7 +163,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
-    from ddp_recipes.atomic import write_json_atomic
+    from ddp_recipes.storage.store import write_json_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / "gpu-report.json", out_dir / "gpu-report.md"

@@ -9,7 +9,7 @@ the old one (``os.replace``: atomic on POSIX within one filesystem) and fsyncs t
 the old checkpoint or the new one, never half of one; the temp file a killed save leaves behind is removed
 by the next save. Only rank 0 writes (Lightning's strategies call ``save_checkpoint`` on rank 0
 only); every rank loads the same file. On an object store (``--output-dir s3://...``), where there is no
-rename, a save is an object and then a manifest naming it (:mod:`ddp_recipes.checkpointing.remote`).
+rename, a save is an object and then a manifest naming it (:mod:`ddp_recipes.checkpointing.files`).
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from ddp_recipes.atomic import atomic_write
-from ddp_recipes.checkpointing import remote
-from ddp_recipes.errors import CheckpointError, lit
-from ddp_recipes.storage import StorageError, is_url
+from ddp_recipes.checkpointing import files
+from ddp_recipes.errors import CheckpointError, ConfigError, lit
+from ddp_recipes.storage import is_url
+from ddp_recipes.storage.retry import StorageError
 
 CHECKPOINT_DIR = "checkpoints"
 RUN_KEY = "ddp_recipes_run"  # a checkpoint's run: {"run_id": ...} (see checkpointing.ownership)
@@ -41,40 +41,42 @@ def run_of(checkpoint: dict[str, Any]) -> str | None:
     return run_id if isinstance(run_id, str) and run_id else None
 
 
+class TrainerStateCallback(Callback):
+    """A callback whose checkpoint state is read from the Trainer: Lightning's ``state_dict`` gets no Trainer,
+    so the callback keeps the one it was set up with (None before ``setup``)."""
+
+    _trainer: L.Trainer | None = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """TorchCheckpointIO with temp-file + fsync + rename saves; on a URL, object + manifest saves
-    (:func:`~ddp_recipes.checkpointing.remote.publish`) and loads through a verified local copy."""
+    """TorchCheckpointIO whose saves, loads and removals go through :mod:`~ddp_recipes.checkpointing.files`:
+    temp-file + fsync + rename saves; on a URL, object + manifest saves and loads through a verified local copy."""
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO does not take storage_options")
-        if is_url(path):
-            remote.publish(os.fspath(path), lambda f: torch.save(checkpoint, f),
-                           step=int(checkpoint.get("global_step", 0)), epoch=int(checkpoint.get("epoch", 0)),
-                           run_id=run_of(checkpoint))
-            return
-        if not _is_local_file_protocol(path):
-            raise TypeError(f"AtomicCheckpointIO cannot save to {path}")
-        atomic_write(Path(os.fspath(path).removeprefix("file://")), lambda f: torch.save(checkpoint, f))
+        files.save(path, lambda f: torch.save(checkpoint, f), step=int(checkpoint.get("global_step", 0)),
+                   epoch=int(checkpoint.get("epoch", 0)), run_id=run_of(checkpoint))
 
     @override
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        if is_url(path):  # the copy read_checkpoint already downloaded and verified, or a new one
-            local = remote.fetch(os.fspath(path))
-            # weights_only whatever the caller asked (fit/test(..., weights_only=False) arrives here as False):
-            # a file from a store never runs code; the pack's plain-data types are allowed.
+        if is_url(path):
+            # A file from an object store never runs code: weights_only whatever the caller asked
+            # (fit/test(..., weights_only=False) arrives here as False); the pack's plain-data types are allowed.
+            # The copy is the one read_checkpoint already downloaded and verified, or a new one.
             with plain_data():
-                return super().load_checkpoint(local, map_location=map_location, weights_only=True)
+                return super().load_checkpoint(files.fetch(path), map_location=map_location, weights_only=True)
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     @override
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        if is_url(path):
-            remote.unpublish(os.fspath(path))
-            return
-        super().remove_checkpoint(path)
+        files.remove_saved(path)
 
 
 def _safe_globals() -> list[Any]:
@@ -97,6 +99,16 @@ def plain_data():
     return torch.serialization.safe_globals(_safe_globals())
 
 
+def code_refused(err: pickle.UnpicklingError, param: str, name: object, holds: str, fix: str,
+                 error: type[ConfigError] = ConfigError) -> ConfigError:
+    """The error for a file a ``weights_only`` load refused (``err``): it names Python objects to rebuild, and
+    loading them would run code from the file. ``holds``: what such a file may hold; ``fix``: the way on."""
+    names = re.findall(r"GLOBAL ([\w.]+)", str(err))
+    found = f" ({names[0]})" if names else ""
+    return error(f"{{{param}}} {lit(name)} holds Python objects, not only {holds}{lit(found)}; loading it would run "
+                 f"code from the file, so it is refused: {fix}", param)
+
+
 def read_checkpoint(path: str) -> dict[str, Any]:
     """Load a checkpoint on CPU as plain data, turning any failure into one line naming ``--resume``.
 
@@ -106,14 +118,12 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     else is refused before any of it runs. A URL is read from a local copy checked against its manifest.
     """
     try:
-        local = remote.fetch(path) if is_url(path) else path
+        local = files.fetch(path)  # the file itself, or a bucket's object downloaded and checked
         with plain_data():
             checkpoint = torch.load(local, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        names = re.findall(r"GLOBAL ([\w.]+)", str(err))
-        raise CheckpointError(f"{{resume}} {lit(path)} holds Python objects, not only tensors and plain data"
-                          f"{' (' + names[0] + ')' if names else ''}; loading it would run code from the file, so "
-                          "it is refused: pass a checkpoint written by this pack, or {resume} none") from None
+        raise code_refused(err, "resume", path, "tensors and plain data",
+                           "pass a checkpoint written by this pack, or {resume} none", CheckpointError) from None
     except CheckpointError:
         raise
     except StorageError as err:  # the download of a URL checkpoint failed for good

@@ -36,13 +36,15 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from ddp_recipes.checkpointing import remote
-from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, plain_data, read_checkpoint, run_of
+from ddp_recipes.checkpointing import files
+from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, plain_data, run_of
 from ddp_recipes.checkpointing.checkpoint import (
     RUN_KEY as RUN_KEY,  # the checkpoint's entry, set where it is written
 )
 from ddp_recipes.errors import CheckpointError, lit
-from ddp_recipes.storage import StorageError, Url, check_store, is_url, location, put_bytes, read_bytes, size
+from ddp_recipes.storage import Url, location, same_path
+from ddp_recipes.storage.retry import StorageError
+from ddp_recipes.storage.store import check_store, read_bytes, size, write_new
 
 RUN_FILE = "run.json"
 FORMAT = "ddp-recipes-run/1"
@@ -93,17 +95,18 @@ def facts(path: str | os.PathLike) -> Found:
     """A checkpoint's step, epoch and run, read without loading its tensors (a local file mapped, a URL from
     its manifest); raises if it is not a readable checkpoint."""
     path = os.fspath(path)
-    if is_url(path):
-        _, entry = remote.resolve_url(path)
-        if entry is None:  # a plain object without a manifest: read it
-            loaded = read_checkpoint(path)
-            return Found(path, int(loaded.get("global_step", 0)), int(loaded.get("epoch", 0)), run_of(loaded))
-        return Found(path, int(entry.get("global_step", 0)), int(entry.get("epoch", 0)), entry.get("run_id") or None)
-    with plain_data():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    entry = files.manifest(path)
+    if entry is not None:
+        return _from_manifest(path, entry)
+    with plain_data():  # a file alone, or a bucket's object without a manifest: its header
+        checkpoint = torch.load(files.fetch(path), map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError("not a Lightning checkpoint")
     return Found(path, int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0)), run_of(checkpoint))
+
+
+def _from_manifest(path: str, entry: dict[str, Any]) -> Found:
+    return Found(path, int(entry.get("global_step", 0)), int(entry.get("epoch", 0)), entry.get("run_id") or None)
 
 
 @dataclass
@@ -148,19 +151,15 @@ class Survey:
 
 def survey(folder: str | os.PathLike, extra: list[Path] | None = None, asked: str = "--resume auto") -> Survey:
     """Read ``folder`` (a checkpoint folder, local or URL): its ``run.json`` and every complete checkpoint in
-    it (``*.ckpt``; on a URL, the manifests), plus the local ``extra`` files (Lightning's ``hpc_ckpt_N``, a
-    ModelCheckpoint's last files elsewhere). Unreadable files are skipped with a one-line warning each."""
+    it (:func:`~ddp_recipes.checkpointing.files.saved_in`), plus the local ``extra`` files (Lightning's
+    ``hpc_ckpt_N``, a ModelCheckpoint's last files elsewhere). Unreadable files are skipped with a one-line
+    warning each."""
     where = location(folder)
     found = Survey(where, record=read_record(where))
-    if isinstance(where, Url):
-        for manifest, entry in remote.published(where, asked=asked):
-            name = manifest.removesuffix(remote.MANIFEST)
-            found.checkpoints.append(Found(name, int(entry.get("global_step", 0)), int(entry.get("epoch", 0)),
-                                           entry.get("run_id") or None))
-        return found
-    paths = [p for p in sorted(where.glob("*.ckpt")) if p.is_file() and not p.name.startswith(".")] \
-        if where.is_dir() else []
-    for path in dict.fromkeys([*paths, *(extra or [])]):
+    for path, entry in files.saved_in(where, extra, asked=asked):
+        if entry is not None:
+            found.checkpoints.append(_from_manifest(os.fspath(path), entry))
+            continue
         try:
             found.checkpoints.append(facts(path))
         except Exception as err:  # truncated zip, garbage, not a checkpoint: skip it, keep looking
@@ -220,7 +219,7 @@ def refuse_new_run(found: Survey, words: Words = RECIPE) -> None:
 def refuse_foreign_checkpoint(found: Survey, checkpoint: Found, words: Words = RECIPE) -> None:
     """Continuing ``checkpoint`` in a folder that holds another run is refused (a checkpoint of the folder
     itself, or of the same run elsewhere, is fine)."""
-    inside = _same_folder(location(checkpoint.path), found.folder)
+    inside = same_path(location(checkpoint.path).parent, found.folder)
     if inside or not found.holds_a_run():
         return
     owner = found.owner()
@@ -234,21 +233,13 @@ def refuse_foreign_checkpoint(found: Survey, checkpoint: Found, words: Words = R
                           f"to continue it, or {words.resume} to continue the folder's own run")
 
 
-def _same_folder(path: Path | Url, folder: Path | Url) -> bool:
-    parent = path.parent
-    if isinstance(parent, Url) or isinstance(folder, Url):
-        return str(parent).rstrip("/") == str(folder).rstrip("/")
-    return os.path.abspath(parent) == os.path.abspath(folder)
-
-
 # ---- a recipe's output folder and --resume ---------------------------------------------------------------
 
 def output_survey(output_dir: str | os.PathLike) -> Survey:
     """What a recipe's output folder holds (:func:`survey`):
     ``checkpoints/`` (last, best, the recipe's others) and Lightning's SLURM ``hpc_ckpt_*.ckpt`` beside it."""
     out = location(output_dir)
-    hpc = [] if isinstance(out, Url) else [p for p in sorted(out.glob("hpc_ckpt_*.ckpt")) if p.is_file()]
-    return survey(out / CHECKPOINT_DIR, extra=hpc)
+    return survey(out / CHECKPOINT_DIR, extra=files.loose(out, "hpc_ckpt_*.ckpt"))
 
 
 def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
@@ -267,17 +258,13 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     if not resume or resume == "none":
         return None
     if resume == "auto":
-        if is_url(output_dir):  # a missing bucket or a refused credential fails here, not as "no checkpoint"
-            check_store(os.fspath(output_dir), "output_dir")
+        # A missing bucket or a refused credential fails here, not as "no checkpoint".
+        check_store(output_dir, "output_dir")
         return newest_checkpoint(output_dir)
-    if is_url(resume):
-        try:
-            remote.resolve_url(resume)  # raises naming --resume when there is nothing there
-        except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
-            raise err.renamed(output_dir="resume") from err.__cause__
-        return resume
-    if not Path(resume).is_file():
-        raise CheckpointError(f"{{resume}} {lit(resume)}: no such checkpoint file; pass an existing .ckpt, auto or none")
+    try:
+        files.resolve(resume)  # raises naming --resume when there is nothing there
+    except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
+        raise err.renamed(output_dir="resume") from err.__cause__
     return resume
 
 
@@ -287,15 +274,9 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
     """``run.json`` of ``folder``, or None (none there; one that does not parse counts as a record of no id)."""
     target = folder / RUN_FILE
     try:
-        if isinstance(folder, Url):
-            if size(target) is None:
-                return None
-            text = read_bytes(target).decode()
-        else:
-            if not target.is_file():
-                return None
-            text = target.read_text()
-        record = json.loads(text)
+        if size(target) is None:
+            return None
+        record = json.loads(read_bytes(target).decode())
     except (OSError, ValueError, UnicodeDecodeError):
         return {"format": "unreadable"}
     return record if isinstance(record, dict) else {"format": "unreadable"}
@@ -313,22 +294,8 @@ def claim(folder: str | os.PathLike, run_id: str) -> None:
                               "run it with another output folder")
     payload = (json.dumps({"format": FORMAT, "run_id": run_id,
                            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2) + "\n").encode()
-    if isinstance(where, Url):
-        put_bytes(where / RUN_FILE, payload)
-        return
-    where.mkdir(parents=True, exist_ok=True)
-    tmp = where / f".{RUN_FILE}.tmp-{os.getpid()}"
-    tmp.write_bytes(payload)
     try:
-        if record is not None:  # unreadable: replaced
-            os.replace(tmp, where / RUN_FILE)
-            return
-        try:
-            os.link(tmp, where / RUN_FILE)  # atomic, and fails if another process created it first
-        except FileExistsError:
-            raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
-                                  "another output folder") from None
-        except OSError:  # a filesystem without hard links
-            os.replace(tmp, where / RUN_FILE)
-    finally:
-        tmp.unlink(missing_ok=True)
+        write_new(where / RUN_FILE, payload, replace=record is not None)  # an unreadable record is replaced
+    except FileExistsError:
+        raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
+                              "another output folder") from None

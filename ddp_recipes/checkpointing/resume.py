@@ -26,11 +26,11 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
+from ddp_recipes.checkpointing.checkpoint import TrainerStateCallback
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.data.seeding import seed_rank
 from ddp_recipes.optim.schedules import steps_per_epoch
@@ -198,7 +198,7 @@ def _warn_unresumable_loader(trainer: L.Trainer) -> None:
                        "(or subclass SplitDataModule) for an exact resume")
 
 
-class ResumeState(Callback):
+class ResumeState(TrainerStateCallback):
     """Saves and restores the random streams, LR facts and comm-hook state; seeds ``seed + rank``.
 
     ``seed`` is the run's base seed (None: leave the streams alone on a fresh run). Collectives: its
@@ -210,15 +210,10 @@ class ResumeState(Callback):
         self.seed = seed
         # the mark of the LightningModules built before build_trainer(seed=...) seeded, or None
         self.prebuilt = prebuilt
-        self._trainer: L.Trainer | None = None
         self._pending: dict[str, Any] | None = None
         self._fresh_lrs: list[list[float]] = []
         self._schedule: list[int | None] = []
         self.epoch_cut_short = False  # this fit's last epoch ended before its last batch (a limit, should_stop)
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._trainer = trainer
 
     # ---- saving --------------------------------------------------------------------------------------
 

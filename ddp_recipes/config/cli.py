@@ -11,9 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import math
-import os
 import sys
-import tempfile
 import typing
 from dataclasses import field
 from pathlib import Path
@@ -22,7 +20,8 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 from ddp_recipes.config.choices import literal_choices
 from ddp_recipes.config.trainer_settings import split_setting
 from ddp_recipes.errors import ConfigError, flag, lit
-from ddp_recipes.storage import Url, check_store, is_url
+from ddp_recipes.storage import Url
+from ddp_recipes.storage.store import make_writable
 
 C = TypeVar("C")
 
@@ -94,20 +93,9 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
 def writable_dir(path: str, param: str) -> Path | Url:
     """Create ``path`` if needed (rank-safe) and prove it is writable, or raise naming ``param`` (a config
     field such as ``output_dir``; ``{output_dir}`` and ``--output-dir`` spellings are accepted too). A URL
-    (``s3://bucket/prefix``) is checked on its store (:func:`~ddp_recipes.storage.check_store`: the bucket
-    exists, an object can be written) and returned as a :class:`~ddp_recipes.storage.Url`."""
-    param = param.strip("{}").lstrip("-").replace("-", "_")
-    if is_url(path):
-        return check_store(path, param)
-    out = Path(os.fspath(path).removeprefix("file://"))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise ConfigError(f"{{{param}}} {lit(path)} is not writable ({err.strerror}); pass a writable {{{param}}}",
-                          param) from None
-    return out
+    (``s3://bucket/prefix``) is checked on its store (:func:`~ddp_recipes.storage.store.check_bucket`: the
+    bucket exists, an object can be written) and returned as a :class:`~ddp_recipes.storage.Url`."""
+    return make_writable(path, param.strip("{}").lstrip("-").replace("-", "_"))
 
 
 def fail(message: str | ConfigError, prog: str) -> typing.NoReturn:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ddp_recipes.atomic import write_json_atomic
 from ddp_recipes.config.cli import build_parser, fail
 from ddp_recipes.doctor.checks import preflight
 from ddp_recipes.doctor.config import DoctorConfig
 from ddp_recipes.doctor.ranks import launch, run_rank
 from ddp_recipes.doctor.report import json_report, print_outcome, print_preflight, verdict
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.storage.store import write_json_atomic
 
 PROG = "python -m ddp_recipes.doctor"
 

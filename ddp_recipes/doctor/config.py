@@ -21,7 +21,7 @@ from ddp_recipes.config.world import (
     resolve_world,
 )
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.storage import Url, is_url
+from ddp_recipes.storage import absolute
 
 # What torchrun exports and the doctor reads: launched_by_torchrun decides on the first two, then the
 # others say where this process sits.
@@ -64,8 +64,7 @@ class DoctorConfig:
                 raise ConfigError(f"{{{name}}} must be >= 1 (got {value})")
         if self.json:
             # Checked before any rank starts: a bad path must not cost a whole run and end in a traceback.
-            folder = Url(self.json).parent if is_url(self.json) else os.path.dirname(os.path.abspath(self.json))
-            writable_dir(folder, "{json}")  # a pod may write its report to the run's bucket
+            writable_dir(absolute(self.json).parent, "{json}")  # a pod may write its report to the run's bucket
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ConfigError(f"{{master_port}} must be in 1..65535 (got {self.master_port}); pick a free port")
         if self.timeout_s <= 0:

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_recipes.atomic import write_json_atomic
 from ddp_recipes.doctor.checks import DEBUG_FIX, Failure, classify
 from ddp_recipes.doctor.config import DoctorConfig
 from ddp_recipes.doctor.sweep import bandwidth_sweep
+from ddp_recipes.storage.store import write_json_atomic
 
 
 def run_rank(cfg: DoctorConfig, rank: int, local_rank: int) -> dict[str, Any]:

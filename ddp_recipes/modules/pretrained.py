@@ -27,6 +27,7 @@ from torchvision import models
 from torchvision.models import WeightsEnum
 from typing_extensions import override
 
+from ddp_recipes.checkpointing.checkpoint import code_refused
 from ddp_recipes.errors import ConfigError, lit
 
 # What a path looks like when it names no existing file (else the value is a weights name).
@@ -143,10 +144,8 @@ def read_weights(weights: PretrainedWeights) -> dict[str, torch.Tensor]:
             # mmap: a check before any process starts (the recipe's) reads the header, not every tensor.
             state = torch.load(weights.path, map_location="cpu", weights_only=True, mmap=_is_zip(weights.path))
     except pickle.UnpicklingError as err:
-        names = re.findall(r"GLOBAL ([\w.]+)", str(err))
-        raise ConfigError(f"{{weights}} {lit(weights.name)} holds Python objects, not only tensors"
-                          f"{' (' + names[0] + ')' if names else ''}; loading it would run code from the file, so it "
-                          "is refused: save a plain state dict, torch.save(model.state_dict(), path)") from None
+        raise code_refused(err, "weights", weights.name, "tensors",
+                           "save a plain state dict, torch.save(model.state_dict(), path)") from None
     except ConfigError:
         raise
     except Exception as err:  # truncated zip, wrong format

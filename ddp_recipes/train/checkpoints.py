@@ -15,7 +15,7 @@ from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.checkpointing.ownership import output_survey, resolve_resume
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
-from ddp_recipes.storage import is_url, location
+from ddp_recipes.storage import location
 
 
 class BestCheckpoint(ModelCheckpoint):
@@ -122,7 +122,7 @@ def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
     if cfg.resume == "auto":
         chosen = next((root / f"{VERSION}{n}" for n in numbers if output_survey(root / f"{VERSION}{n}").holds_a_run()),
                       None)
-    elif cfg.resume not in (None, "none") and not is_url(cfg.resume):
+    elif cfg.resume not in (None, "none"):  # a URL is never inside the local root
         holder = Path(cfg.resume).resolve().parent.parent
         if holder.parent == root.resolve() and holder.name.removeprefix(VERSION).isdigit():
             chosen = root / holder.name

@@ -13,7 +13,6 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
 
-from ddp_recipes.atomic import write_json_atomic
 from ddp_recipes.checkpointing.checkpoint import (
     plain_data,
     read_checkpoint,
@@ -23,6 +22,7 @@ from ddp_recipes.config.cli import writable_dir
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.storage import Url, location
+from ddp_recipes.storage.store import write_json_atomic
 from ddp_recipes.train.callbacks import PlannedBatch, ThroughputMeter
 from ddp_recipes.train.checkpoints import refuse_other_runs
 from ddp_recipes.train.perf import (

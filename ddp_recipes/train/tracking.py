@@ -15,27 +15,24 @@ than the checkpoint's fails in one line.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import importlib.util
-import io
 import os
 from typing import Any
 
 import lightning as L
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from ddp_recipes.checkpointing.checkpoint import TrainerStateCallback
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.storage import cache_dir, is_url, location, put_bytes, retrying
+from ddp_recipes.storage import is_url, location, same_path
+from ddp_recipes.storage.store import cache_dir
+from ddp_recipes.train.loggers import ContinuedCSVLogger, ContinuedMLFlowLogger
 
 CSV_DIR = "logs"  # <output-dir>/logs/version_N/metrics.csv (the folder recipes always wrote)
 TENSORBOARD_DIR = "tensorboard"  # <output-dir>/tensorboard/version_N/events.out.tfevents.*
@@ -99,17 +96,11 @@ def _continued_version(cfg: RunConfig, tracker: str, folder: str, recorded: dict
         return None
     theirs = (recorded or {}).get("log_dir")
     mine = os.path.join(cfg.output_dir, folder, version if isinstance(version, str) else f"version_{version}")
-    if theirs is None or _same_path(str(theirs), mine):
+    if theirs is None or same_path(str(theirs), mine):
         return version
     rank_zero_warn(f"{tracker}: the checkpoint's run is {theirs}, outside --output-dir {cfg.output_dir}; logging to "
                    f"a new version in {os.path.join(cfg.output_dir, folder)}")
     return None
-
-
-def _same_path(a: str, b: str) -> bool:
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _csv(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) -> Logger:
@@ -197,116 +188,6 @@ def _wandb(cfg: RunConfig, recorded: dict[str, Any] | None, step: int | None) ->
                        **extra)
 
 
-class ContinuedCSVLogger(CSVLogger):
-    """Lightning's CSVLogger, except that a resumed run keeps its version's ``metrics.csv`` (Lightning deletes
-    a version's file when it opens that version again): the rows up to ``resume_step`` stay, later ones (a
-    run killed after its last checkpoint logged them) are dropped, and the new rows are appended."""
-
-    def __init__(self, *args: Any, resume_step: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.resume_step = resume_step
-
-    @property
-    @override
-    @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
-        if self._experiment is None and (self.resume_step is not None or is_url(self.root_dir)):
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _ContinuedWriter(self.log_dir, self.resume_step)
-        return super().experiment
-
-
-class _ContinuedWriter(ExperimentWriter):
-    """Lightning's writer, continuing a version's ``metrics.csv`` from ``resume_step`` (None: a fresh one).
-
-    On a URL each flush is one whole-file upload through the pack's retries (Lightning appends through
-    fsspec, outside them: one 503 on a log write ended the run, and a retried append could repeat rows)."""
-
-    def __init__(self, log_dir: str, resume_step: int | None) -> None:
-        self.resume_step = resume_step
-        self._rows: list[dict[str, Any]] = []  # on a URL: every row the store's metrics.csv holds
-        super().__init__(log_dir)
-
-    @override
-    def _check_log_dir_exists(self) -> None:
-        if self.resume_step is None:
-            super()._check_log_dir_exists()  # a fresh version: Lightning's rule (an old file is replaced)
-            return
-        if not self._fs.isfile(self.metrics_file_path):
-            return
-        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-            reader = csv.DictReader(file)
-            keys = list(reader.fieldnames or [])
-            rows = [row for row in reader if _row_step(row) <= self.resume_step]
-        self.metrics_keys, self._rows = keys, rows
-        self._write(rows)
-
-    @override
-    def save(self) -> None:
-        if not is_url(self.log_dir):
-            super().save()
-            return
-        if not self.metrics:
-            return
-        self._record_new_keys()
-        rows = [*self._rows, *self.metrics]
-        self._write(rows)
-        self._rows, self.metrics = rows, []
-
-    @override
-    def log_hparams(self, params: dict[str, Any]) -> None:
-        if not is_url(self.log_dir):
-            super().log_hparams(params)
-            return
-        self.hparams.update(params)
-        where = f"{self.log_dir}/{self.NAME_HPARAMS_FILE}"
-        retrying(f"upload of {where}", lambda: save_hparams_to_yaml(where, self.hparams))  # a whole file: idempotent
-
-    def _write(self, rows: list[dict[str, Any]]) -> None:
-        if not is_url(self.metrics_file_path):
-            with self._fs.open(self.metrics_file_path, "w", newline="") as file:
-                writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
-                writer.writeheader()
-                writer.writerows(rows)
-            return
-        text = io.StringIO(newline="")
-        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
-        writer.writeheader()
-        writer.writerows(rows)
-        put_bytes(self.metrics_file_path, text.getvalue().encode())  # one request: retried, idempotent
-
-
-def _row_step(row: dict[str, str]) -> float:
-    try:
-        return float(row.get("step") or -1)
-    except ValueError:
-        return -1
-
-
-class ContinuedMLFlowLogger(MLFlowLogger):
-    """Lightning's MLFlowLogger, except on a continued run (``run_id`` given): MLflow params are write-once, so
-    params the run holds with another value (a resumed run that changed ``--max-epochs``) keep the first
-    value and are named in one warning, instead of failing the run."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.continued = self._run_id is not None  # before a new run's id is set
-
-    @override
-    @rank_zero_only
-    def log_hyperparams(self, params: Any) -> None:
-        flat = _flatten_dict(_convert_params(params))
-        if self.continued:
-            held = self.experiment.get_run(self.run_id).data.params
-            changed = sorted(k for k, v in flat.items() if k in held and held[k] != str(v)[:250])
-            if changed:
-                rank_zero_warn(f"MLflow params are write-once: the continued run {self.run_id} keeps its first "
-                               f"values of {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}")
-            flat = {k: v for k, v in flat.items() if k not in changed}
-        if flat:
-            super().log_hyperparams(flat)
-
-
 # ---- the run's identity, in the checkpoint -----------------------------------------------------------------
 
 def identity(logger: Logger) -> tuple[str, dict[str, Any]] | None:
@@ -352,19 +233,14 @@ def run_params(cfg: RunConfig) -> dict[str, Any]:
     return {"config": config, "plan": dataclasses.asdict(cfg.plan)}
 
 
-class TrackerRun(Callback):
+class TrackerRun(TrainerStateCallback):
     """Records the loggers' run identities in every checkpoint (rank 0's state is the one saved), logs the
     run's config and plan as hyper-parameters once when fitting starts, and marks a continued MLflow run
     running again (a preempted run ended FAILED)."""
 
     def __init__(self, params: dict[str, Any] | None = None) -> None:
         self.params = params
-        self._trainer: L.Trainer | None = None
         self._check_step = False
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._trainer = trainer
 
     @override
     def state_dict(self) -> dict[str, Any]:

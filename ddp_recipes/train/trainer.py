@@ -16,8 +16,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpointIO
 from ddp_recipes.checkpointing.connector import check_checkpoint_names, find_last_checkpoint
+from ddp_recipes.checkpointing.files import see_published
 from ddp_recipes.checkpointing.last import LastCheckpoint
-from ddp_recipes.checkpointing.remote import see_published
 from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
 from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun, launched_per_pod
