@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ddp_recipes.bench import __main__ as bench
-from ddp_recipes.bench import account
+from ddp_recipes.bench import account, speedup
 from ddp_recipes.bench.account_report import BEGIN, END, rewrite_doc
 from ddp_recipes.bench.components import PACK_COMPONENTS, parse_without
 
@@ -36,7 +36,7 @@ def fake_worker(calls):
 @pytest.fixture
 def result(tmp_path, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(bench, "run_worker", fake_worker(calls))
+    monkeypatch.setattr(speedup, "run_worker", fake_worker(calls))
     doc = tmp_path / "doc.md"
     doc.write_text(f"# Bench\n\nbefore\n\n{BEGIN}\nold table\n{END}\n\nafter\n")
     assert bench.main(["account", "--rounds", "3", "--components", ",".join(COST), "--accelerator", "cpu",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_recipes.bench.__main__ import main as bench_main
 from ddp_recipes.bench.commodel import (
     LINKS,
     LinkPreset,
@@ -14,7 +15,6 @@ from ddp_recipes.bench.commodel import (
     central_allreduce_seconds,
     exposed_ms,
     predict,
-    predict_main,
     predict_table,
     ring_allreduce_seconds,
     validate_against_pytorch_benchmark,
@@ -23,6 +23,11 @@ from ddp_recipes.bench.commodel import (
 RESNET50 = 25_557_032
 STEP_MS = 32 / 329 * 1e3
 NO_LATENCY = LinkPreset("test", bandwidth_GBps=10.0, latency_us=0.0, source="test")
+
+
+def predict_main(argv: list[str]) -> int:
+    """``python -m ddp_recipes.bench predict ...``."""
+    return bench_main(["predict", *argv])
 
 
 def test_presets_are_complete_and_effective_below_line_rate():

@@ -75,6 +75,28 @@ def test_report_tolerates_a_minimal_results_dict(tmp_path):
     assert paths["plot"].stat().st_size > 0
 
 
+def test_without_matplotlib_the_report_is_written_and_the_bench_names_the_extra(tmp_path, monkeypatch, capsys):
+    """matplotlib is the ``plot`` extra: without it the report and the JSON are written, the plot is not, and
+    the bench says in one line what to install."""
+    import argparse
+    import dataclasses
+    import sys
+
+    from ddp_recipes.bench import speedup
+    from ddp_recipes.bench.report import PLOT_NEEDS
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    paths = write_report(_results(), tmp_path / "out")
+    assert set(paths) == {"json", "markdown"} and not (tmp_path / "out" / "speedup.png").exists()
+    assert "| pack | 2 | 180.0 | 90.0 |" in paths["markdown"].read_text()
+    monkeypatch.setattr(speedup, "run_bench", lambda cfg: _results())
+    cfg = speedup.BenchConfig(recipe="mnist", accelerator="cpu", out=str(tmp_path / "bench"))
+    assert speedup.run_command(argparse.Namespace(**dataclasses.asdict(cfg))) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert PLOT_NEEDS in lines and "pip install 'ddp-recipes[plot]'" in PLOT_NEEDS
+    assert lines[-1].startswith("bench: ")
+
+
 def test_markdown_and_summary_line():
     results = _results()
     md = markdown_report(results)

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from ddp_recipes.bench.__main__ import BenchConfig, main
+from ddp_recipes.bench.__main__ import main
+from ddp_recipes.bench.speedup import BenchConfig
 from tests import launch
 
 
@@ -92,7 +93,7 @@ def test_predict_subcommand_prints_json(capsys):
 
 def test_repeats_interleave_pairs_and_report_the_median_ratio(tmp_path, monkeypatch):
     """Rounds alternate pack/raw at each N; a burst of host load in one round cannot decide the verdict."""
-    from ddp_recipes.bench import __main__ as bench
+    from ddp_recipes.bench import speedup as bench
 
     calls = []
     slow_round = 1  # the host is 3x slower for all of round 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_recipes.bench import workers
+from ddp_recipes.bench import baselines, workload
 from ddp_recipes.optim.schedules import lightning_scheduler
 from ddp_recipes.train.diagnostic_rules import batch_size_of
 
@@ -38,20 +38,20 @@ def test_throughput_counts_samples_not_keys(batch, size):
 
 def test_bench_baselines_run_the_packs_precision():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    ctx, scaler = workers.mixed_precision("16-mixed", gpu)
+    ctx, scaler = baselines.mixed_precision("16-mixed", gpu)
     assert ctx.fast_dtype == torch.float16 and isinstance(scaler, torch.amp.GradScaler)
-    ctx, scaler = workers.mixed_precision("16-mixed", cpu)  # the pack switches to bf16-mixed on CPU
+    ctx, scaler = baselines.mixed_precision("16-mixed", cpu)  # the pack switches to bf16-mixed on CPU
     assert ctx.fast_dtype == torch.bfloat16 and scaler is None
-    ctx, scaler = workers.mixed_precision("bf16-mixed", cpu)
+    ctx, scaler = baselines.mixed_precision("bf16-mixed", cpu)
     assert ctx.fast_dtype == torch.bfloat16 and scaler is None
-    assert workers.mixed_precision("32-true", cpu)[1] is None
+    assert baselines.mixed_precision("32-true", cpu)[1] is None
 
 
 @pytest.mark.parametrize(("size", "stem"), [(32, True), (63, True), (64, False), (224, False)])
 def test_bench_uses_the_recipes_stem_rule(size, stem):
     from recipes.resnet import ResNetConfig
 
-    assert workers.build_module(workers.Workload(image_size=size)).hparams.cifar_stem is stem
+    assert workload.build_module(workload.Workload(image_size=size)).hparams.cifar_stem is stem
     assert ResNetConfig(image_size=size).cifar_stem is stem
 
 

@@ -47,7 +47,7 @@ def sync_debug(steps: int, warmup: int, batch: int) -> dict[str, Any]:
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader
 
-    from ddp_recipes.bench.workers import Workload, build_dataset, build_module
+    from ddp_recipes.bench.workload import Workload, build_dataset, build_module
     from ddp_recipes.data.samplers import keep_batch
     from ddp_recipes.train.trainer import build_trainer
 

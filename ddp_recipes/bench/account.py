@@ -25,27 +25,15 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_recipes.bench import speedup
 from ddp_recipes.bench.components import PACK_COMPONENTS
 from ddp_recipes.errors import ConfigError
 
 PROG = "python -m ddp_recipes.bench account"
 BASELINES = ("raw", "plain", "pack")
-
-
-@dataclass
-class Bench:
-    """What ``python -m ddp_recipes.bench`` hands over (it imports this module, not the other way round):
-    its config class (for the workload's host-fitted defaults), its runner of one measured run, and its
-    interleaved order of runs."""
-
-    config: Callable[..., Any]
-    run_worker: Callable[..., dict[str, Any]]
-    schedule: Callable[[list[tuple[str, int]], int], list[tuple[int, str, int]]]
 
 
 def labels(components: list[str]) -> list[str]:
@@ -59,19 +47,20 @@ def _load() -> float | None:
         return None
 
 
-def measure(bench: Bench, settings: dict[str, Any], components: list[str], rounds: int, out: Path,
+def measure(settings: dict[str, Any], components: list[str], rounds: int, out: Path,
             progress: Any = print) -> list[dict[str, Any]]:
-    """Every (round, label, N) run, interleaved; each row: the run's figures and the load around it."""
+    """Every (round, label, N) run, interleaved as the speedup bench's (:func:`speedup.interleaved_schedule`),
+    each by its runner (:func:`speedup.run_worker`); each row: the run's figures and the load around it."""
     devices = settings["devices"]
     plan = [(label, n) for n in devices for label in labels(components)]
-    schedule = bench.schedule(plan, rounds)
+    schedule = speedup.interleaved_schedule(plan, rounds)
     rows = []
     for i, (round_no, label, n) in enumerate(schedule, 1):
         impl = label if label in BASELINES else "pack"
         run_settings = {**settings, "without": label.removeprefix("pack-without-") if impl != label else ""}
         before, start = _load(), time.perf_counter()
         try:
-            run = bench.run_worker(impl, n, run_settings, out, tag=f"-{label}-round{round_no + 1}")
+            run = speedup.run_worker(impl, n, run_settings, out, tag=f"-{label}-round{round_no + 1}")
         except Exception as err:  # noqa: BLE001 - one failed run stays in the record, the others go on
             progress(f"[{i}/{len(schedule)}] {label} N={n}: failed: {str(err).splitlines()[0]}")
             rows.append({"round": round_no, "label": label, "devices": n, "error": str(err)[-2000:]})
@@ -154,8 +143,8 @@ def summarize(rows: list[dict[str, Any]], devices: list[int], components: list[s
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``bench account``."""
     p.add_argument("--devices", default="1,2", help="device counts, comma list (must include 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run, after the warm-up")
@@ -169,7 +158,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results/account", help="folder for account.json, account.md, runs/")
     p.add_argument("--doc", default="", help="a markdown file whose bench-account block is rewritten with the tables")
     p.add_argument("--from", dest="source", default="", help="an account.json to tabulate again instead of measuring")
-    return p
 
 
 def _components(text: str) -> list[str]:
@@ -197,12 +185,12 @@ def _measuring_args(argv: list[str]) -> list[str]:
     return kept
 
 
-def main(argv: list[str] | None, bench: Bench) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """``bench account``: measure (or read ``--from``), write account.json/.md, print and rewrite ``--doc``."""
     from ddp_recipes.bench.account_report import markdown, rewrite_doc
     from ddp_recipes.bench.hostinfo import host_facts
     from ddp_recipes.config.cli import fail
 
-    args = _parser().parse_args(argv)
     try:
         components = _components(args.components)
         if args.rounds < 1 or args.steps < 2 or args.warmup_steps < 1:
@@ -212,7 +200,7 @@ def main(argv: list[str] | None, bench: Bench) -> int:
         if args.source:
             result = json.loads(Path(args.source).read_text())
         else:
-            settings = bench.config(devices=args.devices, steps=args.steps, warmup_steps=args.warmup_steps,
+            settings = speedup.BenchConfig(devices=args.devices, steps=args.steps, warmup_steps=args.warmup_steps,
                                    arch=args.arch, batch_size=args.batch_size, accelerator=args.accelerator,
                                    threads_per_rank=args.threads_per_rank).resolve()
     except (ConfigError, OSError, ValueError) as err:
@@ -221,10 +209,9 @@ def main(argv: list[str] | None, bench: Bench) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         started = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
-        command = " ".join(["python -m ddp_recipes.bench account",
-                            *_measuring_args(argv if argv is not None else sys.argv[2:])])
+        command = " ".join([PROG, *_measuring_args(args.command_argv)])
         load_start = _load()
-        rows = measure(bench, settings, components, args.rounds, out,
+        rows = measure(settings, components, args.rounds, out,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
         result = {"command": command, "started": started, "host": host_facts(), "settings": settings,
                   "components": components, "rounds": args.rounds, "load_start": load_start, "load_end": _load(),

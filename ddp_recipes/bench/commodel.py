@@ -66,6 +66,23 @@ class LinkPreset:
 
 
 _NCCL_BUSBW = "nccl-tests all_reduce_perf busbw for large messages (NCCL docs, PERFORMANCE.md)"
+_PER_NIC = "one NIC per GPU; divide by k when k GPUs share a NIC"
+_TCP = "no RDMA: every hop goes through the kernel's TCP stack"
+
+
+def _pcie(gen: int, gts: int, line_rate: float, effective: float) -> LinkPreset:
+    """A PCIe generation after 3.0: x16 at ``gts`` GT/s, 128b/130b coding, Gen3's ~77% packet efficiency."""
+    return LinkPreset(f"pcie{gen}", effective, 10.0, line_rate_GBps=line_rate,
+                      source=f"PCIe {gen}.0 x16: {gts} GT/s x 16 x 128b/130b = {line_rate:g} GB/s per direction; "
+                             f"~{effective:g} GB/s effective (same ~77% packet efficiency as Gen3)")
+
+
+def _infiniband(generation: str, gbps: int, effective: float, latency_us: float, layout: str) -> LinkPreset:
+    """A 4x InfiniBand link of ``gbps`` Gb/s with one NIC per GPU, at nccl-tests' effective bus bandwidth."""
+    return LinkPreset(f"ib{gbps}", effective, latency_us, line_rate_GBps=gbps / 8, note=_PER_NIC,
+                      source=f"InfiniBand {generation} 4x: {gbps} Gb/s = {gbps / 8:g} GB/s per direction; "
+                             f"~{effective:g} GB/s is the {_NCCL_BUSBW} with one {generation} NIC per GPU ({layout})")
+
 
 LINKS: dict[str, LinkPreset] = {p.name: p for p in (
     LinkPreset("nvlink2", 130.0, 5.0, line_rate_GBps=150.0,
@@ -84,32 +101,22 @@ LINKS: dict[str, LinkPreset] = {p.name: p for p in (
                source="PCIe 3.0 x16: 8 GT/s x 16 lanes x 128b/130b = 15.75 GB/s per direction; ~12 GB/s "
                       "effective after packet (TLP) overhead, as measured by bandwidthTest / nccl-tests",
                note="GPUs behind one PCIe switch; through the CPU socket link it is lower"),
-    LinkPreset("pcie4", 24.0, 10.0, line_rate_GBps=31.5,
-               source="PCIe 4.0 x16: 16 GT/s x 16 x 128b/130b = 31.5 GB/s per direction; ~24 GB/s effective "
-                      "(same ~77% packet efficiency as Gen3)"),
-    LinkPreset("pcie5", 48.0, 10.0, line_rate_GBps=63.0,
-               source="PCIe 5.0 x16: 32 GT/s x 16 x 128b/130b = 63 GB/s per direction; ~48 GB/s effective "
-                      "(same ~77% packet efficiency as Gen3)"),
+    _pcie(4, 16, line_rate=31.5, effective=24.0),
+    _pcie(5, 32, line_rate=63.0, effective=48.0),
     LinkPreset("ib100", 11.5, 8.0, line_rate_GBps=12.5,
                source=f"InfiniBand EDR 4x: 100 Gb/s data rate = 12.5 GB/s per direction; ~11.5 GB/s is the "
                       f"{_NCCL_BUSBW} across nodes with one EDR NIC per GPU (GPUDirect RDMA)",
-               note="one NIC per GPU; divide by k when k GPUs share a NIC"),
-    LinkPreset("ib200", 23.0, 7.0, line_rate_GBps=25.0,
-               source=f"InfiniBand HDR 4x: 200 Gb/s = 25 GB/s per direction; ~23 GB/s is the {_NCCL_BUSBW} "
-                      f"with one HDR NIC per GPU (DGX A100 SuperPOD layout)",
-               note="one NIC per GPU; divide by k when k GPUs share a NIC"),
-    LinkPreset("ib400", 46.0, 6.0, line_rate_GBps=50.0,
-               source=f"InfiniBand NDR 4x: 400 Gb/s = 50 GB/s per direction; ~46 GB/s is the {_NCCL_BUSBW} "
-                      f"with one NDR NIC per GPU (DGX H100 SuperPOD layout)",
-               note="one NIC per GPU; divide by k when k GPUs share a NIC"),
+               note=_PER_NIC),
+    _infiniband("HDR", 200, effective=23.0, latency_us=7.0, layout="DGX A100 SuperPOD layout"),
+    _infiniband("NDR", 400, effective=46.0, latency_us=6.0, layout="DGX H100 SuperPOD layout"),
     LinkPreset("eth10", 1.1, 40.0, line_rate_GBps=1.25,
                source="10GbE: 10 Gb/s = 1.25 GB/s line rate; TCP goodput ~9.4 Gb/s (1500 MTU) = 1.17 GB/s, "
                       "~1.1 GB/s through NCCL/gloo sockets; TCP round trips give tens of us per step",
-               note="no RDMA: every hop goes through the kernel's TCP stack"),
+               note=_TCP),
     LinkPreset("eth25", 2.8, 35.0, line_rate_GBps=3.125,
                source="25GbE: 25 Gb/s = 3.125 GB/s line rate; ~22-23 Gb/s TCP goodput = ~2.8 GB/s through "
                       "NCCL/gloo sockets; tens of us per step as for 10GbE",
-               note="no RDMA: every hop goes through the kernel's TCP stack"),
+               note=_TCP),
 )}
 
 
@@ -322,13 +329,7 @@ def validate_against_pytorch_benchmark(tolerance_points: float = 5.0) -> dict[st
 # ---- CLI: python -m ddp_recipes.bench predict ... -----------------------------------------------------
 
 PROG = "python -m ddp_recipes.bench predict"
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line naming the flag (exit 2), like the recipes' CLI."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        fail(message, self.prog)
+PREDICT_DOC = "Predict DDP speedup from a single-device step time."
 
 
 def format_links_table() -> str:
@@ -340,8 +341,8 @@ def format_links_table() -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=PROG, description="Predict DDP speedup from a single-device step time.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``bench predict``."""
     parser.add_argument("--step-ms", type=float, help="measured single-device step time (ms), no DDP")
     parser.add_argument("--params", type=float, help="number of trainable parameters (gradients all-reduced)")
     parser.add_argument("--devices", type=int, help="number of devices N (weak scaling: batch per device fixed)")
@@ -354,13 +355,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap", type=float, default=DEFAULT_OVERLAP,
                         help="share of the step (backward) that communication can hide under")
     parser.add_argument("--list-links", action="store_true", help="print the link presets and exit")
-    return parser
 
 
-def predict_main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: print the prediction as JSON; bad input exits 2 with a one-line error naming the flag."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """``bench predict``: print the prediction as JSON; bad input exits 2 with a one-line error naming the flag."""
     if args.list_links:
         print(format_links_table())
         return 0

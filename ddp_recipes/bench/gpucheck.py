@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddp_recipes.bench.cli import OneLineParser
 from ddp_recipes.bench.gpucheck_machine import Machine, inspect_machine
 from ddp_recipes.bench.gpucheck_report import (
     EXIT_CODES,
@@ -220,7 +221,7 @@ def plan_checks(args: argparse.Namespace, gpus: int) -> list[Check | Derived]:
 def resnet50_flops(batch_size: int) -> int | None:
     import torch
 
-    from ddp_recipes.bench.workers import Workload, build_module
+    from ddp_recipes.bench.workload import Workload, build_module
     from ddp_recipes.train.perf import training_flops_per_sample
 
     w = Workload(recipe="resnet", arch="resnet50", image_size=224, channels_last=1)
@@ -228,11 +229,7 @@ def resnet50_flops(batch_size: int) -> int | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    class OneLine(argparse.ArgumentParser):
-        def error(self, message: str) -> Any:  # type: ignore[override]
-            fail(message, PROG)
-
-    p = OneLine(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S, help="total seconds for all checks")
     p.add_argument("--only", default="", help="comma list of check names to run (default: all)")
     p.add_argument("--batch-size", type=int, default=128, help="ResNet-50 per-GPU batch (NVIDIA's is 256)")

@@ -214,12 +214,8 @@ def format_rows(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-    class OneLine(argparse.ArgumentParser):
-        def error(self, message: str) -> Any:  # type: ignore[override]
-            fail(message, PROG)
-
-    p = OneLine(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``bench loader``."""
     p.add_argument("--data-dir", help="an ImageFolder tree: <dir>/<class>/<image> (e.g. .../train)")
     p.add_argument("--synthetic", type=int, default=0,
                    help="instead of --data-dir: this many real-size synthetic JPEGs (about 500 x 375) the bench writes")
@@ -235,7 +231,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target-images-per-s", type=float, default=0.0,
                    help="images/s the node's GPUs train on: report the workers each CPU path needs")
     p.add_argument("--out", default="bench-results/loader.json")
-    return p
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -279,8 +274,8 @@ def validate(args: argparse.Namespace) -> None:
              f"with at least 2 x --batch-size ({2 * args.batch_size}) images", PROG)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """``bench loader``: measure every (decode path, workers) cell, write the JSON, print the table."""
     validate(args)
     with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp:
         if args.synthetic:

@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_recipes.bench.cli import config_from, config_parser
 from ddp_recipes.bench.memory_report import markdown_table, summarize, summary_line
 from ddp_recipes.bench.memory_worker import METHOD, NUM_CLASSES, VARIANTS, measure_variant
 from ddp_recipes.config.choices import ACCELERATORS, check_choice
-from ddp_recipes.config.cli import build_parser, fail, opt, writable_dir
+from ddp_recipes.config.cli import fail, opt, writable_dir
 from ddp_recipes.config.world import resolve_accelerator
 from ddp_recipes.errors import ConfigError
 
@@ -154,8 +155,7 @@ def run_bench(s: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser(MemoryBenchConfig, prog=PROG, description=__doc__)  # type: ignore[arg-type]
-    cfg = MemoryBenchConfig(**vars(parser.parse_args(argv)))
+    cfg = config_from(MemoryBenchConfig, config_parser(MemoryBenchConfig, PROG, __doc__).parse_args(argv))
     try:
         settings = cfg.resolve()
         if not cfg.variant:

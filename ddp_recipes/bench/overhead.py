@@ -218,8 +218,8 @@ def summary_line(result: dict[str, Any]) -> str:
             f"pack input wait {wait['median']} ({wait['min']}-{wait['max']}) of step time")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``bench overhead``."""
     p.add_argument("--data-dir", default="", help="folder holding MNIST/raw (empty: synthetic tensors of MNIST's shape)")
     p.add_argument("--val-size", type=int, default=0, help="images held out for validation, as the recipe's --val-size")
     p.add_argument("--samples", type=int, default=20000, help="synthetic images when --data-dir is empty")
@@ -232,7 +232,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"), help="the device of both fits")
     p.add_argument("--seed", type=int, default=42, help="seed of the data split, the model and the order")
     p.add_argument("--out", default="bench-results/overhead.json", help="the JSON file to write")
-    return p
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -248,10 +247,10 @@ def validate(args: argparse.Namespace) -> None:
         raise ConfigError("{accelerator} cuda but no CUDA device is visible; use {accelerator} cpu")
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """``bench overhead``: the rounds of pack and plain, the JSON written and the one-line summary."""
     from ddp_recipes.config.cli import fail
 
-    args = _parser().parse_args(argv)
     try:
         validate(args)
     except ConfigError as err:

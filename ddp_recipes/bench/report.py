@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 PLOT_DEVICES = (1, 2, 4, 8, 16)
+PLOT_NEEDS = "no speedup.png: the plot needs matplotlib: pip install 'ddp-recipes[plot]'"
 
 
 def compute_speedups(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -339,8 +340,18 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def can_plot() -> bool:
+    """Whether matplotlib (the ``plot`` extra) is installed: the report is written either way."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_report(results: dict[str, Any], out_dir: str | Path = "bench-results") -> dict[str, Path]:
-    """Write ``results.json``, ``report.md`` and ``speedup.png`` into ``out_dir``; their paths."""
+    """Write ``results.json``, ``report.md`` and, where matplotlib is installed, ``speedup.png`` into
+    ``out_dir``; the paths written (no ``plot`` without matplotlib: say :data:`PLOT_NEEDS` then)."""
     results = copy.deepcopy(results)
     runs = results.get("runs") or []
     if any("speedup" not in r for r in runs):
@@ -349,8 +360,9 @@ def write_report(results: dict[str, Any], out_dir: str | Path = "bench-results")
         results["overhead_ratio"] = overhead_ratios(runs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "markdown": out / "report.md", "plot": out / "speedup.png"}
+    paths = {"json": out / "results.json", "markdown": out / "report.md"}
     paths["json"].write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
     paths["markdown"].write_text(markdown_report(results))
-    plot_speedup(results, paths["plot"])
+    if can_plot():
+        paths["plot"] = plot_speedup(results, out / "speedup.png")
     return paths

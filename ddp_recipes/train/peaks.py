@@ -7,7 +7,8 @@ can reach: MFU would read half. This table holds the vendor datasheets' *dense* 
 (a datasheet footnoted "with sparsity" is halved here), matched on the names torch reports; for any
 other GPU :func:`peak` falls back to Lightning's table and says so.
 
-``python -m ddp_recipes.bench peak --device-name NAME --precision P`` prints what a run would use.
+``python -m ddp_recipes.bench peak --device-name NAME --precision P`` prints what a run would use (the command
+is in ``ddp_recipes.bench.__main__``; this module is the table).
 """
 
 from __future__ import annotations
@@ -51,22 +52,25 @@ class PeakRow:
 
 
 _SPARSE = "dense = the datasheet's 'with sparsity' figure / 2"
+# Hopper's dense figures (FP32, TF32, BF16, FP16, FP8): every SXM part (GH200 included) has one set, both
+# NVL cards another.
+_HOPPER_SXM = (67 * T, 494.5 * T, 989.5 * T, 989.5 * T, 1979 * T)
+_HOPPER_NVL = (60 * T, 417.5 * T, 835.5 * T, 835.5 * T, 1670.5 * T)
 # Most specific first: the first row whose pattern matches the name wins ("gh200" before "h200", "l40s"
 # before "l40" before "l4", "h100 nvl" before "h100").
 PEAKS: tuple[PeakRow, ...] = (
-    PeakRow("GH200", r"\bgh200\b", 67 * T, 494.5 * T, 989.5 * T, 989.5 * T, 1979 * T,
-            f"NVIDIA GH200 Grace Hopper Superchip datasheet; {_SPARSE}"),
-    PeakRow("H200 NVL", r"\bh200\b.*\bnvl", 60 * T, 417.5 * T, 835.5 * T, 835.5 * T, 1670.5 * T,
+    PeakRow("GH200", r"\bgh200\b", *_HOPPER_SXM, f"NVIDIA GH200 Grace Hopper Superchip datasheet; {_SPARSE}"),
+    PeakRow("H200 NVL", r"\bh200\b.*\bnvl", *_HOPPER_NVL,
             f"NVIDIA H200 Tensor Core GPU datasheet, H200 NVL column; {_SPARSE}"),
-    PeakRow("H200 SXM", r"\bh200\b", 67 * T, 494.5 * T, 989.5 * T, 989.5 * T, 1979 * T,
+    PeakRow("H200 SXM", r"\bh200\b", *_HOPPER_SXM,
             f"NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column; {_SPARSE}"),
-    PeakRow("H100 NVL", r"\bh100\b.*\bnvl", 60 * T, 417.5 * T, 835.5 * T, 835.5 * T, 1670.5 * T,
+    PeakRow("H100 NVL", r"\bh100\b.*\bnvl", *_HOPPER_NVL,
             f"NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column (per GPU, 94 GB); {_SPARSE}"),
     # "NVIDIA H100 PCIe"; the 80 GB PCIe card also reports "NVIDIA H100 80GB HBM2e".
     PeakRow("H100 PCIe", r"\bh100\b.*(pcie|hbm2e)", 51 * T, 378 * T, 756.5 * T, 756.5 * T, 1513 * T,
             f"NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe column; {_SPARSE}"),
     # "NVIDIA H100 80GB HBM3" (and any other H100 spelling) is the SXM5 part.
-    PeakRow("H100 SXM", r"\bh100\b", 67 * T, 494.5 * T, 989.5 * T, 989.5 * T, 1979 * T,
+    PeakRow("H100 SXM", r"\bh100\b", *_HOPPER_SXM,
             f"NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column; {_SPARSE}"),
     PeakRow("B200", r"\bb200\b", 75 * T, 1100 * T, 2250 * T, 2250 * T, 4500 * T,
             f"NVIDIA HGX B200 specifications, per GPU (1000 W); {_SPARSE}"),

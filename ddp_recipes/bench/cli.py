@@ -1,0 +1,36 @@
+"""The bench's one parser class: every bench command line reports bad input as one line naming the flag.
+
+``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``), ``bench.gpucheck``,
+``bench.memory`` and ``bench.jpeg_folder`` all parse with :class:`OneLineParser`; a subparser of it is one too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, NoReturn, TypeVar
+
+from ddp_recipes.config.cli import build_parser, fail
+
+C = TypeVar("C")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line, ``prog: error: ...`` naming the flag, and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message, self.prog)
+
+
+def config_parser(cls: type, prog: str, description: str | None) -> OneLineParser:
+    """A :class:`OneLineParser` with one flag per field of the config dataclass ``cls`` (the recipes' flags,
+    from :func:`~ddp_recipes.config.cli.build_parser`), defaults shown in ``--help``."""
+    return OneLineParser(prog=prog, description=description, parents=[build_parser(cls)], add_help=False,
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def config_from(cls: type[C], args: argparse.Namespace) -> C:
+    """``cls`` built from the parsed flags of its fields (a subcommand's namespace also holds the top level's)."""
+    fields = [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]  # type: ignore[arg-type]
+    values: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields}
+    return cls(**values)
