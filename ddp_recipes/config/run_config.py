@@ -212,3 +212,34 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+
+def changed_fields(config: Any, *names: str) -> list[str]:
+    """The fields of the dataclass ``config`` among ``names`` whose value is not their default, in that order."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    return [name for name in names if getattr(config, name) != defaults[name]]
+
+
+def refuse_unused(config: Any, needs: list[tuple[bool, tuple[str, ...], str]]) -> None:
+    """A field given where it has no effect is refused, never silently dropped. ``needs`` holds, per rule,
+    (its requirement is missing, the fields that need it, the requirement in words with ``{field}`` markers)."""
+    for missing, names, requirement in needs:
+        changed = changed_fields(config, *names) if missing else []
+        if changed:
+            raise ConfigError(f"{{{changed[0]}}} has no effect without {requirement}; add it or drop "
+                              f"{{{changed[0]}}}", changed[0])
+
+
+def build_from(cls: type, config: Any, renames: dict[str, str] | None = None, **values: Any) -> Any:
+    """The dataclass ``cls`` (a component's settings, checked in its ``__post_init__``) from the same-named fields
+    of ``config``; ``renames`` maps a field of ``cls`` to the config's field that holds it, ``values`` replace
+    the config's. Its :class:`ConfigError` names the config's fields (the flags)."""
+    renames = renames or {}
+    given = {f.name: getattr(config, renames.get(f.name, f.name)) for f in dataclasses.fields(cls)
+             if f.init and hasattr(config, renames.get(f.name, f.name))}
+    try:
+        return cls(**{**given, **values})
+    except ConfigError as err:
+        if not renames:
+            raise
+        raise err.renamed(**renames) from None

@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
+from ddp_recipes.config.run_config import refuse_unused
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.optim.schedules import steps_per_epoch
 
@@ -72,8 +73,12 @@ class EMAArgs:
     """Optimizer steps between two updates (the reference's ``--model-ema-steps``)."""
     warmup_epochs: float = 0.0
     """The LR warm-up's length in epochs: the average copies the weights while it lasts."""
+    enabled: bool = True
+    """Whether a run keeps the average (a recipe's ``--model-ema``); without it, a decay or an update interval
+    other than the default would have no effect and is refused."""
 
     def __post_init__(self) -> None:
+        refuse_unused(self, [(not self.enabled, ("update_every", "decay"), "{enabled}")])
         if not 0.0 <= self.decay <= 1.0:
             raise ConfigError(f"{{decay}} must be in [0, 1] (got {self.decay})")
         every = self.update_every
