@@ -23,7 +23,6 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.config.choices import (
     AutoAugment,
     Decode,
@@ -38,31 +37,25 @@ from ddp_recipes.config.run_config import RunConfig, build_from, changed_fields
 from ddp_recipes.data.augment import AugmentArgs
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.modules.preflight import check_arch_input, check_weights_fit, own_network
-from ddp_recipes.modules.pretrained import (
-    FineTuning,
-    FineTuningRecord,
-    PretrainedWeights,
-    read_weights,
-    resolve_weights,
-)
-from ddp_recipes.modules.resnet import (
-    ARCHS,
-    RESNET_FAMILY,
-    ResNetClassifier,
-    arch_features,
-    check_training_hparams,
-)
-from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_dict
-from ddp_recipes.optim.optimizers import OptimizerArgs, optimizer_state_kind
+from ddp_recipes.modules import preflight
+from ddp_recipes.modules.pretrained import FineTuning, FineTuningRecord, PretrainedWeights, resolve_weights
+from ddp_recipes.modules.resnet import RESNET_FAMILY, ResNetClassifier, arch_features, check_training_hparams
+from ddp_recipes.optim.ema import EMAArgs, ModelEMA, ema_for_run, ema_state_dict
+from ddp_recipes.optim.optimizers import OptimizerArgs
 from ddp_recipes.optim.schedules import ReferenceSchedule, ScheduleArgs
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs
 from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
 from ddp_recipes.train.start import RunStart, open_run
 from ddp_recipes.train.surface import without_validation
-from ddp_recipes.train.userclass import class_path, construct_datamodule, model_kwargs
+from ddp_recipes.train.userclass import construct_datamodule, model_kwargs
 
 PROG = "python -m recipes.resnet"
+# The module's arguments the recipe always passes (besides num_classes and lr), and those it passes when set.
+MODULE_ARGS = ("arch", "cifar_stem", "momentum", "nesterov", "weight_decay", "label_smoothing", "warmup_epochs",
+               "cosine", "channels_last", "grad_checkpointing", "dropout")
+REFERENCE_ARGS = ("optimizer", "norm_weight_decay", "bias_weight_decay", "lr_scheduler", "lr_step_size", "lr_gamma",
+                  "lr_min", "lr_warmup_method", "lr_warmup_decay", "mixup_alpha", "cutmix_alpha", "weights",
+                  "freeze_backbone", "backbone_lr_mult", "unfreeze_at_epoch")
 # The EMA's settings under the recipe's flag names.
 EMA_FLAGS = {"enabled": "model_ema", "decay": "model_ema_decay", "update_every": "model_ema_steps"}
 
@@ -164,7 +157,7 @@ class ResNetConfig(RunConfig):
         if self.data == "cifar10" or (self.image_size is None and not self.weights):
             self.image_size = 32
         # Each component's settings check themselves: values, and flags that would have no effect.
-        schedule = self.schedule
+        schedule = build_from(ScheduleArgs, self)
         build_from(EMAArgs, self, EMA_FLAGS)
         build_from(OptimizerArgs, self)
         _ = self.augment
@@ -192,11 +185,6 @@ class ResNetConfig(RunConfig):
             preset = self.pretrained.eval_preset()
             if self.image_size is None:
                 self.image_size = preset.crop_size if preset and self.data == "imagefolder" else 32
-
-    @property
-    def schedule(self) -> ScheduleArgs:
-        """The LR schedule after the warm-up, as the flags choose it."""
-        return build_from(ScheduleArgs, self)
 
     @property
     def augment(self) -> AugmentArgs:
@@ -264,21 +252,13 @@ def model_args(cfg: ResNetConfig, num_classes: int, resumed: bool = False) -> di
     """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults); the LR is the
     plan's, scaled to the global batch. ``resumed``: no ``weights`` (the checkpoint holds the fine-tuned ones;
     the pretrained file is not needed again)."""
-    args = dict(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=cfg.plan.lr,
-                momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-                label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
-                cosine=cfg.cosine, channels_last=cfg.channels_last,
-                grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
+    args = {name: getattr(cfg, name) for name in MODULE_ARGS}
     # torchvision's training flags reach the module only when set: a subclass that takes none of them (no
     # **kwargs) works until it is given one.
-    reference = dict(optimizer=cfg.optimizer, norm_weight_decay=cfg.norm_weight_decay,
-                     bias_weight_decay=cfg.bias_weight_decay, lr_scheduler=cfg.lr_scheduler,
-                     lr_step_size=cfg.lr_step_size, lr_gamma=cfg.lr_gamma, lr_min=cfg.lr_min,
-                     lr_warmup_method=cfg.lr_warmup_method, lr_warmup_decay=cfg.lr_warmup_decay,
-                     mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha,
-                     weights=None if resumed else cfg.weights, freeze_backbone=cfg.freeze_backbone,
-                     backbone_lr_mult=cfg.backbone_lr_mult, unfreeze_at_epoch=cfg.unfreeze_at_epoch)
-    return {**args, **{name: value for name, value in reference.items() if changed_fields(cfg, name)}}
+    reference = {name: getattr(cfg, name) for name in changed_fields(cfg, *REFERENCE_ARGS)}
+    if resumed and "weights" in reference:
+        reference["weights"] = None
+    return {**args, "num_classes": num_classes, "lr": cfg.plan.lr, **reference}
 
 
 def build_model(cfg: ResNetConfig, num_classes: int, cls: type[ResNetClassifier] = ResNetClassifier,
@@ -288,15 +268,10 @@ def build_model(cfg: ResNetConfig, num_classes: int, cls: type[ResNetClassifier]
 
 
 def ema_callback(cfg: ResNetConfig) -> ModelEMA:
-    """``--model-ema``: the decay adjusted as torchvision's reference does, from the samples between two
-    updates (global batch x ``--model-ema-steps``) over the epochs; unadjusted when the run is bounded by
-    ``--max-steps`` only (its epoch count is unknown before the data is sized)."""
+    """``--model-ema``: the decay adjusted as torchvision's reference does (:func:`ema_for_run`)."""
     plan = cfg.plan
-    decay = cfg.model_ema_decay
-    if plan.max_epochs and plan.max_epochs > 0:
-        decay = adjusted_decay(decay, plan.world_size, plan.batch.per_device * plan.batch.accumulation,
-                               cfg.model_ema_steps, plan.max_epochs)
-    return ModelEMA(decay=decay, update_every=cfg.model_ema_steps, warmup_epochs=cfg.warmup_epochs)
+    step_batch = plan.batch.per_device * plan.batch.accumulation
+    return ema_for_run(build_from(EMAArgs, cfg, EMA_FLAGS), plan.world_size, step_batch, plan.max_epochs)
 
 
 def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
@@ -322,39 +297,21 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
                          has_test: bool) -> None:
     """Refuse, before any process starts, a run that cannot fit: the data's image size against
     ``--image-size``, the input the architecture takes, the checkpoint's network and optimizer state against
-    this run's, a weights file against the network, the module's arguments, the loss's targets under
-    MixUp/CutMix, an optimizer flag an override ignores, and what ``--test-only`` needs."""
+    this run's, a weights file against the network, the module's arguments, the flags a subclass ignores, and
+    what ``--test-only`` needs."""
     model_class, resume, checkpoint = run.classes.model_class, run.resume, run.checkpoint
     data_size = getattr(datamodule, "image_size", cfg.image_size)
     if isinstance(data_size, int) and data_size != cfg.image_size:
         # The stem (--cifar-stem's default) and the input check follow --image-size: it must be the data's.
         raise ConfigError(f"{{image_size}} {cfg.image_size} but {type(datamodule).__name__}.image_size is "
                           f"{data_size}; pass {{image_size}} {data_size}")
-    if model_class.build_model is ResNetClassifier.build_model:
-        for size in sorted({cfg.image_size, *cfg.eval_sizes}):
-            check_arch_input(cfg.arch, num_classes, size, cfg.cifar_stem, cfg.dropout)
+    preflight.check_network_fits(model_class, cfg.arch, num_classes, {cfg.image_size, *cfg.eval_sizes}, cfg.cifar_stem,
+                       cfg.dropout, None if resume else cfg.pretrained)
     if resume:
-        check_compatible(checkpoint, resume, {"arch": cfg.arch, "num_classes": num_classes,
-                                              "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout},
-                         accepted={"arch": ARCHS})
-    if cfg.pretrained is not None and cfg.pretrained.path is not None and not resume:
-        # A file that is no state dict, would run code, or does not fit the network.
-        if own_network(model_class):
-            check_weights_fit(cfg.arch, num_classes, cfg.cifar_stem, cfg.dropout, cfg.pretrained)
-        else:
-            read_weights(cfg.pretrained)
+        preflight.check_resumed_network(checkpoint, resume, cfg.arch, num_classes, cfg.cifar_stem, cfg.dropout)
     model_kwargs(model_class, model_args(cfg, num_classes, bool(resume)))
     mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
-    if mixing and not model_class.takes_soft_targets():
-        raise ConfigError(f"{{{mixing[0]}}} gives loss() class-probability targets, but {class_path(model_class)} "
-                          "overrides loss() without soft_targets = True; make it take them (F.cross_entropy does) "
-                          f"and set soft_targets = True on the class, or drop {{{mixing[0]}}}", mixing[0])
-    if cfg.optimizer != "sgd" and model_class.build_optimizer is not ResNetClassifier.build_optimizer:
-        raise ConfigError(f"{{optimizer}} has no effect: {class_path(model_class)} overrides "
-                          "build_optimizer(); read self.hparams.optimizer there or drop {optimizer}")
-    if num_classes < 2 and mixing:
-        raise ConfigError(f"{{{mixing[0]}}} mixes labels of 2 or more classes (the data has {num_classes})",
-                          mixing[0])
+    preflight.check_overrides(model_class, cfg.optimizer, mixing, num_classes)
     if cfg.test_only:
         if not resume:
             raise ConfigError("{test_only} needs {resume} PATH (or auto with a checkpoint in {output_dir}): the "
@@ -366,15 +323,7 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
             raise ConfigError(f"{{model_ema}}: {{resume}} {lit(resume)} holds no EMA weights (trained without "
                               "{model_ema}); drop {model_ema} to evaluate its weights")
     elif resume:
-        # The optimizer's state must fit this run's optimizer and parameter groups.
-        saved = dict(checkpoint.get("hyper_parameters") or {})
-        saved["optimizer"] = optimizer_state_kind(saved.get("optimizer"))
-        check_compatible({"hyper_parameters": saved}, resume,
-                         {"optimizer": optimizer_state_kind(cfg.optimizer), "norm_weight_decay": cfg.norm_weight_decay,
-                          "bias_weight_decay": cfg.bias_weight_decay, "freeze_backbone": cfg.freeze_backbone,
-                          "backbone_lr_mult": cfg.backbone_lr_mult, "unfreeze_at_epoch": cfg.unfreeze_at_epoch},
-                         defaults={"norm_weight_decay": 0.0, "bias_weight_decay": 0.0, "freeze_backbone": False,
-                                   "backbone_lr_mult": 1.0, "unfreeze_at_epoch": None})
+        preflight.check_optimizer_state(checkpoint, resume, vars(cfg))
 
 
 def train_and_test(cfg: ResNetConfig, run: RunStart, model: Any, datamodule: L.LightningDataModule,

@@ -88,6 +88,16 @@ class EMAArgs:
             raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {self.warmup_epochs})")
 
 
+def ema_for_run(args: EMAArgs, world_size: int, step_batch: int, epochs: int | None) -> ModelEMA:
+    """The run's :class:`ModelEMA`: ``args.decay`` adjusted over ``epochs`` (:func:`adjusted_decay`, with
+    ``step_batch`` the per-device batch of one optimizer step); unadjusted when the run is bounded by steps only
+    (``epochs`` None or <= 0: its epoch count is unknown before the data is sized)."""
+    decay = args.decay
+    if epochs and epochs > 0:
+        decay = adjusted_decay(decay, world_size, step_batch, args.update_every, epochs)
+    return ModelEMA(decay=decay, update_every=args.update_every, warmup_epochs=args.warmup_epochs)
+
+
 def network_of(pl_module: L.LightningModule) -> nn.Module:
     """The network the EMA averages: ``pl_module.model`` (ImageClassifier's ``build_model()`` result)."""
     network = getattr(pl_module, "model", None)
