@@ -46,8 +46,8 @@ class MNISTConfig(RunConfig):
     momentum: float = opt(0.9, "SGD momentum")
     weight_decay: float = opt(0.0, "SGD weight decay")
     cosine: bool = opt(False, "cosine LR decay over the run after the warm-up")
-    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), owned "
-                                       "by one run (default: runs/mnist/version_N, a new N for each run)")
+    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), "
+                                       "owned by one run (default: runs/mnist/version_N, a new N for each run)")
 
     DEFAULT_BATCH_SIZE = 64
     DEFAULT_LR = 0.01

@@ -70,8 +70,8 @@ class ResNetConfig(RunConfig):
     data: ResNetData = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder "
                                         "(--data-dir/{train,val})")
     data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
-    image_size: int | None = opt(None, "input side in pixels (default: 32, or with --weights and --data imagefolder the "
-                                       "weights' crop, e.g. 224; cifar10 is always 32)")
+    image_size: int | None = opt(None, "input side in pixels (default: 32, or with --weights and --data imagefolder "
+                                       "the weights' crop, e.g. 224; cifar10 is always 32)")
     num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
     cifar_stem: bool | None = opt(None, "3x3 stem without max-pool for small images (default: on below 64 px for "
                                         "the ResNet family)")
@@ -81,18 +81,19 @@ class ResNetConfig(RunConfig):
     nesterov: bool = opt(False, "Nesterov momentum")
     weight_decay: float = opt(5e-4, "weight decay (never on BatchNorm parameters and biases)")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
-    dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own "
-                              "dropout option, e.g. EfficientNet's head or ViT's blocks; 0 keeps torchvision's default)")
+    dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own dropout "
+                              "option, e.g. EfficientNet's head or ViT's blocks; 0 keeps torchvision's default)")
     cosine: bool | None = opt(None, "cosine LR decay to 0 over the run after a linear warm-up from 0 (default: on "
                                     "unless --lr-scheduler is given)")
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
     decode: Decode = opt("cpu", "where --data imagefolder's images are decoded and augmented: cpu (PIL in the loader "
-                                "workers) or gpu (workers read the bytes and draw the crops; decode_jpeg decodes on the "
-                                "training device, nvJPEG on CUDA, and the crops, flips and policy are applied there)")
-    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), owned "
-                                       "by one run (default: runs/resnet/version_N, a new N for each run)")
+                                "workers) or gpu (workers read the bytes and draw the crops; decode_jpeg decodes on "
+                                "the training device, nvJPEG on CUDA, and the crops, flips and policy are applied "
+                                "there)")
+    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), "
+                                       "owned by one run (default: runs/resnet/version_N, a new N for each run)")
     # torchvision's classification reference (references/classification/train.py), same flag names.
     auto_augment: AutoAugment | None = opt(None, "training augmentation policy: ra (RandAugment), ta_wide "
                                                  "(TrivialAugmentWide), augmix or imagenet (AutoAugment)")
@@ -110,11 +111,12 @@ class ResNetConfig(RunConfig):
     model_ema: bool = opt(False, "keep an exponential moving average of the weights; evaluated as val_acc_ema / "
                                  "test_acc_ema and saved in checkpoints")
     model_ema_steps: int = opt(EMAArgs.update_every, "optimizer steps between EMA updates")
-    model_ema_decay: float = opt(EMAArgs.decay, "EMA decay per update, adjusted for world size x batch x --model-ema-steps "
-                                          "over --max-epochs as torchvision's reference does (unadjusted when only "
-                                          "--max-steps is given)")
+    model_ema_decay: float = opt(EMAArgs.decay, "EMA decay per update, adjusted for world size x batch x "
+                                                "--model-ema-steps over --max-epochs as torchvision's reference does "
+                                                "(unadjusted when only --max-steps is given)")
     clip_grad_norm: float | None = opt(None, "clip the global gradient norm to this (after the all-reduce)")
-    optimizer: Optimizer = opt("sgd", "sgd, sgd_nesterov, adamw or rmsprop (torchvision's settings)", aliases=("--opt",))
+    optimizer: Optimizer = opt("sgd", "sgd, sgd_nesterov, adamw or rmsprop (torchvision's "
+                                      "settings)", aliases=("--opt",))
     norm_weight_decay: float = opt(0.0, "weight decay of normalization layers (torchvision's default: --weight-decay)")
     bias_weight_decay: float = opt(0.0, "weight decay of biases (torchvision's default: --weight-decay)")
     lr_scheduler: LRScheduler | None = opt(None, "torchvision's schedule after the warm-up: cosineannealinglr, steplr "
@@ -122,15 +124,16 @@ class ResNetConfig(RunConfig):
     lr_step_size: int = opt(ReferenceSchedule.lr_step_size, "epochs between --lr-scheduler steplr decays")
     lr_gamma: float = opt(ReferenceSchedule.lr_gamma, "decay factor of steplr (per step) and exponentiallr (per epoch)")
     lr_min: float = opt(ReferenceSchedule.lr_min, "cosineannealinglr's final LR")
-    lr_warmup_method: WarmupMethod = opt(ReferenceSchedule.lr_warmup_method, "--lr-scheduler warm-up: linear (from --lr-warmup-decay x lr) "
-                                                     "or constant (--lr-warmup-decay x lr)")
+    lr_warmup_method: WarmupMethod = opt(ReferenceSchedule.lr_warmup_method, "--lr-scheduler warm-up: linear (from "
+                                                                             "--lr-warmup-decay x lr) or constant "
+                                                                             "(--lr-warmup-decay x lr)")
     lr_warmup_decay: float = opt(ReferenceSchedule.lr_warmup_decay, "--lr-scheduler warm-up's starting factor")
     test_only: bool = opt(False, "evaluate the --resume checkpoint (and its EMA weights) on the test set; no training")
     # Fine-tuning (torchvision's --weights; the freezing and layer-wise LR of timm and Lightning's finetuning).
-    weights: str | None = opt(None, "start from pretrained weights: a torchvision weights name of --arch (IMAGENET1K_V2, "
-                                    "ResNet50_Weights.IMAGENET1K_V2, DEFAULT; from torch's hub cache, downloaded "
-                                    "once per node) or a local state-dict file; their eval transforms become "
-                                    "--data imagefolder's defaults")
+    weights: str | None = opt(None, "start from pretrained weights: a torchvision weights name of --arch "
+                                    "(IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2, DEFAULT; from torch's hub cache, "
+                                    "downloaded once per node) or a local state-dict file; their eval transforms "
+                                    "become --data imagefolder's defaults")
     freeze_backbone: bool = opt(False, "train only the classifier (the model's last layer): the backbone keeps its "
                                        "weights and its BatchNorm statistics")
     backbone_lr_mult: float = opt(1.0, "the backbone's LR as a multiple of the classifier's (discriminative "
@@ -242,8 +245,8 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
     if cfg.data == "cifar10":
         return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed, **augment)
     dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,
-                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment, **crops,
-                               **weights_eval, decode=cfg.decode, channels_last=cfg.channels_last)
+                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment,
+                               **crops, **weights_eval, decode=cfg.decode, channels_last=cfg.channels_last)
     dm.check_layout()  # before any process starts: a wrong --data-dir fails here, in one line
     return dm
 
@@ -330,7 +333,8 @@ def train_and_test(cfg: ResNetConfig, run: RunStart, model: Any, datamodule: L.L
                    has_val: bool, has_test: bool) -> dict:
     """Fit with the recipe's callbacks (checkpoints, ``--model-ema``, the fine-tuning record), then test."""
     own_data = run.classes.datamodule is None
-    how = "give it some with {synthetic_val_samples} N" if own_data else f"give {type(datamodule).__name__} a val_dataloader"
+    how = ("give it some with {synthetic_val_samples} N" if own_data
+           else f"give {type(datamodule).__name__} a val_dataloader")
     trainer_kwargs = without_validation(run.user.trainer_kwargs, has_val, how)
     callbacks = checkpoint_callbacks(cfg, has_val, run.classes.model_class)
     if cfg.model_ema:

@@ -67,8 +67,9 @@ class RunConfig:
     resume: str = opt("none", "none, auto (the newest complete checkpoint in --output-dir) or a checkpoint PATH or URL")
     checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
                                            "each epoch end and on SIGTERM/SLURM's requeue signal)")
-    compile: bool = opt(False, "torch.compile the model; under DDP its DDPOptimizer splits the graph at gradient-bucket "
-                               "boundaries so the all-reduce still overlaps backward (compile time is reported apart)")
+    compile: bool = opt(False, "torch.compile the model; under DDP its DDPOptimizer splits the graph at "
+                               "gradient-bucket boundaries so the all-reduce still overlaps backward (compile time is "
+                               "reported apart)")
     compile_backend: str = opt("inductor", "torch.compile backend: inductor (generated kernels), aot_eager (no "
                                            "code generation: checks a model compiles), cudagraphs, ...")
     tf32: bool = opt(True, "FP32 matmuls and convolutions as TF32 on Ampere+ GPUs (NVIDIA's FP32 figures use it; "
@@ -78,13 +79,14 @@ class RunConfig:
                                         "module; recorded in checkpoints so --resume rebuilds it)")
     datamodule_class: str | None = opt(None, "your LightningDataModule, package.module:ClassName (its __init__ gets "
                                              "batch_size and the recipe's data flags it declares)")
-    diagnostics: bool = opt(True, "check the run for DDP mistakes (unsharded data, drifting weights, ...) and warn once")
+    diagnostics: bool = opt(True, "check the run for DDP mistakes (unsharded data, drifting weights, ...) and warn "
+                                  "once")
     trainer: dict[str, Any] = opt({}, "a lightning.Trainer setting the recipe does not own, KEY=VALUE, repeatable "
                                       "(--trainer val_check_interval=0.25 --trainer limit_val_batches=10); a trainer: "
                                       "mapping in --config", metavar="KEY=VALUE")
-    callbacks: list[Any] = opt([], "a Lightning callback by class path (LearningRateMonitor, pkg.mod.MyCallback) or as a "
-                                    "YAML mapping {class_path: ..., init_args: {...}}, repeatable; a callbacks: list "
-                                    "in --config, as LightningCLI writes it", metavar="SPEC")
+    callbacks: list[Any] = opt([], "a Lightning callback by class path (LearningRateMonitor, pkg.mod.MyCallback) or as "
+                                   "a YAML mapping {class_path: ..., init_args: {...}}, repeatable; a callbacks: list "
+                                   "in --config, as LightningCLI writes it", metavar="SPEC")
     logger: str = opt("csv", "experiment trackers, comma-separated: csv, tensorboard, mlflow, wandb (or none); logged "
                              "from rank 0 only, continued by --resume")
     log_every_n_steps: int = opt(10, "log the training loss, LR, throughput and input wait every N optimizer steps "

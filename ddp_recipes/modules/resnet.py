@@ -106,7 +106,8 @@ def check_training_hparams(hp: Mapping[str, Any]) -> None:
     ResNet recipe's config): a :class:`ConfigError` naming the first bad one. Missing keys take the defaults."""
     momentum, nesterov = hp.get("momentum", 0.9), hp.get("nesterov", False)
     ranges = [("momentum", momentum, 1, False), ("label_smoothing", hp.get("label_smoothing", 0.0), 1, False),
-              ("dropout", hp.get("dropout", 0.0), 1, False), ("weight_decay", hp.get("weight_decay", 0.0), math.inf, True),
+              ("dropout", hp.get("dropout", 0.0), 1, False),
+              ("weight_decay", hp.get("weight_decay", 0.0), math.inf, True),
               ("warmup_epochs", hp.get("warmup_epochs", 0.0), math.inf, True)]
     for name, value, high, closed in ranges:
         if not (0 <= value and (value <= high if closed else value < high) and math.isfinite(value)):

@@ -151,7 +151,8 @@ class ScheduleArgs:
             (self.lr_scheduler is None, ("lr_step_size", "lr_gamma", "lr_min", "lr_warmup_method", "lr_warmup_decay"),
              "{lr_scheduler}"),
             (self.lr_scheduler != "steplr", ("lr_step_size",), "{lr_scheduler} steplr"),
-            (self.lr_scheduler not in ("steplr", "exponentiallr"), ("lr_gamma",), "{lr_scheduler} steplr or exponentiallr"),
+            (self.lr_scheduler not in ("steplr", "exponentiallr"), ("lr_gamma",),
+             "{lr_scheduler} steplr or exponentiallr"),
             (self.lr_scheduler != "cosineannealinglr", ("lr_min",), "{lr_scheduler} cosineannealinglr"),
             (self.lr_scheduler is None or not self.warmup_epochs, ("lr_warmup_method", "lr_warmup_decay"),
              "{lr_scheduler} and {lr_warmup_epochs} > 0")])

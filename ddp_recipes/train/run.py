@@ -90,8 +90,8 @@ def describe_setup(cfg: RunConfig, trainer: L.Trainer) -> str:
         f"{trainer.strategy.root_device.type})",
         f"batch            {per_device} per device x {trainer.world_size} x {accum} accumulation = "
         f"{global_batch} global",
-        f"learning rate    {plan.lr:g} (base {plan.base_lr:g} at batch {plan.reference_batch}, scaling {plan.lr_scaling}, "
-        f"warm-up {plan.warmup_epochs:g} epochs)",
+        f"learning rate    {plan.lr:g} (base {plan.base_lr:g} at batch {plan.reference_batch}, "
+        f"scaling {plan.lr_scaling}, warm-up {plan.warmup_epochs:g} epochs)",
         f"precision        {trainer.precision}" + (f", torch.compile ({plan.compile_backend})"
                                                   if plan.compile_backend else ""),
         f"tf32             {tf32_state(trainer.strategy.root_device.type)}",
