@@ -12,7 +12,6 @@ continues from the newest checkpoint exactly.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -23,14 +22,15 @@ from lightning.pytorch.callbacks import Callback
 from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.config.choices import MNISTArch
 from ddp_recipes.config.cli import fail, opt, parse_config
-from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.config.run_config import RunConfig, changed_fields
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs, open_resume
+from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs
 from ddp_recipes.train.run import has_loader, run_fit_test
-from ddp_recipes.train.surface import open_surface, without_validation
-from ddp_recipes.train.userclass import construct_datamodule, follow_checkpoint, model_kwargs, resolve_classes
+from ddp_recipes.train.start import open_run
+from ddp_recipes.train.surface import without_validation
+from ddp_recipes.train.userclass import construct_datamodule, model_kwargs
 
 PROG = "python -m recipes.mnist"
 
@@ -46,8 +46,8 @@ class MNISTConfig(RunConfig):
     momentum: float = opt(0.9, "SGD momentum")
     weight_decay: float = opt(0.0, "SGD weight decay")
     cosine: bool = opt(False, "cosine LR decay over the run after the warm-up")
-    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), owned "
-                                       "by one run (default: runs/mnist/version_N, a new N for each run)")
+    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), "
+                                       "owned by one run (default: runs/mnist/version_N, a new N for each run)")
 
     DEFAULT_BATCH_SIZE = 64
     DEFAULT_LR = 0.01
@@ -70,19 +70,19 @@ def build_datamodule(cfg: MNISTConfig, cls: type[L.LightningDataModule] | None =
                    seed=cfg.seed, num_workers=cfg.plan.num_workers, download=cfg.download)
     if cls is None:
         return MNISTDataModule(**offered)
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    given = [name for name in ("data_dir", "val_size", "download") if getattr(cfg, name) != defaults[name]]
-    return construct_datamodule(cls, offered, given)
+    return construct_datamodule(cls, offered, changed_fields(cfg, "data_dir", "val_size", "download"))
 
 
-def model_args(cfg: MNISTConfig, lr: float) -> dict:
-    """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults)."""
-    return dict(arch=cfg.arch, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+def model_args(cfg: MNISTConfig) -> dict:
+    """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults); the LR is
+    the plan's, scaled to the global batch."""
+    return dict(arch=cfg.arch, lr=cfg.plan.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                 warmup_epochs=cfg.warmup_epochs, cosine=cfg.cosine)
 
 
-def build_model(cfg: MNISTConfig, lr: float, cls: type[MNISTClassifier] = MNISTClassifier) -> MNISTClassifier:
-    return cls(**model_kwargs(cls, model_args(cfg, lr)))
+def build_model(cfg: MNISTConfig, cls: type[MNISTClassifier] = MNISTClassifier) -> MNISTClassifier:
+    """The module of ``cfg`` (``cls``: the recipe's or a user's subclass)."""
+    return cls(**model_kwargs(cls, model_args(cfg)))
 
 
 def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None = None,
@@ -99,25 +99,23 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
     """
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     try:
-        classes = resolve_classes(MNISTClassifier, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
-        user = open_surface(cfg, callbacks, logger, trainer_kwargs)
-        resume, checkpoint = open_resume(cfg)
-        if resume:
-            classes = follow_checkpoint(classes, checkpoint, resume)
-            check_compatible(checkpoint, resume, {"arch": cfg.arch}, accepted={"arch": ARCHS})
-        lr = cfg.plan.lr
-        model_kwargs(classes.model_class, model_args(cfg, lr))  # before any process starts: one line if not
+        run = open_run(cfg, MNISTClassifier, model_cls, datamodule_cls, callbacks, logger, trainer_kwargs)
+        classes = run.classes
+        if run.resume:
+            check_compatible(run.checkpoint, run.resume, {"arch": cfg.arch}, accepted={"arch": ARCHS})
+        model_kwargs(classes.model_class, model_args(cfg))  # before any process starts: one line if not
         datamodule = build_datamodule(cfg, classes.datamodule)
         own_data = classes.datamodule is None
         if own_data:
             datamodule.check_split(cfg.plan.world_size)  # before any process starts
         has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")
         how = "hold some out with {val_size} N" if own_data else f"give {type(datamodule).__name__} a val_dataloader"
-        trainer_kwargs = without_validation(user.trainer_kwargs, has_val, how)
-        return run_fit_test(cfg, lambda: build_model(cfg, lr, classes.model_class), datamodule, lr,
-                            callbacks=[*checkpoint_callbacks(cfg, has_val, classes.model_class), *user.callbacks],
-                            ckpt_path=resume, checkpoint=checkpoint, test=own_data or has_loader(datamodule, "test"),
-                            classes=classes, extra={"arch": cfg.arch, "resumed_from": resume}, **trainer_kwargs)
+        trainer_kwargs = without_validation(run.user.trainer_kwargs, has_val, how)
+        return run_fit_test(cfg, lambda: build_model(cfg, classes.model_class), datamodule,
+                            callbacks=[*checkpoint_callbacks(cfg, has_val, classes.model_class), *run.user.callbacks],
+                            ckpt_path=run.resume, checkpoint=run.checkpoint,
+                            test=own_data or has_loader(datamodule, "test"), classes=classes,
+                            extra={"arch": cfg.arch, "resumed_from": run.resume}, **trainer_kwargs)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
         discard_unused_output_dirs()  # nothing written: not even the empty version_N of a default output dir
         fail(err, PROG)

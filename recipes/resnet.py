@@ -15,8 +15,7 @@ saved atomically on rank 0; ``--resume auto`` continues exactly from the newest 
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.config.choices import (
     AutoAugment,
     Decode,
@@ -35,34 +33,31 @@ from ddp_recipes.config.choices import (
     WarmupMethod,
 )
 from ddp_recipes.config.cli import fail, opt, parse_config
-from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.config.run_config import RunConfig, build_from, changed_fields
+from ddp_recipes.data.augment import AugmentArgs
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.modules.classifier import ImageClassifier
-from ddp_recipes.modules.pretrained import FineTuningRecord, PretrainedWeights, read_weights, resolve_weights
-from ddp_recipes.modules.resnet import (
-    ARCHS,
-    RESNET_FAMILY,
-    ResNetClassifier,
-    arch_features,
-    check_arch_input,
-    check_training_hparams,
-    check_weights_fit,
-)
-from ddp_recipes.optim.ema import EMAArgs, ModelEMA, adjusted_decay, ema_state_dict
-from ddp_recipes.optim.schedules import ReferenceSchedule
-from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs, open_resume
+from ddp_recipes.modules import preflight
+from ddp_recipes.modules.pretrained import FineTuning, FineTuningRecord, PretrainedWeights, resolve_weights
+from ddp_recipes.modules.resnet import RESNET_FAMILY, ResNetClassifier, arch_features, check_training_hparams
+from ddp_recipes.optim.ema import EMAArgs, ModelEMA, ema_for_run, ema_state_dict
+from ddp_recipes.optim.optimizers import OptimizerArgs
+from ddp_recipes.optim.schedules import ReferenceSchedule, ScheduleArgs
+from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs
 from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
-from ddp_recipes.train.surface import open_surface, without_validation
-from ddp_recipes.train.userclass import (
-    class_path,
-    construct_datamodule,
-    follow_checkpoint,
-    model_kwargs,
-    resolve_classes,
-)
+from ddp_recipes.train.start import RunStart, open_run
+from ddp_recipes.train.surface import without_validation
+from ddp_recipes.train.userclass import construct_datamodule, model_kwargs
 
 PROG = "python -m recipes.resnet"
+# The module's arguments the recipe always passes (besides num_classes and lr), and those it passes when set.
+MODULE_ARGS = ("arch", "cifar_stem", "momentum", "nesterov", "weight_decay", "label_smoothing", "warmup_epochs",
+               "cosine", "channels_last", "grad_checkpointing", "dropout")
+REFERENCE_ARGS = ("optimizer", "norm_weight_decay", "bias_weight_decay", "lr_scheduler", "lr_step_size", "lr_gamma",
+                  "lr_min", "lr_warmup_method", "lr_warmup_decay", "mixup_alpha", "cutmix_alpha", "weights",
+                  "freeze_backbone", "backbone_lr_mult", "unfreeze_at_epoch")
+# The EMA's settings under the recipe's flag names.
+EMA_FLAGS = {"enabled": "model_ema", "decay": "model_ema_decay", "update_every": "model_ema_steps"}
 
 
 @dataclass
@@ -75,8 +70,8 @@ class ResNetConfig(RunConfig):
     data: ResNetData = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder "
                                         "(--data-dir/{train,val})")
     data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
-    image_size: int | None = opt(None, "input side in pixels (default: 32, or with --weights and --data imagefolder the "
-                                       "weights' crop, e.g. 224; cifar10 is always 32)")
+    image_size: int | None = opt(None, "input side in pixels (default: 32, or with --weights and --data imagefolder "
+                                       "the weights' crop, e.g. 224; cifar10 is always 32)")
     num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
     cifar_stem: bool | None = opt(None, "3x3 stem without max-pool for small images (default: on below 64 px for "
                                         "the ResNet family)")
@@ -86,18 +81,19 @@ class ResNetConfig(RunConfig):
     nesterov: bool = opt(False, "Nesterov momentum")
     weight_decay: float = opt(5e-4, "weight decay (never on BatchNorm parameters and biases)")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
-    dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own "
-                              "dropout option, e.g. EfficientNet's head or ViT's blocks; 0 keeps torchvision's default)")
+    dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own dropout "
+                              "option, e.g. EfficientNet's head or ViT's blocks; 0 keeps torchvision's default)")
     cosine: bool | None = opt(None, "cosine LR decay to 0 over the run after a linear warm-up from 0 (default: on "
                                     "unless --lr-scheduler is given)")
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
     decode: Decode = opt("cpu", "where --data imagefolder's images are decoded and augmented: cpu (PIL in the loader "
-                                "workers) or gpu (workers read the bytes and draw the crops; decode_jpeg decodes on the "
-                                "training device, nvJPEG on CUDA, and the crops, flips and policy are applied there)")
-    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), owned "
-                                       "by one run (default: runs/resnet/version_N, a new N for each run)")
+                                "workers) or gpu (workers read the bytes and draw the crops; decode_jpeg decodes on "
+                                "the training device, nvJPEG on CUDA, and the crops, flips and policy are applied "
+                                "there)")
+    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), "
+                                       "owned by one run (default: runs/resnet/version_N, a new N for each run)")
     # torchvision's classification reference (references/classification/train.py), same flag names.
     auto_augment: AutoAugment | None = opt(None, "training augmentation policy: ra (RandAugment), ta_wide "
                                                  "(TrivialAugmentWide), augmix or imagenet (AutoAugment)")
@@ -115,11 +111,12 @@ class ResNetConfig(RunConfig):
     model_ema: bool = opt(False, "keep an exponential moving average of the weights; evaluated as val_acc_ema / "
                                  "test_acc_ema and saved in checkpoints")
     model_ema_steps: int = opt(EMAArgs.update_every, "optimizer steps between EMA updates")
-    model_ema_decay: float = opt(EMAArgs.decay, "EMA decay per update, adjusted for world size x batch x --model-ema-steps "
-                                          "over --max-epochs as torchvision's reference does (unadjusted when only "
-                                          "--max-steps is given)")
+    model_ema_decay: float = opt(EMAArgs.decay, "EMA decay per update, adjusted for world size x batch x "
+                                                "--model-ema-steps over --max-epochs as torchvision's reference does "
+                                                "(unadjusted when only --max-steps is given)")
     clip_grad_norm: float | None = opt(None, "clip the global gradient norm to this (after the all-reduce)")
-    optimizer: Optimizer = opt("sgd", "sgd, sgd_nesterov, adamw or rmsprop (torchvision's settings)", aliases=("--opt",))
+    optimizer: Optimizer = opt("sgd", "sgd, sgd_nesterov, adamw or rmsprop (torchvision's "
+                                      "settings)", aliases=("--opt",))
     norm_weight_decay: float = opt(0.0, "weight decay of normalization layers (torchvision's default: --weight-decay)")
     bias_weight_decay: float = opt(0.0, "weight decay of biases (torchvision's default: --weight-decay)")
     lr_scheduler: LRScheduler | None = opt(None, "torchvision's schedule after the warm-up: cosineannealinglr, steplr "
@@ -127,15 +124,16 @@ class ResNetConfig(RunConfig):
     lr_step_size: int = opt(ReferenceSchedule.lr_step_size, "epochs between --lr-scheduler steplr decays")
     lr_gamma: float = opt(ReferenceSchedule.lr_gamma, "decay factor of steplr (per step) and exponentiallr (per epoch)")
     lr_min: float = opt(ReferenceSchedule.lr_min, "cosineannealinglr's final LR")
-    lr_warmup_method: WarmupMethod = opt(ReferenceSchedule.lr_warmup_method, "--lr-scheduler warm-up: linear (from --lr-warmup-decay x lr) "
-                                                     "or constant (--lr-warmup-decay x lr)")
+    lr_warmup_method: WarmupMethod = opt(ReferenceSchedule.lr_warmup_method, "--lr-scheduler warm-up: linear (from "
+                                                                             "--lr-warmup-decay x lr) or constant "
+                                                                             "(--lr-warmup-decay x lr)")
     lr_warmup_decay: float = opt(ReferenceSchedule.lr_warmup_decay, "--lr-scheduler warm-up's starting factor")
     test_only: bool = opt(False, "evaluate the --resume checkpoint (and its EMA weights) on the test set; no training")
     # Fine-tuning (torchvision's --weights; the freezing and layer-wise LR of timm and Lightning's finetuning).
-    weights: str | None = opt(None, "start from pretrained weights: a torchvision weights name of --arch (IMAGENET1K_V2, "
-                                    "ResNet50_Weights.IMAGENET1K_V2, DEFAULT; from torch's hub cache, downloaded "
-                                    "once per node) or a local state-dict file; their eval transforms become "
-                                    "--data imagefolder's defaults")
+    weights: str | None = opt(None, "start from pretrained weights: a torchvision weights name of --arch "
+                                    "(IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2, DEFAULT; from torch's hub cache, "
+                                    "downloaded once per node) or a local state-dict file; their eval transforms "
+                                    "become --data imagefolder's defaults")
     freeze_backbone: bool = opt(False, "train only the classifier (the model's last layer): the backbone keeps its "
                                        "weights and its BatchNorm statistics")
     backbone_lr_mult: float = opt(1.0, "the backbone's LR as a multiple of the classifier's (discriminative "
@@ -161,10 +159,15 @@ class ResNetConfig(RunConfig):
         super().__post_init__()
         if self.data == "cifar10" or (self.image_size is None and not self.weights):
             self.image_size = 32
-        self._check_reference_flags()
-        if self.cosine is None:
-            self.cosine = self.lr_scheduler is None
-        self._check_weights()
+        # Each component's settings check themselves: values, and flags that would have no effect.
+        schedule = build_from(ScheduleArgs, self)
+        build_from(EMAArgs, self, EMA_FLAGS)
+        build_from(OptimizerArgs, self)
+        _ = self.augment
+        check_training_hparams(vars(self))  # the module's own check: momentum, nesterov, schedule, ...
+        self.cosine = schedule.decays_cosine
+        self._resolve_weights()
+        _ = self.fine_tuning
         if self.cifar_stem is None:
             # Pretrained weights come with the stem they were trained with.
             self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY and not self.weights
@@ -173,104 +176,33 @@ class ResNetConfig(RunConfig):
         if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
             raise ConfigError("{synthetic_samples} must be >= 1 and {synthetic_val_samples} >= 0")
         arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
-        try:
-            EMAArgs(self.model_ema_decay, self.model_ema_steps, self.warmup_epochs)
-        except ConfigError as err:
-            raise err.renamed(decay="model_ema_decay", update_every="model_ema_steps") from None
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"{{clip_grad_norm}} must be > 0 (got {self.clip_grad_norm})")
 
-    def _check_weights(self) -> None:
-        """Resolve ``--weights`` (no file read) and refuse what cannot combine with fine-tuning."""
+    def _resolve_weights(self) -> None:
+        """Resolve ``--weights`` (no file read); on an image folder the weights' crop is the default image size."""
         self.__dict__["_pretrained"] = None
         if self.weights:
             arch_features(self.arch, False, 0.0, False)  # a known --arch before its weights are looked up
             self.__dict__["_pretrained"] = resolve_weights(self.arch, self.weights)
             preset = self.pretrained.eval_preset()
-            if self.image_size is None:  # the weights' crop on an image folder, unless --image-size says otherwise
+            if self.image_size is None:
                 self.image_size = preset.crop_size if preset and self.data == "imagefolder" else 32
-            if self.cifar_stem:
-                raise ConfigError("{cifar_stem} replaces the stem the {weights} were trained with (and loads none of "
-                                  "it); drop {cifar_stem}: with {weights} the default is the pretrained stem")
-        if self.unfreeze_at_epoch is not None:
-            if self.comm_hook == "powersgd":
-                raise ConfigError("{unfreeze_at_epoch} rebuilds DDP's gradient buckets, which PowerSGD's error "
-                                  "feedback is laid out by; use {comm_hook} none, fp16 or bf16")
-            if self.compile:
-                raise ConfigError("{unfreeze_at_epoch} wraps the model in DDP again mid-run, which is not supported "
-                                  "under {compile} yet; drop {compile} or {unfreeze_at_epoch}")
-            epochs = self.plan.max_epochs
-            if epochs is not None and epochs > 0 and self.unfreeze_at_epoch >= epochs:
-                raise ConfigError(f"{{unfreeze_at_epoch}} {self.unfreeze_at_epoch} is never reached: the run has "
-                                  f"{epochs} epochs (0..{epochs - 1}); lower it or raise {{max_epochs}}")
+
+    @property
+    def augment(self) -> AugmentArgs:
+        """The augmentation the flags ask of the data."""
+        return build_from(AugmentArgs, self)
+
+    @property
+    def fine_tuning(self) -> FineTuning:
+        """How the run fine-tunes (``--weights``, ``--freeze-backbone``, ...), checked against the run around it."""
+        return build_from(FineTuning, self, max_epochs=self.plan.max_epochs)
 
     @property
     def pretrained(self) -> PretrainedWeights | None:
         """``--weights`` resolved when the config was made (None without it)."""
         return self.__dict__.get("_pretrained")
-
-    @property
-    def fine_tunes(self) -> bool:
-        """Whether the run fine-tunes (``summary.json`` then has a ``fine_tuning`` record)."""
-        return bool(self.weights or self.freeze_backbone or self.backbone_lr_mult != 1.0)
-
-    def check_own_data_flags(self) -> None:
-        """The recipe's own --data honours the augmentation flags only where they mean something."""
-        self._refuse_unused([(self.data == "synthetic", ("auto_augment", "random_erase", "interpolation"),
-                              "image data ({data} cifar10 or imagefolder, or {datamodule_class})"),
-                             (self.data == "cifar10" and self.auto_augment is None, ("interpolation",),
-                              "{auto_augment} on CIFAR-10 (its crops do not resample)"),
-                             (self.data == "cifar10", ("train_crop_size", "val_resize_size", "val_crop_size"),
-                              "{data} imagefolder (CIFAR-10 is 32 px)"),
-                             (self.data != "imagefolder", ("min_crop_scale",),
-                              "{data} imagefolder (the other data take no RandomResizedCrop)"),
-                             (self.data != "imagefolder", ("decode",),
-                              "{data} imagefolder (CIFAR-10 and synthetic data are in memory, not image files)")])
-
-    def _refuse_unused(self, needs: list[tuple[bool, tuple[str, ...], str]]) -> None:
-        for missing, names, requirement in needs:
-            changed = self._changed(*names) if missing else []
-            if changed:
-                raise ConfigError(f"{{{changed[0]}}} has no effect without {requirement}; add it or drop "
-                                  f"{{{changed[0]}}}", changed[0])
-
-    def _changed(self, *names: str) -> list[str]:
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return [name for name in names if getattr(self, name) != defaults[name]]
-
-    def _check_reference_flags(self) -> None:
-        """A flag that would have no effect is refused, never silently dropped."""
-        needs = [(self.lr_scheduler is None, ("lr_step_size", "lr_gamma", "lr_min", "lr_warmup_method",
-                                              "lr_warmup_decay"), "{lr_scheduler}"),
-                 (not self.model_ema, ("model_ema_steps", "model_ema_decay"), "{model_ema}"),
-                 (self.auto_augment != "ra", ("ra_magnitude",), "{auto_augment} ra"),
-                 (self.auto_augment != "augmix", ("augmix_severity",), "{auto_augment} augmix"),
-                 (self.lr_scheduler != "steplr", ("lr_step_size",), "{lr_scheduler} steplr"),
-                 (self.lr_scheduler not in ("steplr", "exponentiallr"), ("lr_gamma",),
-                  "{lr_scheduler} steplr or exponentiallr"),
-                 (self.lr_scheduler != "cosineannealinglr", ("lr_min",), "{lr_scheduler} cosineannealinglr"),
-                 (self.lr_scheduler is None or not self.warmup_epochs, ("lr_warmup_method", "lr_warmup_decay"),
-                  "{lr_scheduler} and {lr_warmup_epochs} > 0"),
-                 (self.optimizer not in ("sgd", "sgd_nesterov", "rmsprop"), ("momentum",),
-                  "{optimizer} sgd, sgd_nesterov or rmsprop (AdamW has none)")]
-        self._refuse_unused(needs)
-        if self.cosine and self.lr_scheduler is not None:
-            raise ConfigError("{cosine} and {lr_scheduler} are two schedules; give one")
-        check_training_hparams(vars(self))  # the module's own check: momentum, nesterov, schedule, ...
-        ranges = [("norm_weight_decay", self.norm_weight_decay, 0, math.inf, True),
-                  ("bias_weight_decay", self.bias_weight_decay, 0, math.inf, True),
-                  ("mixup_alpha", self.mixup_alpha, 0, math.inf, True),
-                  ("cutmix_alpha", self.cutmix_alpha, 0, math.inf, True),
-                  ("random_erase", self.random_erase, 0, 1, True)]
-        for name, value, low, high, closed in ranges:
-            inside = low <= value <= high if closed else low <= value < high
-            if not (inside and math.isfinite(value)):
-                bound = f">= {low}" if high == math.inf else f"in [{low}, {high}{']' if closed else ')'}"
-                raise ConfigError(f"{{{name}}} must be {bound} (got {value})", name)
-        for name in ("train_crop_size", "val_resize_size", "val_crop_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{{{name}}} must be >= 1 (got {value})", name)
 
     @property
     def eval_sizes(self) -> set[int]:
@@ -283,16 +215,13 @@ class ResNetConfig(RunConfig):
 def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
     """The recipe's data (--data), or a user's DataModule class given the values of the flags it declares."""
     batch, workers = cfg.plan.batch.per_device, cfg.plan.num_workers
-    augment = dict(auto_augment=cfg.auto_augment, ra_magnitude=cfg.ra_magnitude, augmix_severity=cfg.augmix_severity,
-                   random_erase=cfg.random_erase, interpolation=cfg.interpolation)
-    crops = dict(train_crop_size=cfg.train_crop_size, val_resize_size=cfg.val_resize_size,
-                 val_crop_size=cfg.val_crop_size)
+    augment, crops = cfg.augment.policy(), cfg.augment.crops()
     preset = cfg.pretrained.eval_preset() if cfg.pretrained is not None else None
     weights_eval: dict = {}
     if preset is not None:
         # The transforms the weights were evaluated with are the defaults; each flag given still wins.
         weights_eval = dict(mean=preset.mean, std=preset.std)
-        if not cfg._changed("interpolation"):
+        if not changed_fields(cfg, "interpolation"):
             weights_eval["val_interpolation"] = preset.interpolation
         if cfg.val_resize_size is None:
             crops["val_resize_size"] = preset.resize_for(cfg.val_crop_size or cfg.image_size)
@@ -306,9 +235,9 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
             # Only a DataModule that takes decode (e.g. a subclass of ImageFolderDataModule) can decode on the
             # device; any other is refused in one line: its loaders would hand the model undecoded files.
             offered.update(decode=cfg.decode, channels_last=cfg.channels_last)
-        given = cfg._changed("data_dir", "min_crop_scale", "decode", *augment, *crops)
+        given = changed_fields(cfg, "data_dir", "min_crop_scale", "decode", *augment, *crops)
         return construct_datamodule(cls, offered, given)
-    cfg.check_own_data_flags()
+    cfg.augment.check_data(cfg.data)
     if cfg.data == "synthetic":
         return SyntheticImageDataModule(num_samples=cfg.synthetic_samples, image_size=cfg.image_size,
                                         num_classes=cfg.num_classes or 10, batch_size=batch, seed=cfg.seed,
@@ -316,53 +245,36 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
     if cfg.data == "cifar10":
         return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed, **augment)
     dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,
-                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment, **crops,
-                               **weights_eval, decode=cfg.decode, channels_last=cfg.channels_last)
+                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment,
+                               **crops, **weights_eval, decode=cfg.decode, channels_last=cfg.channels_last)
     dm.check_layout()  # before any process starts: a wrong --data-dir fails here, in one line
     return dm
 
 
-def model_args(cfg: ResNetConfig, num_classes: int, lr: float, resumed: bool = False) -> dict:
-    """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults). ``resumed``:
-    no ``weights`` (the checkpoint holds the fine-tuned ones; the pretrained file is not needed again)."""
-    args = dict(arch=cfg.arch, num_classes=num_classes, cifar_stem=cfg.cifar_stem, lr=lr,
-                momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
-                label_smoothing=cfg.label_smoothing, warmup_epochs=cfg.warmup_epochs,
-                cosine=cfg.cosine, channels_last=cfg.channels_last,
-                grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
-    # torchvision's training flags reach the module only when set: a subclass written for 0.1 (no **kwargs)
-    # keeps working until it is given one of them.
-    reference = dict(optimizer=cfg.optimizer, norm_weight_decay=cfg.norm_weight_decay,
-                     bias_weight_decay=cfg.bias_weight_decay, lr_scheduler=cfg.lr_scheduler,
-                     lr_step_size=cfg.lr_step_size, lr_gamma=cfg.lr_gamma, lr_min=cfg.lr_min,
-                     lr_warmup_method=cfg.lr_warmup_method, lr_warmup_decay=cfg.lr_warmup_decay,
-                     mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha,
-                     weights=None if resumed else cfg.weights, freeze_backbone=cfg.freeze_backbone,
-                     backbone_lr_mult=cfg.backbone_lr_mult, unfreeze_at_epoch=cfg.unfreeze_at_epoch)
-    return {**args, **{name: value for name, value in reference.items() if name in cfg._changed(name)}}
+def model_args(cfg: ResNetConfig, num_classes: int, resumed: bool = False) -> dict:
+    """What the recipe passes the module (a user's subclass keeps its extra arguments' defaults); the LR is the
+    plan's, scaled to the global batch. ``resumed``: no ``weights`` (the checkpoint holds the fine-tuned ones;
+    the pretrained file is not needed again)."""
+    args = {name: getattr(cfg, name) for name in MODULE_ARGS}
+    # torchvision's training flags reach the module only when set: a subclass that takes none of them (no
+    # **kwargs) works until it is given one.
+    reference = {name: getattr(cfg, name) for name in changed_fields(cfg, *REFERENCE_ARGS)}
+    if resumed and "weights" in reference:
+        reference["weights"] = None
+    return {**args, "num_classes": num_classes, "lr": cfg.plan.lr, **reference}
 
 
-def build_model(cfg: ResNetConfig, num_classes: int, lr: float,
-                cls: type[ResNetClassifier] = ResNetClassifier, resumed: bool = False) -> ResNetClassifier:
-    return cls(**model_kwargs(cls, model_args(cfg, num_classes, lr, resumed)))
+def build_model(cfg: ResNetConfig, num_classes: int, cls: type[ResNetClassifier] = ResNetClassifier,
+                resumed: bool = False) -> ResNetClassifier:
+    """The module of ``cfg`` (``cls``: the recipe's or a user's subclass)."""
+    return cls(**model_kwargs(cls, model_args(cfg, num_classes, resumed)))
 
 
 def ema_callback(cfg: ResNetConfig) -> ModelEMA:
-    """``--model-ema``: the decay adjusted as torchvision's reference does, from the samples between two
-    updates (global batch x ``--model-ema-steps``) over the epochs; unadjusted when the run is bounded by
-    ``--max-steps`` only (its epoch count is unknown before the data is sized)."""
+    """``--model-ema``: the decay adjusted as torchvision's reference does (:func:`ema_for_run`)."""
     plan = cfg.plan
-    decay = cfg.model_ema_decay
-    if plan.max_epochs and plan.max_epochs > 0:
-        decay = adjusted_decay(decay, plan.world_size, plan.batch.per_device * plan.batch.accumulation,
-                               cfg.model_ema_steps, plan.max_epochs)
-    return ModelEMA(decay=decay, update_every=cfg.model_ema_steps, warmup_epochs=cfg.warmup_epochs)
-
-
-def optimizer_of(settings: dict) -> str:
-    """The optimizer whose state a run keeps: ``--opt``; SGD with or without Nesterov keep the same state."""
-    name = settings.get("optimizer") or "sgd"
-    return "sgd" if name == "sgd_nesterov" else name
+    step_batch = plan.batch.per_device * plan.batch.accumulation
+    return ema_for_run(build_from(EMAArgs, cfg, EMA_FLAGS), plan.world_size, step_batch, plan.max_epochs)
 
 
 def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
@@ -374,6 +286,70 @@ def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
         raise ConfigError(f"{{num_classes}} is needed: {type(datamodule).__name__} has no num_classes attribute "
                           "(set it in __init__, or pass {num_classes})")
     return found
+
+
+def eval_sets(cfg: ResNetConfig, run: RunStart, datamodule: L.LightningDataModule) -> tuple[bool, bool]:
+    """Whether the data has a validation set and a test set (the recipe's own data: the same one)."""
+    if run.classes.datamodule is None:
+        has_val = cfg.data != "synthetic" or cfg.synthetic_val_samples > 0
+        return has_val, has_val
+    return has_loader(datamodule, "val"), has_loader(datamodule, "test")
+
+
+def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.LightningDataModule, num_classes: int,
+                         has_test: bool) -> None:
+    """Refuse, before any process starts, a run that cannot fit: the data's image size against
+    ``--image-size``, the input the architecture takes, the checkpoint's network and optimizer state against
+    this run's, a weights file against the network, the module's arguments, the flags a subclass ignores, and
+    what ``--test-only`` needs."""
+    model_class, resume, checkpoint = run.classes.model_class, run.resume, run.checkpoint
+    data_size = getattr(datamodule, "image_size", cfg.image_size)
+    if isinstance(data_size, int) and data_size != cfg.image_size:
+        # The stem (--cifar-stem's default) and the input check follow --image-size: it must be the data's.
+        raise ConfigError(f"{{image_size}} {cfg.image_size} but {type(datamodule).__name__}.image_size is "
+                          f"{data_size}; pass {{image_size}} {data_size}")
+    preflight.check_network_fits(model_class, cfg.arch, num_classes, {cfg.image_size, *cfg.eval_sizes}, cfg.cifar_stem,
+                       cfg.dropout, None if resume else cfg.pretrained)
+    if resume:
+        preflight.check_resumed_network(checkpoint, resume, cfg.arch, num_classes, cfg.cifar_stem, cfg.dropout)
+    model_kwargs(model_class, model_args(cfg, num_classes, bool(resume)))
+    mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
+    preflight.check_overrides(model_class, cfg.optimizer, mixing, num_classes)
+    if cfg.test_only:
+        if not resume:
+            raise ConfigError("{test_only} needs {resume} PATH (or auto with a checkpoint in {output_dir}): the "
+                              "checkpoint to evaluate")
+        if not has_test:
+            raise ConfigError("{test_only}: the data has no test set ({data} synthetic with "
+                              "{synthetic_val_samples} 0, or a DataModule without test_dataloader)")
+        if cfg.model_ema and ema_state_dict(checkpoint) is None:
+            raise ConfigError(f"{{model_ema}}: {{resume}} {lit(resume)} holds no EMA weights (trained without "
+                              "{model_ema}); drop {model_ema} to evaluate its weights")
+    elif resume:
+        preflight.check_optimizer_state(checkpoint, resume, vars(cfg))
+
+
+def train_and_test(cfg: ResNetConfig, run: RunStart, model: Any, datamodule: L.LightningDataModule,
+                   has_val: bool, has_test: bool) -> dict:
+    """Fit with the recipe's callbacks (checkpoints, ``--model-ema``, the fine-tuning record), then test."""
+    own_data = run.classes.datamodule is None
+    how = ("give it some with {synthetic_val_samples} N" if own_data
+           else f"give {type(datamodule).__name__} a val_dataloader")
+    trainer_kwargs = without_validation(run.user.trainer_kwargs, has_val, how)
+    callbacks = checkpoint_callbacks(cfg, has_val, run.classes.model_class)
+    if cfg.model_ema:
+        callbacks.append(ema_callback(cfg))
+    extra = {"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": run.resume}
+    if cfg.decode == "gpu" and isinstance(getattr(datamodule, "decode_record", None), dict):
+        extra["decode"] = datamodule.decode_record  # filled during the run (rank 0's own counts)
+    if cfg.fine_tuning.fine_tunes:
+        record = FineTuningRecord()  # fills its dict during the fit; summary.json is written after it
+        callbacks.append(record)
+        extra["fine_tuning"] = record.summary
+    clip = dict(gradient_clip_val=cfg.clip_grad_norm, gradient_clip_algorithm="norm") if cfg.clip_grad_norm else {}
+    return run_fit_test(cfg, model, datamodule, callbacks=[*callbacks, *run.user.callbacks], ckpt_path=run.resume,
+                        checkpoint=run.checkpoint, test=has_test, save_final=False, classes=run.classes, extra=extra,
+                        **clip, **trainer_kwargs)
 
 
 def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None = None,
@@ -391,87 +367,17 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
     """
     cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
     try:
-        classes = resolve_classes(ResNetClassifier, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
-        user = open_surface(cfg, callbacks, logger, trainer_kwargs)
-        resume, checkpoint = open_resume(cfg, training=not cfg.test_only)
-        if resume:
-            classes = follow_checkpoint(classes, checkpoint, resume)
-        datamodule = build_datamodule(cfg, classes.datamodule)
+        run = open_run(cfg, ResNetClassifier, model_cls, datamodule_cls, callbacks, logger, trainer_kwargs,
+                       training=not cfg.test_only)
+        datamodule = build_datamodule(cfg, run.classes.datamodule)
         num_classes = data_classes(cfg, datamodule)
-        data_size = getattr(datamodule, "image_size", cfg.image_size)
-        if isinstance(data_size, int) and data_size != cfg.image_size:
-            # The stem (--cifar-stem's default) and the input check follow --image-size: it must be the data's.
-            raise ConfigError(f"{{image_size}} {cfg.image_size} but {type(datamodule).__name__}.image_size is "
-                              f"{data_size}; pass {{image_size}} {data_size}")
-        if classes.model_class.build_model is ResNetClassifier.build_model:
-            for size in sorted({cfg.image_size, *cfg.eval_sizes}):
-                check_arch_input(cfg.arch, num_classes, size, cfg.cifar_stem, cfg.dropout)
-        if resume:
-            check_compatible(checkpoint, resume, {"arch": cfg.arch, "num_classes": num_classes,
-                                                  "cifar_stem": cfg.cifar_stem, "dropout": cfg.dropout},
-                             accepted={"arch": ARCHS})
-        if cfg.pretrained is not None and cfg.pretrained.path is not None and not resume:
-            # Before any process starts: a file that is no state dict, would run code, or does not fit the network.
-            if own_network(classes.model_class):
-                check_weights_fit(cfg.arch, num_classes, cfg.cifar_stem, cfg.dropout, cfg.pretrained)
-            else:
-                read_weights(cfg.pretrained)
-        lr = cfg.plan.lr
-        model_kwargs(classes.model_class, model_args(cfg, num_classes, lr, bool(resume)))  # before any process starts
-        mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
-        if mixing and not classes.model_class.takes_soft_targets():
-            raise ConfigError(f"{{{mixing[0]}}} gives loss() class-probability targets, but {class_path(classes.model_class)} "
-                              "overrides loss() without soft_targets = True; make it take them (F.cross_entropy does) "
-                              f"and set soft_targets = True on the class, or drop {{{mixing[0]}}}", mixing[0])
-        if cfg.optimizer != "sgd" and classes.model_class.build_optimizer is not ResNetClassifier.build_optimizer:
-            raise ConfigError(f"{{optimizer}} has no effect: {class_path(classes.model_class)} overrides "
-                              "build_optimizer(); read self.hparams.optimizer there or drop {optimizer}")
-        if num_classes < 2 and mixing:
-            raise ConfigError(f"{{{mixing[0]}}} mixes labels of 2 or more classes (the data has {num_classes})",
-                              mixing[0])
-        own_data = classes.datamodule is None
-        has_val = (cfg.data != "synthetic" or cfg.synthetic_val_samples > 0) if own_data else has_loader(datamodule, "val")
-        has_test = has_val if own_data else has_loader(datamodule, "test")
-        how = ("give it some with {synthetic_val_samples} N" if own_data
-               else f"give {type(datamodule).__name__} a val_dataloader")
-        trainer_kwargs = user.trainer_kwargs if cfg.test_only else without_validation(user.trainer_kwargs, has_val, how)
-        model = lambda: build_model(cfg, num_classes, lr, classes.model_class, bool(resume))  # noqa: E731
+        has_val, has_test = eval_sets(cfg, run, datamodule)
+        refuse_before_launch(cfg, run, datamodule, num_classes, has_test)
+        model = functools.partial(build_model, cfg, num_classes, run.classes.model_class, bool(run.resume))
         if cfg.test_only:
-            if not resume:
-                raise ConfigError("{test_only} needs {resume} PATH (or auto with a checkpoint in {output_dir}): the "
-                                  "checkpoint to evaluate")
-            if not has_test:
-                raise ConfigError("{test_only}: the data has no test set ({data} synthetic with "
-                                  "{synthetic_val_samples} 0, or a DataModule without test_dataloader)")
-            if cfg.model_ema and ema_state_dict(checkpoint) is None:
-                raise ConfigError(f"{{model_ema}}: {{resume}} {lit(resume)} holds no EMA weights (trained without "
-                                  "{model_ema}); drop {model_ema} to evaluate its weights")
-            return run_test_only(cfg, model, datamodule, resume, checkpoint, classes=classes,
-                                 user_callbacks=user.callbacks, **user.trainer_kwargs)
-        if resume:
-            # The optimizer's state must fit this run's optimizer and parameter groups.
-            saved = dict(checkpoint.get("hyper_parameters") or {})
-            saved["optimizer"] = optimizer_of(saved)
-            check_compatible({"hyper_parameters": saved}, resume,
-                             {"optimizer": optimizer_of(vars(cfg)), "norm_weight_decay": cfg.norm_weight_decay,
-                              "bias_weight_decay": cfg.bias_weight_decay, "freeze_backbone": cfg.freeze_backbone,
-                              "backbone_lr_mult": cfg.backbone_lr_mult, "unfreeze_at_epoch": cfg.unfreeze_at_epoch},
-                             defaults={"norm_weight_decay": 0.0, "bias_weight_decay": 0.0, "freeze_backbone": False,
-                                       "backbone_lr_mult": 1.0, "unfreeze_at_epoch": None})
-        run_callbacks = checkpoint_callbacks(cfg, has_val, classes.model_class)
-        if cfg.model_ema:
-            run_callbacks.append(ema_callback(cfg))
-        extra = {"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": resume}
-        if cfg.decode == "gpu" and isinstance(getattr(datamodule, "decode_record", None), dict):
-            extra["decode"] = datamodule.decode_record  # filled during the run (rank 0's own counts)
-        if cfg.fine_tunes:
-            record = FineTuningRecord()  # fills its dict during the fit; summary.json is written after it
-            run_callbacks.append(record)
-            extra["fine_tuning"] = record.summary
-        clip = dict(gradient_clip_val=cfg.clip_grad_norm, gradient_clip_algorithm="norm") if cfg.clip_grad_norm else {}
-        return run_fit_test(cfg, model, datamodule, lr, callbacks=[*run_callbacks, *user.callbacks], ckpt_path=resume,
-                            checkpoint=checkpoint, test=has_test, save_final=False, classes=classes, extra=extra,
-                            **clip, **trainer_kwargs)
+            return run_test_only(cfg, model, datamodule, run.resume, run.checkpoint, classes=run.classes,
+                                 user_callbacks=run.user.callbacks, **run.user.trainer_kwargs)
+        return train_and_test(cfg, run, model, datamodule, has_val, has_test)
     except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
         discard_unused_output_dirs()  # nothing written: not even the empty version_N of a default output dir
         fail(err, PROG)
@@ -480,11 +386,6 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             raise
         last = str(err).strip().splitlines()[-1]  # a DataLoader worker's error carries its traceback first
         fail(f"--data-dir {cfg.data_dir} holds an image that cannot be decoded ({last}); remove or replace it", PROG)
-
-
-def own_network(cls: type[ResNetClassifier]) -> bool:
-    """Whether ``cls`` builds the recipe's network and backbone (so they can be checked before the run)."""
-    return cls.build_model is ResNetClassifier.build_model and cls.backbone_modules is ImageClassifier.backbone_modules
 
 
 def is_image_error(err: OSError) -> bool:

@@ -143,7 +143,7 @@ def main(out: Path, mode: str) -> None:
                     num_workers=0)
     extra = [PerStepVote()] if mode == "pack-per-step-vote" else []
     run_fit_test(cfg, lambda: MNISTClassifier(arch="cnn", lr=cfg.plan.lr), _Tensors(train, val, BATCH, cfg.seed),
-                 cfg.plan.lr, callbacks=[*checkpoint_callbacks(cfg, True, MNISTClassifier), *extra, counter],
+                 callbacks=[*checkpoint_callbacks(cfg, True, MNISTClassifier), *extra, counter],
                  test=False, save_final=False)
 
 

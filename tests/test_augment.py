@@ -4,6 +4,7 @@ and uint8 tensors, MixUp/CutMix targets, ConfigErrors naming the flag, and the D
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +283,21 @@ def test_cifar10_options_reach_the_pipeline(tmp_path):
     assert steps[2].severity == 5 and steps[-1].p == 0.1
     out = dm.train_transform()(_pil((32, 32)))
     assert out.shape == (3, 32, 32) and out.dtype == torch.float32
+
+
+def test_augment_args_refuse_what_the_policy_or_the_data_does_not_read():
+    from ddp_recipes.data.augment import AugmentArgs
+
+    AugmentArgs(auto_augment="ra", ra_magnitude=5).check_data("imagefolder")
+    for kwargs, message in [(dict(augmix_severity=5), "augmix_severity has no effect without auto_augment augmix"),
+                            (dict(cutmix_alpha=math.inf), r"cutmix_alpha must be >= 0 \(got inf\)"),
+                            (dict(random_erase=1.5), r"random_erase must be in \[0, 1\] \(got 1.5\)"),
+                            (dict(val_crop_size=0), r"val_crop_size must be >= 1 \(got 0\)")]:
+        with pytest.raises(ConfigError, match=message):
+            AugmentArgs(**kwargs)
+    with pytest.raises(ConfigError, match="interpolation has no effect without auto_augment on CIFAR-10"):
+        AugmentArgs(interpolation="bicubic").check_data("cifar10")
+    with pytest.raises(ConfigError, match="decode has no effect without data imagefolder"):
+        AugmentArgs(decode="gpu").check_data("synthetic")
+    assert set(AugmentArgs().policy()) == {"auto_augment", "ra_magnitude", "augmix_severity", "random_erase",
+                                           "interpolation"}

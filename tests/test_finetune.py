@@ -445,3 +445,17 @@ def test_two_ranks_kill_and_resume_across_the_unfreeze_point_is_exact(phase, hub
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def test_fine_tuning_refuses_what_the_run_around_it_cannot_combine_with():
+    from ddp_recipes.modules.pretrained import FineTuning
+
+    assert not FineTuning().fine_tunes and FineTuning(backbone_lr_mult=0.5).fine_tunes
+    FineTuning(freeze_backbone=True, unfreeze_at_epoch=2, max_epochs=3)
+    for kwargs, message in [(dict(unfreeze_at_epoch=2), "unfreeze_at_epoch unfreezes a frozen backbone"),
+                            (dict(weights="DEFAULT", cifar_stem=True), "cifar_stem replaces the stem"),
+                            (dict(freeze_backbone=True, unfreeze_at_epoch=2, comm_hook="powersgd"),
+                             "PowerSGD's error feedback"),
+                            (dict(freeze_backbone=True, unfreeze_at_epoch=3, max_epochs=3), "is never reached")]:
+        with pytest.raises(ConfigError, match=message):
+            FineTuning(**kwargs)

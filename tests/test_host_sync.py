@@ -78,7 +78,7 @@ def _pack(tmp_path, extra: list[Callback] = ()) -> HostReadCounter:
                     output_dir=str(tmp_path / "pack"), num_workers=0)
     counter = HostReadCounter()
     # The recipe's own callbacks and logging (recipes.mnist.main, without its flag parsing and test pass).
-    run_fit_test(cfg, lambda: MNISTClassifier(lr=cfg.plan.lr), _Tensors(train, val, BATCH, cfg.seed), cfg.plan.lr,
+    run_fit_test(cfg, lambda: MNISTClassifier(lr=cfg.plan.lr), _Tensors(train, val, BATCH, cfg.seed),
                  callbacks=[*checkpoint_callbacks(cfg, True, MNISTClassifier), counter, *extra], test=False,
                  save_final=False)
     return counter
@@ -193,7 +193,7 @@ def _resnet_steps(tmp_path, root, decode: str) -> _DecodeCounter:
     dm = ImageFolderDataModule(root, batch_size=1, image_size=16, num_workers=1, decode=decode,
                                random_erase=0.5, auto_augment="ta_wide")
     counter = _DecodeCounter(dm, DECODE_START, DECODE_WINDOW)
-    run_fit_test(cfg, lambda: ResNetClassifier(num_classes=2, cifar_stem=True, lr=cfg.plan.lr), dm, cfg.plan.lr,
+    run_fit_test(cfg, lambda: ResNetClassifier(num_classes=2, cifar_stem=True, lr=cfg.plan.lr), dm,
                  callbacks=[*checkpoint_callbacks(cfg, True, ResNetClassifier), counter], test=False, save_final=False)
     return counter
 

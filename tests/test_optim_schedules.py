@@ -306,3 +306,57 @@ def test_lightning_fit_steps_per_optimizer_step():
     assert record.lrs == pytest.approx([0.2 * f for f in factors], rel=1e-12)
     assert math.isclose(trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[1]["weight_decay"], 0.0)
     assert trainer.lr_scheduler_configs[0].interval == "step"
+
+
+def test_schedule_args_refuse_what_the_chosen_schedule_does_not_read():
+    from ddp_recipes.optim.schedules import ScheduleArgs
+
+    assert ScheduleArgs().decays_cosine and ScheduleArgs().reference is None
+    steps = ScheduleArgs(lr_scheduler="steplr", lr_step_size=5)
+    assert not steps.decays_cosine and steps.reference.lr_step_size == 5
+    cases = [(dict(lr_gamma=0.5), "{lr_gamma} has no effect without {lr_scheduler}; add it or drop {lr_gamma}"),
+             (dict(lr_scheduler="exponentiallr", lr_step_size=3), "{lr_step_size} has no effect without "
+              "{lr_scheduler} steplr"),
+             (dict(lr_scheduler="steplr", lr_warmup_decay=0.5), "{lr_warmup_decay} has no effect without "
+              "{lr_scheduler} and {lr_warmup_epochs} > 0"),
+             (dict(cosine=True, lr_scheduler="steplr"), "{cosine} and {lr_scheduler} are two schedules; give one"),
+             (dict(lr_scheduler="steplr", lr_gamma=2.0), "{lr_gamma} must be in (0, 1] (got 2.0)")]
+    for kwargs, template in cases:
+        with pytest.raises(ConfigError) as err:
+            ScheduleArgs(**kwargs)
+        assert err.value.template.startswith(template), err.value.template
+
+
+def test_optimizer_args_refuse_a_momentum_adamw_has_not():
+    from ddp_recipes.optim.optimizers import OptimizerArgs, optimizer_state_kind
+
+    OptimizerArgs(optimizer="rmsprop", momentum=0.5)
+    with pytest.raises(ConfigError, match="momentum has no effect without optimizer sgd, sgd_nesterov or rmsprop"):
+        OptimizerArgs(optimizer="adamw", momentum=0.5)
+    with pytest.raises(ConfigError, match=r"bias_weight_decay must be >= 0 \(got nan\)"):
+        OptimizerArgs(bias_weight_decay=math.nan)
+    assert [optimizer_state_kind(n) for n in (None, "sgd_nesterov", "adamw")] == ["sgd", "sgd", "adamw"]
+
+
+def test_build_from_names_the_config_fields():
+    from dataclasses import dataclass
+
+    from ddp_recipes.config.run_config import build_from
+    from ddp_recipes.optim.ema import EMAArgs
+
+    @dataclass
+    class Flags:
+        model_ema: bool = False
+        model_ema_steps: int = 32
+        model_ema_decay: float = 0.99998
+        warmup_epochs: float = 0.0
+
+    names = {"enabled": "model_ema", "decay": "model_ema_decay", "update_every": "model_ema_steps"}
+    assert build_from(EMAArgs, Flags(model_ema=True, model_ema_steps=4), names).update_every == 4
+    with pytest.raises(ConfigError) as err:
+        build_from(EMAArgs, Flags(model_ema_steps=4), names)
+    assert err.value.cli() == "--model-ema-steps has no effect without --model-ema; add it or drop --model-ema-steps"
+    assert err.value.param == "model_ema_steps"
+    with pytest.raises(ConfigError) as err:
+        build_from(EMAArgs, Flags(model_ema=True, model_ema_decay=2.0), names)
+    assert err.value.cli().startswith("--model-ema-decay must be in [0, 1]")

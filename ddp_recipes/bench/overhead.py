@@ -143,7 +143,7 @@ def run_pack(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBat
                     batch_size=args.batch_size, seed=args.seed, output_dir=str(out), num_workers=0)
     timer = StepTimer()
     data = _Tensors(train, val, args.batch_size, args.seed)
-    summary = run_fit_test(cfg, lambda: MNISTClassifier(arch=args.arch, lr=cfg.plan.lr), data, cfg.plan.lr,
+    summary = run_fit_test(cfg, lambda: MNISTClassifier(arch=args.arch, lr=cfg.plan.lr), data,
                            callbacks=[*checkpoint_callbacks(cfg, len(val) > 0, MNISTClassifier), timer],
                            test=False, save_final=False)
     return {**timer.figures(args.batch_size, args.warmup_steps),

@@ -67,8 +67,9 @@ class RunConfig:
     resume: str = opt("none", "none, auto (the newest complete checkpoint in --output-dir) or a checkpoint PATH or URL")
     checkpoint_every_n_steps: int = opt(0, "also save last.ckpt every N optimizer steps (it is always saved at "
                                            "each epoch end and on SIGTERM/SLURM's requeue signal)")
-    compile: bool = opt(False, "torch.compile the model; under DDP its DDPOptimizer splits the graph at gradient-bucket "
-                               "boundaries so the all-reduce still overlaps backward (compile time is reported apart)")
+    compile: bool = opt(False, "torch.compile the model; under DDP its DDPOptimizer splits the graph at "
+                               "gradient-bucket boundaries so the all-reduce still overlaps backward (compile time is "
+                               "reported apart)")
     compile_backend: str = opt("inductor", "torch.compile backend: inductor (generated kernels), aot_eager (no "
                                            "code generation: checks a model compiles), cudagraphs, ...")
     tf32: bool = opt(True, "FP32 matmuls and convolutions as TF32 on Ampere+ GPUs (NVIDIA's FP32 figures use it; "
@@ -78,13 +79,14 @@ class RunConfig:
                                         "module; recorded in checkpoints so --resume rebuilds it)")
     datamodule_class: str | None = opt(None, "your LightningDataModule, package.module:ClassName (its __init__ gets "
                                              "batch_size and the recipe's data flags it declares)")
-    diagnostics: bool = opt(True, "check the run for DDP mistakes (unsharded data, drifting weights, ...) and warn once")
+    diagnostics: bool = opt(True, "check the run for DDP mistakes (unsharded data, drifting weights, ...) and warn "
+                                  "once")
     trainer: dict[str, Any] = opt({}, "a lightning.Trainer setting the recipe does not own, KEY=VALUE, repeatable "
                                       "(--trainer val_check_interval=0.25 --trainer limit_val_batches=10); a trainer: "
                                       "mapping in --config", metavar="KEY=VALUE")
-    callbacks: list[Any] = opt([], "a Lightning callback by class path (LearningRateMonitor, pkg.mod.MyCallback) or as a "
-                                    "YAML mapping {class_path: ..., init_args: {...}}, repeatable; a callbacks: list "
-                                    "in --config, as LightningCLI writes it", metavar="SPEC")
+    callbacks: list[Any] = opt([], "a Lightning callback by class path (LearningRateMonitor, pkg.mod.MyCallback) or as "
+                                   "a YAML mapping {class_path: ..., init_args: {...}}, repeatable; a callbacks: list "
+                                   "in --config, as LightningCLI writes it", metavar="SPEC")
     logger: str = opt("csv", "experiment trackers, comma-separated: csv, tensorboard, mlflow, wandb (or none); logged "
                              "from rank 0 only, continued by --resume")
     log_every_n_steps: int = opt(10, "log the training loss, LR, throughput and input wait every N optimizer steps "
@@ -212,3 +214,34 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+
+def changed_fields(config: Any, *names: str) -> list[str]:
+    """The fields of the dataclass ``config`` among ``names`` whose value is not their default, in that order."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    return [name for name in names if getattr(config, name) != defaults[name]]
+
+
+def refuse_unused(config: Any, needs: list[tuple[bool, tuple[str, ...], str]]) -> None:
+    """A field given where it has no effect is refused, never silently dropped. ``needs`` holds, per rule,
+    (its requirement is missing, the fields that need it, the requirement in words with ``{field}`` markers)."""
+    for missing, names, requirement in needs:
+        changed = changed_fields(config, *names) if missing else []
+        if changed:
+            raise ConfigError(f"{{{changed[0]}}} has no effect without {requirement}; add it or drop "
+                              f"{{{changed[0]}}}", changed[0])
+
+
+def build_from(cls: type, config: Any, renames: dict[str, str] | None = None, **values: Any) -> Any:
+    """The dataclass ``cls`` (a component's settings, checked in its ``__post_init__``) from the same-named fields
+    of ``config``; ``renames`` maps a field of ``cls`` to the config's field that holds it, ``values`` replace
+    the config's. Its :class:`ConfigError` names the config's fields (the flags)."""
+    renames = renames or {}
+    given = {f.name: getattr(config, renames.get(f.name, f.name)) for f in dataclasses.fields(cls)
+             if f.init and hasattr(config, renames.get(f.name, f.name))}
+    try:
+        return cls(**{**given, **values})
+    except ConfigError as err:
+        if not renames:
+            raise
+        raise err.renamed(**renames) from None

@@ -35,8 +35,9 @@ from typing_extensions import override
 
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.modules.classifier import ImageClassifier, default_backbone
+from ddp_recipes.modules.classifier import ImageClassifier
 from ddp_recipes.modules.pretrained import (
+    FineTuning,
     LoadReport,
     PretrainedWeights,
     fetch_weights,
@@ -105,7 +106,8 @@ def check_training_hparams(hp: Mapping[str, Any]) -> None:
     ResNet recipe's config): a :class:`ConfigError` naming the first bad one. Missing keys take the defaults."""
     momentum, nesterov = hp.get("momentum", 0.9), hp.get("nesterov", False)
     ranges = [("momentum", momentum, 1, False), ("label_smoothing", hp.get("label_smoothing", 0.0), 1, False),
-              ("dropout", hp.get("dropout", 0.0), 1, False), ("weight_decay", hp.get("weight_decay", 0.0), math.inf, True),
+              ("dropout", hp.get("dropout", 0.0), 1, False),
+              ("weight_decay", hp.get("weight_decay", 0.0), math.inf, True),
               ("warmup_epochs", hp.get("warmup_epochs", 0.0), math.inf, True)]
     for name, value, high, closed in ranges:
         if not (0 <= value and (value <= high if closed else value < high) and math.isfinite(value)):
@@ -118,23 +120,7 @@ def check_training_hparams(hp: Mapping[str, Any]) -> None:
         raise ConfigError("{nesterov} needs {momentum} > 0")
     if hp.get("lr_scheduler"):
         ReferenceSchedule.of(hp, hp.get("warmup_epochs", 0.0))  # checks them
-    check_finetune_hparams(hp)
-
-
-def check_finetune_hparams(hp: Mapping[str, Any]) -> None:
-    """``freeze_backbone``, ``backbone_lr_mult`` and ``unfreeze_at_epoch``: each must have an effect."""
-    freeze, mult, epoch = hp.get("freeze_backbone", False), hp.get("backbone_lr_mult", 1.0), hp.get("unfreeze_at_epoch")
-    if not (math.isfinite(mult) and mult > 0):
-        raise ConfigError(f"{{backbone_lr_mult}} must be > 0 (got {mult}); to train no backbone parameter, pass "
-                          "{freeze_backbone}")
-    if epoch is not None and not freeze:
-        raise ConfigError("{unfreeze_at_epoch} unfreezes a frozen backbone; add {freeze_backbone}")
-    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1):
-        raise ConfigError(f"{{unfreeze_at_epoch}} must be an epoch >= 1 (got {epoch}); without it the backbone "
-                          "stays frozen")
-    if freeze and epoch is None and mult != 1.0:
-        raise ConfigError("{backbone_lr_mult} has no effect on a backbone frozen for the whole run; add "
-                          "{unfreeze_at_epoch} or drop {backbone_lr_mult}")
+    FineTuning.of(hp)  # checks them
 
 
 class ResNetClassifier(ImageClassifier):
@@ -374,38 +360,3 @@ def fit_pretrained(network: nn.Module, state: dict[str, torch.Tensor], head: set
     # build_arch wraps a ResNet's fc in Sequential(Dropout, fc) for --dropout: fc.* of the file is fc.1.*.
     rename = {"fc.": "fc.1."} if "fc.weight" in state and "fc.1.weight" in network.state_dict() else None
     return load_pretrained(network, state, head, name, rename, copy=copy)
-
-
-def check_weights_fit(arch: str, num_classes: int, cifar_stem: bool, dropout: float,
-                      weights: PretrainedWeights) -> LoadReport:
-    """The keys and shapes of a local weights file against the recipe's network, built on the meta device (no
-    memory, milliseconds): a file that does not fit fails before any process starts."""
-    state = read_weights(weights)
-    with torch.device("meta"):
-        network = build_arch(arch, num_classes, cifar_stem, dropout, pretrained=True)
-    return fit_pretrained(network, state, head_keys(network, default_backbone(network)), weights.name, arch, copy=False)
-
-
-def check_arch_input(arch: str, num_classes: int, image_size: int, cifar_stem: bool = False,
-                     dropout: float = 0.0) -> None:
-    """Raise a ``ValueError`` naming the flags when ``arch`` cannot take ``image_size`` px images.
-
-    ResNets pad their way through any size (:meth:`ResNetClassifier.check_image_size` says which sizes
-    are useful); other models are traced once on the meta device, which checks every shape in
-    milliseconds without allocating weights. A model that cannot be built there is not checked.
-    """
-    if arch in RESNET_FAMILY:
-        ResNetClassifier.check_image_size(image_size, cifar_stem)
-        return
-    try:
-        with torch.device("meta"):
-            model = build_arch(arch, num_classes, cifar_stem, dropout).eval()
-    except (RuntimeError, NotImplementedError):  # e.g. RegNet computes its widths with tensor data
-        return
-    try:
-        with torch.device("meta"), torch.no_grad():
-            model(torch.empty(1, 3, image_size, image_size))
-    except (RuntimeError, ValueError, AssertionError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"{{image_size}} {image_size} does not fit {{arch}} {arch} ({reason}); pick an image size "
-                         "the model takes (e.g. 224)") from None

@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
+from ddp_recipes.config.run_config import refuse_unused
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.optim.schedules import steps_per_epoch
 
@@ -72,8 +73,12 @@ class EMAArgs:
     """Optimizer steps between two updates (the reference's ``--model-ema-steps``)."""
     warmup_epochs: float = 0.0
     """The LR warm-up's length in epochs: the average copies the weights while it lasts."""
+    enabled: bool = True
+    """Whether a run keeps the average (a recipe's ``--model-ema``); without it, a decay or an update interval
+    other than the default would have no effect and is refused."""
 
     def __post_init__(self) -> None:
+        refuse_unused(self, [(not self.enabled, ("update_every", "decay"), "{enabled}")])
         if not 0.0 <= self.decay <= 1.0:
             raise ConfigError(f"{{decay}} must be in [0, 1] (got {self.decay})")
         every = self.update_every
@@ -81,6 +86,16 @@ class EMAArgs:
             raise ConfigError(f"{{update_every}} must be a whole number of optimizer steps >= 1 (got {every!r})")
         if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
             raise ConfigError(f"{{warmup_epochs}} must be >= 0 (got {self.warmup_epochs})")
+
+
+def ema_for_run(args: EMAArgs, world_size: int, step_batch: int, epochs: int | None) -> ModelEMA:
+    """The run's :class:`ModelEMA`: ``args.decay`` adjusted over ``epochs`` (:func:`adjusted_decay`, with
+    ``step_batch`` the per-device batch of one optimizer step); unadjusted when the run is bounded by steps only
+    (``epochs`` None or <= 0: its epoch count is unknown before the data is sized)."""
+    decay = args.decay
+    if epochs and epochs > 0:
+        decay = adjusted_decay(decay, world_size, step_batch, args.update_every, epochs)
+    return ModelEMA(decay=decay, update_every=args.update_every, warmup_epochs=args.warmup_epochs)
 
 
 def network_of(pl_module: L.LightningModule) -> nn.Module:

@@ -17,6 +17,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from ddp_recipes.config.choices import LR_SCHEDULERS, WARMUP_METHODS, check_choice
+from ddp_recipes.config.run_config import refuse_unused
 from ddp_recipes.errors import ConfigError
 
 
@@ -120,6 +121,54 @@ class ReferenceSchedule:
         given = {f.name: settings[f.name] for f in dataclasses.fields(cls)
                  if f.name != "lr_warmup_epochs" and settings.get(f.name) is not None}
         return cls(**given, lr_warmup_epochs=warmup_epochs)
+
+
+@dataclass(frozen=True)
+class ScheduleArgs:
+    """The schedule a run follows after its warm-up, as a recipe's flags choose it: the pack's cosine or
+    torchvision's reference (:class:`ReferenceSchedule`). ``__post_init__`` refuses a setting the chosen
+    schedule does not read (never silently dropped) and two schedules at once."""
+
+    cosine: bool | None = None
+    """Cosine decay to 0 after a linear warm-up from 0; None: on unless ``lr_scheduler`` is given."""
+    lr_scheduler: str | None = None
+    """The reference's schedule after the warm-up (None: ``cosine``'s)."""
+    lr_step_size: int = ReferenceSchedule.lr_step_size
+    """Epochs between steplr decays."""
+    lr_gamma: float = ReferenceSchedule.lr_gamma
+    """Decay factor of steplr and exponentiallr."""
+    lr_min: float = ReferenceSchedule.lr_min
+    """cosineannealinglr's final LR."""
+    lr_warmup_method: str = ReferenceSchedule.lr_warmup_method
+    """The reference's warm-up: linear or constant."""
+    lr_warmup_decay: float = ReferenceSchedule.lr_warmup_decay
+    """The reference's warm-up starting factor."""
+    warmup_epochs: float = 0.0
+    """The run's warm-up length in epochs."""
+
+    def __post_init__(self) -> None:
+        refuse_unused(self, [
+            (self.lr_scheduler is None, ("lr_step_size", "lr_gamma", "lr_min", "lr_warmup_method", "lr_warmup_decay"),
+             "{lr_scheduler}"),
+            (self.lr_scheduler != "steplr", ("lr_step_size",), "{lr_scheduler} steplr"),
+            (self.lr_scheduler not in ("steplr", "exponentiallr"), ("lr_gamma",),
+             "{lr_scheduler} steplr or exponentiallr"),
+            (self.lr_scheduler != "cosineannealinglr", ("lr_min",), "{lr_scheduler} cosineannealinglr"),
+            (self.lr_scheduler is None or not self.warmup_epochs, ("lr_warmup_method", "lr_warmup_decay"),
+             "{lr_scheduler} and {lr_warmup_epochs} > 0")])
+        if self.cosine and self.lr_scheduler is not None:
+            raise ConfigError("{cosine} and {lr_scheduler} are two schedules; give one")
+        _ = self.reference  # checks the reference's values
+
+    @property
+    def decays_cosine(self) -> bool:
+        """Whether the pack's cosine follows the warm-up (``cosine``, else: no ``lr_scheduler``)."""
+        return self.lr_scheduler is None if self.cosine is None else bool(self.cosine)
+
+    @property
+    def reference(self) -> ReferenceSchedule | None:
+        """The reference's schedule (None without ``lr_scheduler``)."""
+        return ReferenceSchedule.of(vars(self), self.warmup_epochs) if self.lr_scheduler else None
 
 
 def reference_factor(step: int, schedule: ReferenceSchedule, steps_per_epoch: int, total_steps: int,

@@ -79,8 +79,8 @@ def output_folder(cfg: RunConfig) -> Path | Url:
     return location(cfg.output_dir)
 
 
-def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
-    """The one block a run prints: world, batch arithmetic, precision, strategy."""
+def describe_setup(cfg: RunConfig, trainer: L.Trainer) -> str:
+    """The one block a run prints: world, batch arithmetic, learning rate, precision, strategy."""
     plan = cfg.plan
     per_device, accum, global_batch = plan.batch.astuple()
     strategy = type(trainer.strategy).__name__
@@ -90,8 +90,8 @@ def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
         f"{trainer.strategy.root_device.type})",
         f"batch            {per_device} per device x {trainer.world_size} x {accum} accumulation = "
         f"{global_batch} global",
-        f"learning rate    {lr:g} (base {plan.base_lr:g} at batch {plan.reference_batch}, scaling {plan.lr_scaling}, "
-        f"warm-up {plan.warmup_epochs:g} epochs)",
+        f"learning rate    {plan.lr:g} (base {plan.base_lr:g} at batch {plan.reference_batch}, "
+        f"scaling {plan.lr_scaling}, warm-up {plan.warmup_epochs:g} epochs)",
         f"precision        {trainer.precision}" + (f", torch.compile ({plan.compile_backend})"
                                                   if plan.compile_backend else ""),
         f"tf32             {tf32_state(trainer.strategy.root_device.type)}",
@@ -103,7 +103,6 @@ def describe_setup(cfg: RunConfig, trainer: L.Trainer, lr: float) -> str:
 
 
 def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], datamodule: L.LightningDataModule,
-                 lr: float,
                  callbacks: list[Callback] | None = None, ckpt_path: str | None = None, test: bool = True,
                  extra: dict[str, Any] | None = None, save_final: bool = True,
                  classes: RecipeClasses | None = None, checkpoint: dict[str, Any] | None = None,
@@ -117,8 +116,6 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if ckpt_path and checkpoint is None:
         checkpoint = read_checkpoint(ckpt_path)
     debugging = debug_run(trainer_kwargs)
-    if "logger" not in trainer_kwargs:  # a missing tracker package fails here, before anything is written
-        trainer_kwargs["logger"] = build_loggers(cfg, checkpoint)
     meter = ThroughputMeter(flops_per_sample=lambda example: training_flops_per_sample(build_model, example))
     callbacks = [meter, *(callbacks or [])]
     if classes is not None:
@@ -126,6 +123,7 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
         extra = {**classes.record(), **(extra or {})}
         if classes.datamodule is not None:
             callbacks.append(PlannedBatch(cfg.plan.batch.per_device, class_path(classes.datamodule)))
+    # The trackers are made with the trainer: a missing tracker package fails here, before anything is written.
     trainer = make_trainer(cfg, callbacks=callbacks, checkpoint=checkpoint, **trainer_kwargs)
     if not debugging:  # the last check before any rank starts; a debugging run writes nothing, touches no run
         refuse_other_runs(cfg, ckpt_path, checkpoint)
@@ -138,7 +136,7 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
         # plain module's keys.
         model = torch.compile(model, backend=cfg.plan.compile_backend)
     if trainer.is_global_zero:
-        print(describe_setup(cfg, trainer, lr), flush=True)
+        print(describe_setup(cfg, trainer), flush=True)
     start = time.perf_counter()
     # --resume auto: continue the folder's run, as rank 0 decides for every rank once the process group is up
     # (it opened ckpt_path already; every rank must load that very file).

@@ -93,9 +93,9 @@ def _refuse_checkpoint_io(plugins: Any, source: str) -> None:
     for plugin in plugins if isinstance(plugins, list | tuple) else [plugins]:
         if isinstance(plugin, CheckpointIO) and not isinstance(plugin, AtomicCheckpointIO):
             raise ConfigError(f"{source} plugins {lit(type(plugin).__name__)} would replace the recipe's "
-                              "AtomicCheckpointIO, which writes last.ckpt atomically (a kill mid-save keeps the previous "
-                              "one) and, on object storage, the manifests {resume} auto reads; subclass AtomicCheckpointIO "
-                              "to change it, or leave it out")
+                              "AtomicCheckpointIO, which writes last.ckpt atomically (a kill mid-save keeps the "
+                              "previous one) and, on object storage, the manifests {resume} auto reads; subclass "
+                              "AtomicCheckpointIO to change it, or leave it out")
 
 
 def _refuse_tuner(callback: Callback, source: str) -> None:

@@ -70,7 +70,8 @@ def import_class(spec: str, flag: str) -> type:
     """The class ``package.module:ClassName`` names; a ``ConfigError`` naming ``flag`` otherwise."""
     module_name, sep, qualname = spec.partition(":")
     if not sep or not module_name or not qualname or module_name.startswith("."):
-        raise ConfigError(f"{flag} {lit(repr(spec))} is not an absolute import path; write it as package.module:ClassName")
+        raise ConfigError(f"{flag} {lit(repr(spec))} is not an absolute import path; write it as "
+                          "package.module:ClassName")
     if module_name in SCRIPT_MODULES:
         raise ConfigError(f"{flag} {lit(spec)}: a class defined in a script cannot be imported; move it into a module "
                           "(a .py file beside the script) and pass module:ClassName")
@@ -82,8 +83,9 @@ def import_class(spec: str, flag: str) -> type:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - whatever the user's module raises at import is bad input here
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ConfigError(f"{flag} {lit(spec)}: cannot import {module_name} ({type(err).__name__}: {lit(reason)}); check the "
-                          "module path, that it is importable from the working directory, and its top-level code") from None
+        raise ConfigError(f"{flag} {lit(spec)}: cannot import {module_name} ({type(err).__name__}: {lit(reason)}); "
+                          "check the module path, that it is importable from the working directory, and its top-level "
+                          "code") from None
     obj: Any = module
     for part in qualname.split("."):
         if not hasattr(obj, part):
@@ -161,8 +163,8 @@ def follow_checkpoint(classes: RecipeClasses, checkpoint: dict[str, Any], path: 
                          path, "{datamodule_class}", "datamodule_cls")
     for cls, base in ((model, classes.base), (datamodule, L.LightningDataModule)):
         if cls is not None and not issubclass(cls, base):
-            raise ConfigError(f"{{resume}} {lit(path)} was trained with {class_path(cls)}, which this recipe does not build "
-                              "(a checkpoint of another recipe?); pass a checkpoint written by this recipe")
+            raise ConfigError(f"{{resume}} {lit(path)} was trained with {class_path(cls)}, which this recipe does not "
+                              "build (a checkpoint of another recipe?); pass a checkpoint written by this recipe")
     return replace(classes, model=model, datamodule=datamodule)
 
 
@@ -191,14 +193,14 @@ def _follow(recorded: str | None, recorded_file: str | None, given: type | None,
         if recorded is None or not same_class(recorded, given, recorded_file):
             default_recorded = recorded is None or (default is not None and recorded == class_path(default))
             fix = f"drop {flag} ({kwarg}=)" if default_recorded else f"pass {flag} {recorded}"
-            raise ConfigError(f"{{resume}} {lit(path)} was trained with {recorded or _describe(None)} but this run builds "
-                              f"{_describe(given)}; {fix} or pass another checkpoint")
+            raise ConfigError(f"{{resume}} {lit(path)} was trained with {recorded or _describe(None)} but this run "
+                              f"builds {_describe(given)}; {fix} or pass another checkpoint")
         return given
     if recorded is None or (default is not None and class_path(default) == recorded):
         return None
     if defined_in_script(recorded):
-        raise ConfigError(f"{{resume}} {lit(path)} was trained with {lit(recorded)}, a class defined in a script: run that "
-                          f"script again (it passes {kwarg}=), or move the class into a module and pass {flag}")
+        raise ConfigError(f"{{resume}} {lit(path)} was trained with {lit(recorded)}, a class defined in a script: run "
+                          f"that script again (it passes {kwarg}=), or move the class into a module and pass {flag}")
     return import_class(recorded, f"{flag} (recorded in {{resume}} {path})")
 
 

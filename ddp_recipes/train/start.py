@@ -1,0 +1,39 @@
+"""What every recipe's ``main`` opens before it builds anything: the classes it trains (``--model-class``,
+``--datamodule-class`` or a script's), the user's Trainer surface, and the checkpoint ``--resume`` names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.train.checkpoints import open_resume
+from ddp_recipes.train.surface import UserSurface, open_surface
+from ddp_recipes.train.userclass import RecipeClasses, follow_checkpoint, resolve_classes
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """A recipe run as opened: its classes (those of the checkpoint it resumes), the user's part of the
+    Trainer, and the checkpoint to resume (path and contents; None: a fresh run)."""
+
+    classes: RecipeClasses
+    user: UserSurface
+    resume: str | None
+    checkpoint: dict[str, Any] | None
+
+
+def open_run(cfg: RunConfig, base: type[L.LightningModule], model_cls: type | None = None,
+             datamodule_cls: type | None = None, callbacks: Any = None, logger: Any = None,
+             trainer_kwargs: dict[str, Any] | None = None, *, training: bool = True) -> RunStart:
+    """Open a recipe's run before any process starts: the classes (``base`` or the user's subclass), the
+    user's callbacks, logger and Trainer settings, and ``--resume``'s checkpoint, whose recorded classes the
+    run then follows. ``training`` False (``--test-only``) only reads the output folder."""
+    classes = resolve_classes(base, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
+    user = open_surface(cfg, callbacks, logger, trainer_kwargs)
+    resume, checkpoint = open_resume(cfg, training=training)
+    if resume:
+        classes = follow_checkpoint(classes, checkpoint, resume)
+    return RunStart(classes, user, resume, checkpoint)
