@@ -27,6 +27,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Timer
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_recipes import build_trainer
@@ -319,22 +320,36 @@ def test_continuing_past_max_steps_into_max_epochs_is_exact(tmp_path):
     assert_same_weights(last(epoch), last(both))
 
 
+class SpendTimeAt(L.Callback):
+    """Spends the whole ``max_time`` during step ``step`` (counted from 1): the fit stops after that step, at a
+    point the test chooses rather than wherever the host's clock happens to be (an epoch end or not)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step - 1:
+            timer = next(c for c in trainer.callbacks if isinstance(c, Timer))
+            timer._offset = timer._duration + 1.0  # the elapsed time a resumed Timer carries in from a checkpoint
+
+
 @needs_mnist
-def test_continuing_past_max_time_is_exact_and_counts_epochs_alike(tmp_path):
-    """Stopped by max_time wherever the clock says (mid-epoch, almost surely), the checkpoint resumes at that
-    batch; a run resumed from it with the same max_time stops at once with the same epoch count (item 9)."""
+@pytest.mark.parametrize("stop, epochs", [(48, 3), (37, 2)], ids=["at-an-epoch-end", "mid-epoch"])
+def test_continuing_past_max_time_is_exact_and_counts_epochs_alike(tmp_path, stop, epochs):
+    """Stopped by max_time after step ``stop`` (16 steps per epoch: the last batch of epoch 2, or batch 5 of
+    epoch 2), the checkpoint resumes at that batch; a run resumed from it with the same, spent max_time stops
+    at once and reports the same epochs and steps; continued with time to spare it trains on exactly."""
     big = [*MNIST, "--batch-size", "500"]  # 16 steps per epoch
     timed, straight = tmp_path / "timed", tmp_path / "straight"
-    short = {"max_time": datetime.timedelta(seconds=1)}
-    first = mnist.main([*big, "--max-epochs", "20", "--output-dir", str(timed)], trainer_kwargs=short)
+    hour, day = {"max_time": datetime.timedelta(hours=1)}, {"max_time": datetime.timedelta(days=1)}
+    first = mnist.main([*big, "--max-epochs", "20", "--output-dir", str(timed)], trainer_kwargs=hour,
+                       callbacks=[SpendTimeAt(stop)])
     again = mnist.main([*big, "--max-epochs", "20", "--output-dir", str(timed), "--resume", "auto"],
-                       trainer_kwargs=short)
-    assert (again["epochs"], again["steps"]) == (first["epochs"], first["steps"]) == (first["steps"] // 16,
-                                                                                     first["steps"])
-    steps = first["steps"] + 20  # past the stop, into the next epoch
-    long = {"max_time": datetime.timedelta(hours=1)}
-    mnist.main([*big, "--max-steps", str(steps), "--output-dir", str(timed), "--resume", "auto"], trainer_kwargs=long)
-    mnist.main([*big, "--max-steps", str(steps), "--output-dir", str(straight)], trainer_kwargs=long)
+                       trainer_kwargs=hour)
+    assert (first["epochs"], first["steps"]) == (again["epochs"], again["steps"]) == (epochs, stop)
+    steps = stop + 20  # past the stop, into the next epoch
+    mnist.main([*big, "--max-steps", str(steps), "--output-dir", str(timed), "--resume", "auto"], trainer_kwargs=day)
+    mnist.main([*big, "--max-steps", str(steps), "--output-dir", str(straight)], trainer_kwargs=day)
     assert saved_step(last(timed)) == steps
     assert_same_weights(last(timed), last(straight))
 

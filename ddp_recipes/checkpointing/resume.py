@@ -95,7 +95,17 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
 def completed_epochs(trainer: L.Trainer) -> int:
     """Whole epochs trained: ``trainer.current_epoch``, except after a fit that stopped inside an epoch
     (``max_steps``, ``max_time``), where Lightning counts the cut epoch as done; a run continued from that
-    checkpoint counts it as not done. The same checkpoint then gives the same count, whichever run wrote it."""
+    checkpoint counts it as not done. The same checkpoint then gives the same count, whichever run wrote it.
+
+    A fit that trained nothing (resumed with its limit already met, e.g. a spent ``max_time``) keeps the
+    checkpoint's counters as they were when it was written: one written in ``on_train_epoch_end`` has the
+    epoch processed but not yet completed, so ``current_epoch`` is one short there, and the restored batch
+    progress says whether that epoch ran to its last batch.
+    """
+    fit_loop = trainer.fit_loop
+    progress = fit_loop.epoch_progress.current
+    if progress.processed > progress.completed:
+        return progress.processed - int(not fit_loop.epoch_loop._num_ready_batches_reached())
     state = next((c for c in trainer.callbacks if isinstance(c, ResumeState)), None)
     return trainer.current_epoch - int(state is not None and state.epoch_cut_short)
 
