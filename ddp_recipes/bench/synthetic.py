@@ -61,7 +61,8 @@ class RankShard(Dataset):
         n = shard_size(self.global_len, world_size)
         g = torch.Generator().manual_seed(self.seed * 100_003 + rank)  # ranks draw different samples
         x, y = torch.randn(n, *self.shape, generator=g), torch.randint(0, self.num_classes, (n,), generator=g)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device(self.device)
+        device = (torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda"
+                  else torch.device(self.device))
         self.tensors, self.rank, self.world_size = (x.to(device), y.to(device)), rank, world_size
         return self.tensors
 
