@@ -108,7 +108,8 @@ def decode_gpu(out: Path, steps: int, batch: int, accelerator: str, arch: str, i
         summary = json.loads((work / f"decode-{decode}" / "summary.json").read_text())
         runs[decode] = {"images_per_s": summary.get("train_samples_per_sec"),
                         "input_wait_fraction": summary.get("input_wait_fraction"),
-                        "num_workers": summary["config"].get("num_workers") or default_num_workers(), "steps": summary.get("steps"),
+                        "num_workers": summary["config"].get("num_workers") or default_num_workers(),
+                        "steps": summary.get("steps"),
                         "decode": summary.get("decode")}
         # After each run: a check cut during the second still shows the first's figures.
         out.write_text(json.dumps({**runs, "batch_size": batch, "arch": arch, "image_size": image_size,

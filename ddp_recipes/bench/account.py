@@ -130,7 +130,8 @@ def summarize(rows: list[dict[str, Any]], devices: list[int], components: list[s
             p["delta_ms"]["median"] for c, p in parts.items()
             if p["delta_ms"] and INSIDE.get(c) not in components)
         out[str(n)] = {
-            "step_ms": step, "gap_ms": gap, "lightning_ms": lightning, "pack_over_plain_ms": paired(rows, "pack", "plain", n),
+            "step_ms": step, "gap_ms": gap, "lightning_ms": lightning,
+            "pack_over_plain_ms": paired(rows, "pack", "plain", n),
             "parts": parts,
             "unexplained_ms": (gap["median"] - explained) if gap else None,
             "pack_over_raw": paired(rows, "pack", "raw", n, "samples_per_s", ratio=True),

@@ -67,28 +67,33 @@ def markdown(result: dict[str, Any]) -> str:
     row("Lightning's own loop: plain - raw", lambda s: s["lightning_ms"], share=True)
     row("the pack over plain Lightning: pack - plain", lambda s: s["pack_over_plain_ms"], share=True)
     for part in result["components"]:
-        row(f"{part}: pack - pack without it ({PACK_COMPONENTS[part]})", lambda s, part=part: s["parts"][part]["delta_ms"],
+        row(f"{part}: pack - pack without it ({PACK_COMPONENTS[part]})",
+            lambda s, part=part: s["parts"][part]["delta_ms"],
             share=True, hooks=(lambda s, part=part: s["parts"][part]["hook_ms"]))
-    lines.append("| not accounted for: gap - Lightning's loop - the parts | "
-                 + " | ".join("-" if summary[str(n)]["unexplained_ms"] is None else f"{summary[str(n)]['unexplained_ms']:+.1f}"
-                              for n in devices)
-                 + f" | {_share({'median': top['unexplained_ms']}, gap_top) if top['unexplained_ms'] is not None else '-'} | |")
+    lines.append(
+        "| not accounted for: gap - Lightning's loop - the parts | "
+        + " | ".join("-" if summary[str(n)]["unexplained_ms"] is None else f"{summary[str(n)]['unexplained_ms']:+.1f}"
+                     for n in devices)
+        + f" | {_share({'median': top['unexplained_ms']}, gap_top) if top['unexplained_ms'] is not None else '-'}"
+        " | |")
     lines += ["", "Each difference is the median over rounds of the paired per-round difference (min to max); a "
                   "part's own cost is also in the last column, the host time inside its callback hooks, exact "
                   "(collective waits inside them included). Parts whose switch-off differences straddle zero cost "
                   "nothing this host can resolve.", ""]
     lines.append("Throughput ratios, median of interleaved pairs (min-max): " + "; ".join(
-        f"N={n}: pack/raw {_ratio(summary[str(n)]['pack_over_raw'])}, pack/plain {_ratio(summary[str(n)]['pack_over_plain'])}, "
+        f"N={n}: pack/raw {_ratio(summary[str(n)]['pack_over_raw'])}, "
+        f"pack/plain {_ratio(summary[str(n)]['pack_over_plain'])}, "
         f"plain/raw {_ratio(summary[str(n)]['plain_over_raw'])}" for n in devices) + ".")
-    lines += ["", "Host threads per rank (most in any run) and CPU ms per step of threads other than the training thread "
-                  "(slowest rank; gloo's loop threads, the progress bar's monitor, the store watcher): " + "; ".join(
-                      f"N={n}: " + ", ".join(f"{label} {t['threads']} threads, {_ms(t['other_cpu_ms'])} ms"
-                                             for label, t in summary[str(n)]["threads"].items() if t) for n in devices)
+    lines += ["", "Host threads per rank (most in any run) and CPU ms per step of threads other than the training "
+                  "thread (slowest rank; gloo's loop threads, the progress bar's monitor, the store watcher): "
+                  + "; ".join(f"N={n}: " + ", ".join(f"{label} {t['threads']} threads, {_ms(t['other_cpu_ms'])} ms"
+                                                     for label, t in summary[str(n)]["threads"].items() if t)
+                              for n in devices)
               + "."]
     failed = [r for r in result["rows"] if "error" in r]
     if failed:
-        lines += ["", f"{len(failed)} run(s) failed: " + ", ".join(f"{r['label']} N={r['devices']} round {r['round'] + 1}"
-                                                             for r in failed) + "."]
+        lines += ["", f"{len(failed)} run(s) failed: "
+                  + ", ".join(f"{r['label']} N={r['devices']} round {r['round'] + 1}" for r in failed) + "."]
     return "\n".join(lines)
 
 

@@ -126,9 +126,10 @@ def _machine_lines(report: dict[str, Any]) -> list[str]:
     shown = "; ".join(d.get("gpus") or []) or ("nvidia-smi not installed" if d.get("tool") is None else "no GPU listed")
     lines = [f"- GPU (torch): {gpu}; the driver shows: {shown}",
              f"- driver {d.get('driver_version') or '?'}, driver CUDA {d.get('cuda_version') or '?'}; torch "
-             f"{v.get('torch')} built with CUDA {m.get('torch_cuda') or 'none (CPU-only)'}, cuDNN {m.get('cudnn') or '-'}",
-             f"- Python {m.get('python')}; " + ", ".join(f"{k} {v.get(k) or '-'}" for k in
-                                                          ("lightning", "torchvision", "torchmetrics", "triton", "numpy"))]
+             f"{v.get('torch')} built with CUDA {m.get('torch_cuda') or 'none (CPU-only)'}, "
+             f"cuDNN {m.get('cudnn') or '-'}",
+             f"- Python {m.get('python')}; " + ", ".join(
+                 f"{k} {v.get(k) or '-'}" for k in ("lightning", "torchvision", "torchmetrics", "triton", "numpy"))]
     if m.get("compile_problem"):
         lines.append(f"- torch.compile: {m['compile_problem']}")
     return lines
@@ -138,7 +139,8 @@ def markdown(report: dict[str, Any]) -> str:
     c = report["counts"]
     title = report["verdict"].upper()
     lines = [f"# gpu-check: {title} (exit {report['exit_code']})", "",
-             f"{report['meaning'][0].upper()}{report['meaning'][1:]}. {c['pass']} pass, {c['fail']} fail, {c['incomplete']} incomplete, "
+             f"{report['meaning'][0].upper()}{report['meaning'][1:]}. "
+             f"{c['pass']} pass, {c['fail']} fail, {c['incomplete']} incomplete, "
              f"{c['no verdict']} no verdict; {report['elapsed_s']} s of a {report['budget_s']:.0f} s budget"
              + ("" if report["finished"] else "; STILL RUNNING or stopped when this was written") + ".", ""]
     if report["machine_problem"]:
@@ -150,7 +152,8 @@ def markdown(report: dict[str, Any]) -> str:
         cfg = report["config"]
         lines += ["", f"ResNet-50, 224 px, bf16-mixed, channels-last, batch {cfg['batch_size']}, synthetic data, "
                   f"1 GPU; MFU against the dense bf16 peak {report['peak_flops_per_sec']} FLOP/s", "",
-                  "| impl | images/s | step ms | first step s | TFLOP/s | MFU |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                  "| impl | images/s | step ms | first step s | TFLOP/s | MFU |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
         lines += [f"| {r['impl']} | {r['images_per_s']} | {r['step_ms_median']} | {r['first_step_s']} | "
                   f"{r['achieved_tflops']} | {r['mfu']} |" for r in report["throughput"]]
     lines += ["", "Reference (NVIDIA, published, 1 GPU):"]

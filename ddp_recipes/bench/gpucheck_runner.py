@@ -198,7 +198,8 @@ def run_checks(checks: list[Check | Derived], gpus: int, out_dir: Path, budget_s
             else:
                 timeout = min(check.timeout_s, left)
                 say(f"{head}: {check.what} (timeout {timeout:.0f} s, {left:.0f} s of the budget left) ...")
-                result = run_one(check, timeout, out_dir / "gpu-check" / check.name, budget_cut=timeout < check.timeout_s)
+                result = run_one(check, timeout, out_dir / "gpu-check" / check.name,
+                                 budget_cut=timeout < check.timeout_s)
         say(f"{head}: {result['verdict']}" + (f": {result['reason']}" if result["reason"] else "")
             + (f" ({result['seconds']} s)" if result["seconds"] else ""))
         results.append(result)

@@ -116,8 +116,8 @@ def thread_cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tupl
     per_step = 1000.0 / max(steps, 1)
     return {"threads": len(after), "main_cpu_ms_per_step": round(used.get(main, ("", 0.0))[1] * per_step, 2),
             "other_threads_cpu_ms_per_step": round(sum(cpu for _, cpu in others.values()) * per_step, 2),
-            "other_threads_by_name": {k: round(v * per_step, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
-                                      if v > 0}}
+            "other_threads_by_name": {k: round(v * per_step, 2)
+                                      for k, v in sorted(by_name.items(), key=lambda kv: -kv[1]) if v > 0}}
 
 
 class StepEnds:

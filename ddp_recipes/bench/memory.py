@@ -85,7 +85,8 @@ class MemoryBenchConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{{{name}}} must be >= 1 (got {getattr(self, name)})")
         if self.image_size < MIN_IMAGE_SIZE:
-            raise ConfigError(f"{{image_size}} must be >= {MIN_IMAGE_SIZE} for the ImageNet stem (got {self.image_size})")
+            raise ConfigError(f"{{image_size}} must be >= {MIN_IMAGE_SIZE} for the ImageNet stem "
+                              f"(got {self.image_size})")
         if self.threads < 0:
             raise ConfigError(f"{{threads}} must be >= 0 (got {self.threads})")
         if self.mmap_threshold_kb < 0:
@@ -94,7 +95,8 @@ class MemoryBenchConfig:
         unknown = [v for v in variants if v not in VARIANTS]
         if unknown or not variants:
             which = "{variant}" if self.variant else "{variants}"
-            raise ConfigError(f"{which} must name variants from {', '.join(VARIANTS)} (got {', '.join(unknown) or 'none'})")
+            raise ConfigError(f"{which} must name variants from {', '.join(VARIANTS)} "
+                              f"(got {', '.join(unknown) or 'none'})")
         if self.variant and (len(variants) != 1 or not self.json):
             raise ConfigError("{variant} takes one variant and needs {json} FILE (it is the runner's worker mode)")
         return {"arch": self.arch, "batch_size": self.batch_size, "image_size": self.image_size,

@@ -214,13 +214,15 @@ def summary_line(result: dict[str, Any]) -> str:
     ratio, wait = s["pack_over_plain"], s["pack_input_wait_fraction"]
     whole = s["pack_over_plain_with_epoch_starts"]
     return (f"overhead pack/plain {ratio['median']} ({ratio['min']}-{ratio['max']}) over {len(result['rounds'])} "
-            f"rounds ({whole['median']} ({whole['min']}-{whole['max']}) with epoch starts); samples/s pack {s['pack_samples_per_sec']['median']} plain {s['plain_samples_per_sec']['median']}; "
+            f"rounds ({whole['median']} ({whole['min']}-{whole['max']}) with epoch starts); "
+            f"samples/s pack {s['pack_samples_per_sec']['median']} plain {s['plain_samples_per_sec']['median']}; "
             f"pack input wait {wait['median']} ({wait['min']}-{wait['max']}) of step time")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``bench overhead``."""
-    p.add_argument("--data-dir", default="", help="folder holding MNIST/raw (empty: synthetic tensors of MNIST's shape)")
+    p.add_argument("--data-dir", default="",
+                   help="folder holding MNIST/raw (empty: synthetic tensors of MNIST's shape)")
     p.add_argument("--val-size", type=int, default=0, help="images held out for validation, as the recipe's --val-size")
     p.add_argument("--samples", type=int, default=20000, help="synthetic images when --data-dir is empty")
     p.add_argument("--arch", default="mlp", choices=MNIST_ARCHS, help="the MNIST module's network")

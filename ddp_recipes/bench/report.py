@@ -94,7 +94,8 @@ def runs_table(runs: Iterable[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['impl']} | {r['devices']} | {_fmt(r['global_samples_per_s'], '.1f')}{_range(r)} "
             f"| {_fmt(r.get('per_device_samples_per_s'), '.1f')} | {spread} | {_fmt(max(mem) if mem else None, '.0f')} "
-            f"| {_fmt(r.get('speedup'))} | {_fmt(eff * 100 if eff is not None else None, '.0f')}{'%' if eff is not None else ''} "
+            f"| {_fmt(r.get('speedup'))} "
+            f"| {_fmt(eff * 100 if eff is not None else None, '.0f')}{'%' if eff is not None else ''} "
             f"| {_fmt(flops / 1e9 if flops else None, '.1f')} | {_fmt(r.get('mfu'), '.1%')} "
             f"| {_fmt(r.get('input_wait_fraction'), '.1%')} |"
         )

@@ -78,11 +78,13 @@ class BenchConfig:
             try:
                 devices = sorted({int(part) for part in self.devices.split(",") if part.strip()})
             except ValueError:
-                raise ConfigError(f"{{devices}} must be a comma list of integers such as 1,2,4 (got {lit(repr(self.devices))})") from None
+                raise ConfigError(f"{{devices}} must be a comma list of integers such as 1,2,4 "
+                                  f"(got {lit(repr(self.devices))})") from None
         if not devices or devices[0] < 1:
             raise ConfigError(f"{{devices}} needs counts >= 1 (got {lit(repr(self.devices))})")
         if accelerator == "cuda" and devices[-1] > gpus:
-            raise ConfigError(f"{{devices}} {self.devices} but only {gpus} CUDA device(s) are visible; lower {{devices}}")
+            raise ConfigError(f"{{devices}} {self.devices} but only {gpus} CUDA device(s) are visible; "
+                              "lower {devices}")
         if 1 not in devices:
             raise ConfigError("{devices} must include 1: speedup is measured against the 1-device run")
         if self.repeats < 1:
@@ -96,8 +98,10 @@ class BenchConfig:
             "mlp" if self.recipe == "mnist" else "resnet50" if accelerator == "cuda" else "resnet18")
         valid = MNIST_ARCHS if self.recipe == "mnist" else RESNET_ARCHS
         if arch not in valid:
-            raise ConfigError(f"{{arch}} {arch!r} does not fit {{recipe}} {self.recipe}; choose one of {', '.join(valid)}")
-        precision = self.precision if self.precision != "auto" else ("bf16-mixed" if accelerator == "cuda" else "32-true")
+            raise ConfigError(f"{{arch}} {arch!r} does not fit {{recipe}} {self.recipe}; "
+                              f"choose one of {', '.join(valid)}")
+        precision = self.precision if self.precision != "auto" else (
+            "bf16-mixed" if accelerator == "cuda" else "32-true")
         if precision == "16-mixed" and accelerator == "cpu":
             raise ConfigError("{precision} 16-mixed needs CUDA; use {precision} bf16-mixed or 32-true on CPU")
         image_size = self.image_size or (224 if accelerator == "cuda" else 32)
@@ -111,7 +115,8 @@ class BenchConfig:
         if self.writeup and not self.data_dir:
             raise ConfigError("{writeup} needs {data_dir} (a folder holding MNIST/raw): the script reads real files")
         if self.data_dir and not (Path(self.data_dir) / "MNIST" / "raw").is_dir():
-            raise ConfigError(f"{{data_dir}} {lit(self.data_dir)} has no MNIST/raw folder; pass the folder that holds it")
+            raise ConfigError(f"{{data_dir}} {lit(self.data_dir)} has no MNIST/raw folder; "
+                              "pass the folder that holds it")
         threads = self.threads_per_rank or (max(1, usable_cpus() // devices[-1]) if accelerator == "cpu" else 0)
         if threads < 0:
             raise ConfigError(f"{{threads_per_rank}} must be >= 0 (got {threads})")

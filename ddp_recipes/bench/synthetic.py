@@ -3,12 +3,12 @@
 The sampler still sees the *global* dataset (pack: Lightning's DistributedSampler; raw: the write-up's),
 so every path shards, shuffles and batches exactly as on real data. But a rank materialises only
 ``ceil(global / world)`` samples, its own (seeded with the rank), and the sampler's global indices are
-folded onto them: at 224 px and 4 GPUs the global set is ~8 GB, which every rank used to build; on an
-8-GPU node that was more than 128 GB of host memory. The samples live on the rank's device (CUDA) so no
-step copies a batch from pageable host memory: the bench measures the model and DDP, not the H2D copy
-(``bench loader`` measures the input pipeline). Only the batch's indices cross to the device, from pinned
-memory without blocking: a pageable copy synchronises the host with the GPU at every step, which is what
-``gpu-check``'s sync-debug check looks for in the pack.
+folded onto them. No rank builds the global set: at 224 px and 4 GPUs it is ~8 GB, and on an 8-GPU node
+every rank holding it would take more than 128 GB of host memory. The samples live on the rank's device
+(CUDA) so no step copies a batch from pageable host memory: the bench measures the model and DDP, not the
+H2D copy (``bench loader`` measures the input pipeline). Only the batch's indices cross to the device, from
+pinned memory without blocking: a pageable copy synchronises the host with the GPU at every step, which is
+what ``gpu-check``'s sync-debug check looks for in the pack.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class RankShard(Dataset):
         n = shard_size(self.global_len, world_size)
         g = torch.Generator().manual_seed(self.seed * 100_003 + rank)  # ranks draw different samples
         x, y = torch.randn(n, *self.shape, generator=g), torch.randint(0, self.num_classes, (n,), generator=g)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device(self.device)
+        device = (torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda"
+                  else torch.device(self.device))
         self.tensors, self.rank, self.world_size = (x.to(device), y.to(device)), rank, world_size
         return self.tensors
 

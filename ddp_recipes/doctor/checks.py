@@ -129,8 +129,8 @@ def classify(err: BaseException, cfg: DoctorConfig, phase: str, rank: int) -> Fa
                        f"ranks arrived ({first})", "start every node with the same --num-nodes/--master-addr/"
                        "--master-port, check the firewall between the nodes, or raise --timeout-s")
     if "blocking wait" in low or "watchdog caught collective operation timeout" in low:
-        return Failure(f"rank {rank}: a collective in the {phase} step hung for --timeout-s {cfg.timeout_s:g} s: a peer "
-                       f"never joined it ({first})", "look at the other ranks' errors first; " + DEBUG_FIX,
+        return Failure(f"rank {rank}: a collective in the {phase} step hung for --timeout-s {cfg.timeout_s:g} s: "
+                       f"a peer never joined it ({first})", "look at the other ranks' errors first; " + DEBUG_FIX,
                        secondary=True)
     if any(s in low for s in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")):
         return Failure(f"rank {rank} lost a peer in the {phase} step: another rank died, hung or is unreachable "

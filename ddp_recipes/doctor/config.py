@@ -83,8 +83,9 @@ class DoctorConfig:
         else:
             self._for_spawn(gpus)
         if self.accelerator == "cuda" and self.devices > gpus:
-            raise ConfigError(f"{{devices}} {self.devices} but only {gpus} CUDA GPU(s) are visible (CUDA_VISIBLE_DEVICES="
-                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); pass {{devices}} {gpus} or fewer")
+            raise ConfigError(f"{{devices}} {self.devices} but only {gpus} CUDA GPU(s) are visible "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                              f"pass {{devices}} {gpus} or fewer")
 
     def _from_torchrun(self) -> None:
         # torchrun owns the topology; a flag that disagrees with it would be silently ignored, so refuse it.

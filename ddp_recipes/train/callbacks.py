@@ -102,7 +102,8 @@ class ThroughputMeter(Callback):
         if self._first is None and self._first_step is None and self._first_start is not None:
             self._first = (self._first_start, now)
         if self._last is not None:
-            self._pending.append(((batch_size_of(batch) or 1) * trainer.world_size, self._last, now, input_wait(trainer)))
+            self._pending.append(((batch_size_of(batch) or 1) * trainer.world_size, self._last, now,
+                                  input_wait(trainer)))
             self._collect(wait=False)
         self._last = now
         if self._live and trainer.global_step >= self._next_log:  # one flag elsewhere, one compare on rank 0

@@ -21,8 +21,8 @@ from ddp_recipes.storage import location
 class BestCheckpoint(ModelCheckpoint):
     """The recipe's ``best.ckpt``: a ModelCheckpoint under a state key of its own (led by this class's name), so
     a user's ModelCheckpoint on the same metric (``--callbacks ModelCheckpoint`` with ``monitor: val_acc``)
-    runs beside it: Lightning refuses two stateful callbacks with one key. Checkpoints that kept best.ckpt's
-    state under ModelCheckpoint's key still restore it."""
+    runs beside it: Lightning refuses two stateful callbacks with one key. A checkpoint that holds best.ckpt's
+    state under ModelCheckpoint's own key restores it too (``_legacy_state_key``)."""
 
     pack_owned = True  # its name in the recipe's folder is the recipe's (a user's ModelCheckpoint may not take it)
 

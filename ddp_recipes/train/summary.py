@@ -21,7 +21,8 @@ def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
 def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_seconds: float,
               metrics: dict[str, float], test_metrics: dict[str, float],
               extra: dict[str, Any] | None = None, flops: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The fields of summary.json (see docs/recipes.md#summaryjson for each one). Every rank calls it (one collective)."""
+    """The fields of summary.json (see docs/recipes.md#summaryjson for each one). Every rank calls it (one
+    collective)."""
     wait = worst_rank(trainer, meter.input_wait_fraction)
     batch = cfg.plan.batch
     return {

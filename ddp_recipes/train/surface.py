@@ -73,8 +73,8 @@ _VALIDATION_SETTINGS = {"val_check_interval": None, "check_val_every_n_epoch": N
 def without_validation(trainer_kwargs: dict[str, Any], has_val: bool, how: str) -> dict[str, Any]:
     """A run's Trainer settings, checked against whether it has validation data: a validation setting on a
     run without it would do nothing, so it is refused naming ``how`` a run gets a validation set. A run without
-    validation gets ``limit_val_batches=0`` (Lightning then skips validation without asking for the empty
-    loader, which it warned about: "Total length of `list` across ranks is zero")."""
+    validation gets ``limit_val_batches=0``: Lightning then skips validation without asking for the empty
+    loader, which would make it warn "Total length of `list` across ranks is zero"."""
     if has_val:
         return trainer_kwargs
     for key, off in _VALIDATION_SETTINGS.items():

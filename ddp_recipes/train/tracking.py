@@ -34,7 +34,7 @@ from ddp_recipes.storage import is_url, location, same_path
 from ddp_recipes.storage.store import cache_dir
 from ddp_recipes.train.loggers import ContinuedCSVLogger, ContinuedMLFlowLogger
 
-CSV_DIR = "logs"  # <output-dir>/logs/version_N/metrics.csv (the folder recipes always wrote)
+CSV_DIR = "logs"  # <output-dir>/logs/version_N/metrics.csv; a resume continues a recorded version only here
 TENSORBOARD_DIR = "tensorboard"  # <output-dir>/tensorboard/version_N/events.out.tfevents.*
 MLFLOW_DB = "mlflow.db"  # the default store: <output-dir>/mlflow.db (MLflow 3 refuses a plain-folder store)
 
@@ -219,7 +219,8 @@ def identities(loggers: list[Logger]) -> dict[str, dict[str, Any]]:
 
 
 def recorded_runs(checkpoint: dict[str, Any] | None) -> dict[str, dict[str, Any]] | None:
-    """The tracker runs a checkpoint records (None: it records none, e.g. written before this was kept)."""
+    """The tracker runs a checkpoint records (None: it holds no TrackerRun state, e.g. a run with ``--logger
+    none`` or a build_trainer script's)."""
     state = ((checkpoint or {}).get("callbacks") or {}).get(TrackerRun.__qualname__)
     if not isinstance(state, dict) or "loggers" not in state:
         return None

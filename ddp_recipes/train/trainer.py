@@ -202,7 +202,8 @@ class Lifecycle:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ConfigError(f"{{checkpoint_every_n_steps}} must be an integer >= 0 (got {lit(repr(every_n_steps))})")
         self.preemption, self.checkpoint_dir, self.every_n_steps = preemption, checkpoint_dir, every_n_steps
-        self.prebuilt = prebuilt  # the mark of the LightningModules that existed before seed= seeded (models_built_before)
+        # the mark of the LightningModules that existed before seed= seeded (models_built_before)
+        self.prebuilt = prebuilt
         self.library = library  # a build_trainer script (its messages name arguments), not a recipe (flags)
 
     def callback(self, callbacks: list[Any]) -> LastCheckpoint | None:

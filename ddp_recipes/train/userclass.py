@@ -150,8 +150,8 @@ def follow_checkpoint(classes: RecipeClasses, checkpoint: dict[str, Any], path: 
 
     A class given for this run must be the recorded one (a class with the same parameter names would
     otherwise load the weights silently). When none was given, a recorded importable class is imported, as
-    ``--model-class`` would import it; a recorded script class has to be given again. Checkpoints written
-    before classes were recorded are not checked.
+    ``--model-class`` would import it; a recorded script class has to be given again. A checkpoint without
+    the record (no ``checkpoint["ddp_recipes"]``) is not checked: it names no class to hold the run to.
     """
     if CHECKPOINT_KEY not in checkpoint:
         return classes
