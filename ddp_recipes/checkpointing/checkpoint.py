@@ -151,7 +151,8 @@ def check_compatible(checkpoint: dict[str, Any], path: str, expected: dict[str, 
         if key in saved and saved[key] != value:
             flag = "{" + key + "}"  # a parameter: the CLI spells it as the flag
             if accepted and key in accepted and saved[key] not in accepted[key]:
-                raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])}, which this recipe does not "
-                                  "build (a checkpoint of another recipe?); pass a checkpoint written by this recipe")
-            raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])} but this run has {flag} "
-                              f"{value}; pass {flag} {lit(saved[key])} or another checkpoint")
+                raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])}, which this "
+                                      "recipe does not build (a checkpoint of another recipe?); pass a checkpoint "
+                                      "written by this recipe")
+            raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])} but this run has "
+                                  f"{flag} {value}; pass {flag} {lit(saved[key])} or another checkpoint")

@@ -193,8 +193,8 @@ def newest_of_run(found: Survey, words: Words = RECIPE) -> Found | None:
     owner = found.owner()
     if owner is None and len(found.run_ids) > 1:
         runs = "; ".join(found.describe(run_id) for run_id in found.run_ids)
-        raise CheckpointError(f"{_folder_text(found, words)} holds the checkpoints of {len(found.run_ids)} runs ({runs}) "
-                              f"and no {RUN_FILE} saying whose folder it is; pass the one to continue with "
+        raise CheckpointError(f"{_folder_text(found, words)} holds the checkpoints of {len(found.run_ids)} runs "
+                              f"({runs}) and no {RUN_FILE} saying whose folder it is; pass the one to continue with "
                               f"{words.resume_path}, or pass another {words.another}")
     if owner is None:  # a folder of an earlier ddp-recipes: every checkpoint is the run's
         mine = list(found.checkpoints)
@@ -253,8 +253,9 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
-    """A recipe's ``--resume``: the checkpoint to resume from: None (fresh), the newest complete one of the output folder's run for
-    "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must exist."""
+    """A recipe's ``--resume``: the checkpoint to resume from: None (fresh), the newest complete one of the output
+    folder's run for "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must
+    exist."""
     if not resume or resume == "none":
         return None
     if resume == "auto":
