@@ -35,7 +35,7 @@ RUN_KEY = "ddp_recipes_run"  # a checkpoint's run: {"run_id": ...} (see checkpoi
 
 
 def run_of(checkpoint: dict[str, Any]) -> str | None:
-    """The run id a loaded checkpoint records (None: written before runs were recorded)."""
+    """The run id a loaded checkpoint records (None: it records none, as plain Lightning's do)."""
     entry = checkpoint.get(RUN_KEY)
     run_id = entry.get("run_id") if isinstance(entry, dict) else None
     return run_id if isinstance(run_id, str) and run_id else None
