@@ -39,7 +39,8 @@ PACK_OWNED: dict[str, str] = {
     # last.ckpt is what --resume and preemption run on; Lightning refuses it with enable_checkpointing=False.
     "enable_checkpointing": "{checkpoint_every_n_steps} (the recipe's last.ckpt is what {resume} reads)",
     # Lightning re-creates the training loader with a SequentialSampler, which the resumable loader (the exact
-    # resume's order and position) cannot take: refused here, not as a TypeError at the first epoch.
+    # resume's order and position) cannot take: it is refused when the settings are checked, rather than left
+    # to fail as a TypeError at the first epoch.
     "overfit_batches": "{trainer} limit_train_batches=N (overfit_batches swaps the training loader's sampler, and "
                        "the recipe's resumable loader keeps its own order)",
     "barebones": "the recipe's flags (barebones turns off the logging, checkpoints and callbacks a recipe runs on)",
