@@ -6,8 +6,8 @@ checkpoints save; Lightning keeps it and calls ``set_epoch``), exact unpadded ev
 loader defaults fitted to the machine (:func:`default_num_workers`, pinned memory only with CUDA). Each
 exposes ``num_classes`` and ``image_size`` so a recipe can size the model and check the stem before
 training. The CIFAR-10 and folder modules take the augmentation options of torchvision's classification
-reference; the pipelines are built by :mod:`ddp_recipes.data.augment`, and are the same as before when no
-option is given.
+reference; the pipelines are built by :mod:`ddp_recipes.data.augment`, and with no option given they are
+the plain crop + flip ones described there.
 """
 
 from __future__ import annotations
