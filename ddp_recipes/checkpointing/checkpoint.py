@@ -35,7 +35,7 @@ RUN_KEY = "ddp_recipes_run"  # a checkpoint's run: {"run_id": ...} (see checkpoi
 
 
 def run_of(checkpoint: dict[str, Any]) -> str | None:
-    """The run id a loaded checkpoint records (None: written before runs were recorded)."""
+    """The run id a loaded checkpoint records (None: it records none, as plain Lightning's do)."""
     entry = checkpoint.get(RUN_KEY)
     run_id = entry.get("run_id") if isinstance(entry, dict) else None
     return run_id if isinstance(run_id, str) and run_id else None
@@ -151,7 +151,8 @@ def check_compatible(checkpoint: dict[str, Any], path: str, expected: dict[str, 
         if key in saved and saved[key] != value:
             flag = "{" + key + "}"  # a parameter: the CLI spells it as the flag
             if accepted and key in accepted and saved[key] not in accepted[key]:
-                raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])}, which this recipe does not "
-                                  "build (a checkpoint of another recipe?); pass a checkpoint written by this recipe")
-            raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])} but this run has {flag} "
-                              f"{value}; pass {flag} {lit(saved[key])} or another checkpoint")
+                raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])}, which this "
+                                      "recipe does not build (a checkpoint of another recipe?); pass a checkpoint "
+                                      "written by this recipe")
+            raise CheckpointError(f"{{resume}} {lit(path)} was trained with {flag} {lit(saved[key])} but this run has "
+                                  f"{flag} {value}; pass {flag} {lit(saved[key])} or another checkpoint")

@@ -179,7 +179,8 @@ def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool)
         except ConfigError as err:
             decision = {"error": (type(err).__name__, err.template, err.param)}
         except Exception as err:  # a bug: rank 0 raises it, the other ranks must not wait in the broadcast
-            failure, decision = err, {"error": ("RuntimeError", f"rank 0 failed to decide the checkpoint ({err!r})", None)}
+            failure, decision = err, {"error": ("RuntimeError",
+                                                f"rank 0 failed to decide the checkpoint ({err!r})", None)}
     decision = trainer.strategy.broadcast(decision)
     if failure is not None:
         raise failure
@@ -222,7 +223,8 @@ def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint) -> None:
     if failure is not None:
         raise failure
     if told is not None:
-        error = CheckpointError(f"rank 0 could not record the run in {lit(last.dirpath)} ({lit(told)}); every rank stops")
+        error = CheckpointError(f"rank 0 could not record the run in {lit(last.dirpath)} ({lit(told)}); "
+                                "every rank stops")
         error.agreed = True  # rank 0 prints its own error
         raise error
 

@@ -38,8 +38,8 @@ class LastCheckpoint(Checkpoint):
     Where the fit stops before its epoch ends (``max_steps``, ``max_time``, ``trainer.should_stop``), the save
     is made at that batch's end, as a preemption's is, so a run continued with a larger limit goes on with the
     rest of the epoch. Lightning's epoch-end hooks still run after such a stop, and a checkpoint written there
-    says the epoch is over: continuing it skipped the rest of the epoch (and ``--max-epochs 1`` counted it as
-    done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
+    says the epoch is over: continuing from it would skip the rest of the epoch (and ``--max-epochs 1`` would
+    count it as done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
 
     The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.ownership`): ``run_id`` (decided on rank 0
     when fitting starts, :mod:`~ddp_recipes.checkpointing.connector`) goes into every checkpoint the trainer

@@ -19,8 +19,9 @@ The rules, decided on rank 0 (:mod:`ddp_recipes.checkpointing.connector` sends t
 * a checkpoint given by path continues its own run; into a folder that holds another run it is refused
   (:func:`refuse_foreign_checkpoint`).
 
-Checkpoints and folders written before runs were recorded carry no id: such a folder keeps the old rule
-(the newest complete checkpoint), and once a folder has a recorded run its id-less checkpoints are skipped.
+A checkpoint or folder may carry no run id (plain Lightning's checkpoints, a folder with no ``run.json``):
+a folder with no record whose checkpoints carry no id is continued from its newest complete checkpoint, and
+once a folder has a recorded run its id-less checkpoints are skipped.
 """
 
 from __future__ import annotations
@@ -193,10 +194,10 @@ def newest_of_run(found: Survey, words: Words = RECIPE) -> Found | None:
     owner = found.owner()
     if owner is None and len(found.run_ids) > 1:
         runs = "; ".join(found.describe(run_id) for run_id in found.run_ids)
-        raise CheckpointError(f"{_folder_text(found, words)} holds the checkpoints of {len(found.run_ids)} runs ({runs}) "
-                              f"and no {RUN_FILE} saying whose folder it is; pass the one to continue with "
+        raise CheckpointError(f"{_folder_text(found, words)} holds the checkpoints of {len(found.run_ids)} runs "
+                              f"({runs}) and no {RUN_FILE} saying whose folder it is; pass the one to continue with "
                               f"{words.resume_path}, or pass another {words.another}")
-    if owner is None:  # a folder of an earlier ddp-recipes: every checkpoint is the run's
+    if owner is None:  # no record and no run id on any checkpoint: every checkpoint is the run's
         mine = list(found.checkpoints)
     else:
         mine = [c for c in found.checkpoints if c.run_id == owner]
@@ -226,7 +227,7 @@ def refuse_foreign_checkpoint(found: Survey, checkpoint: Found, words: Words = R
     if owner is not None and owner == checkpoint.run_id:
         return
     if owner is None and checkpoint.run_id is None and not found.run_ids:
-        return  # neither records a run (both of an earlier ddp-recipes): as before
+        return  # neither side records a run: nothing tells two runs apart, so the checkpoint may continue
     whose = f"run {checkpoint.run_id}'s" if checkpoint.run_id else "an unrecorded run's"
     raise CheckpointError(f"{_folder_text(found, words)} holds {found.describe()}, and {lit(checkpoint.path)} is "
                           f"{whose} checkpoint: continuing it there would mix two runs; pass another {words.another} "
@@ -253,8 +254,9 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
-    """A recipe's ``--resume``: the checkpoint to resume from: None (fresh), the newest complete one of the output folder's run for
-    "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must exist."""
+    """A recipe's ``--resume``: the checkpoint to resume from: None (fresh), the newest complete one of the output
+    folder's run for "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must
+    exist."""
     if not resume or resume == "none":
         return None
     if resume == "auto":

@@ -4,9 +4,9 @@ Lightning saves weights, optimizer, LR schedulers, precision/scaler and loop cou
 adds what decides the rest of the run and puts it back at the *training boundary* (``on_train_start``):
 after every set-up hook, after Lightning restored the checkpoint, before the first training batch.
 
-* Every rank's python/numpy/torch random streams, and on CUDA its own device's generator. A fresh run gets ``seed + rank`` there instead,
-  so set-up hooks (a DataModule's ``random_split``, ``configure_model``) see the same RNG on every rank
-  and only training draws per-rank streams.
+* Every rank's python/numpy/torch random streams, and on CUDA its own device's generator. A fresh run gets
+  ``seed + rank`` there instead, so set-up hooks (a DataModule's ``random_split``, ``configure_model``) see
+  the same RNG on every rank and only training draws per-rank streams.
 * The training loader's position. Lightning builds the training iterator in ``setup_data()``, which
   ``configure_optimizers`` reaches through ``estimated_stepping_batches`` *before* the loop state is
   restored: a ``Stateful`` loader's saved position is then never loaded, and a loader with workers has
@@ -191,7 +191,8 @@ def _warn_resized_schedule(trainer: L.Trainer, saved: list[int | None] | None, n
                        f"was written and is sized for {new} now (another step or epoch limit); from step "
                        f"{trainer.global_step} the LR follows the {new}-step curve, but the steps before followed the "
                        f"{old}-step one, so the weights will differ from a run that had this limit from the start (a "
-                       "schedule that does not depend on the run's length, e.g. without cosine decay, continues exactly)")
+                       "schedule that does not depend on the run's length, e.g. without cosine decay, continues "
+                       "exactly)")
 
 
 def _warn_unresumable_loader(trainer: L.Trainer) -> None:
@@ -200,7 +201,8 @@ def _warn_unresumable_loader(trainer: L.Trainer) -> None:
 
     done, total = trainer.fit_loop.epoch_loop.batch_progress.current.completed, trainer.num_training_batches
     loader = trainer.train_dataloader
-    if isinstance(total, int) and 0 < done < total and loader is not None and not isinstance(loader, ResumableDataLoader):
+    if (isinstance(total, int) and 0 < done < total and loader is not None
+            and not isinstance(loader, ResumableDataLoader)):
         rank_zero_warn(f"resumed in the middle of epoch {trainer.current_epoch} with a training loader that cannot "
                        f"skip the batches it already gave ({type(loader).__name__}): this epoch revisits its first "
                        "batches instead of "
@@ -259,10 +261,10 @@ class ResumeState(TrainerStateCallback):
         self._schedule = _schedule_steps(trainer)  # the restore of the scheduler state replaces run_steps
         built_before = self.prebuilt is not None and getattr(pl_module, PREBUILT, None) == self.prebuilt
         if built_before and trainer.ckpt_path is None:
-            rank_zero_warn(f"{type(pl_module).__name__} was built before build_trainer(seed={self.seed}) seeded the random "
-                           "streams, so its initial weights (all not loaded from a file) differ from run to run; build "
-                           "the model after build_trainer(...), or call lightning.seed_everything(seed) before building "
-                           "it (every rank still starts from rank 0's weights: DDP copies them)")
+            rank_zero_warn(f"{type(pl_module).__name__} was built before build_trainer(seed={self.seed}) seeded the "
+                           "random streams, so its initial weights (all not loaded from a file) differ from run to "
+                           "run; build the model after build_trainer(...), or call lightning.seed_everything(seed) "
+                           "before building it (every rank still starts from rank 0's weights: DDP copies them)")
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -226,7 +226,8 @@ def load_config_file(cls: type, path: str) -> dict[str, Any]:
             hint = f"did you mean {close[0]}?" if close else "see --help for the flags"
             raise ConfigError(f"{{config}} {lit(path)}: unknown key {lit(repr(key))}; {hint}", "config")
         if field in values:
-            raise ConfigError(f"{{config}} {lit(path)}: {lit(repr(key))} sets {field} a second time; keep one", "config")
+            raise ConfigError(f"{{config}} {lit(path)}: {lit(repr(key))} sets {field} a second time; keep one",
+                              "config")
         values[field] = _coerce(value, hints[field], str(key), path)
     return values
 
@@ -240,8 +241,8 @@ def dump_config(config: Any, prog: str | None = None) -> str:
     plan = getattr(config, "plan", None)
     if plan is not None and plan.batch is not None:
         batch = plan.batch
-        header.append(f"# resolves to: world {plan.world_size} ({plan.accelerator}), batch {batch.per_device} per device x "
-                      f"{plan.world_size} x {batch.accumulation} = {batch.global_batch}, lr {plan.lr:g}, "
+        header.append(f"# resolves to: world {plan.world_size} ({plan.accelerator}), batch {batch.per_device} "
+                      f"per device x {plan.world_size} x {batch.accumulation} = {batch.global_batch}, lr {plan.lr:g}, "
                       f"precision {plan.precision}")
     asked = config.asked if hasattr(config, "asked") else dataclasses.asdict(config)
     fields = [f.name for f in _cli_fields(type(config))]

@@ -186,7 +186,7 @@ class RunPlan:
     devices: int
     num_nodes: int
     accelerator: str  # "cpu" or "cuda"
-    precision: str  # what Lightning runs: 16-mixed on CPU has become bf16-mixed
+    precision: str  # what Lightning runs: 16-mixed on CPU resolves to bf16-mixed
     ddp: DDPOptions
     accumulation: int = 1  # micro-batches per optimizer step (the Trainer's accumulate_grad_batches)
     max_epochs: int | None = None

@@ -39,7 +39,8 @@ PACK_OWNED: dict[str, str] = {
     # last.ckpt is what --resume and preemption run on; Lightning refuses it with enable_checkpointing=False.
     "enable_checkpointing": "{checkpoint_every_n_steps} (the recipe's last.ckpt is what {resume} reads)",
     # Lightning re-creates the training loader with a SequentialSampler, which the resumable loader (the exact
-    # resume's order and position) cannot take: refused here, not as a TypeError at the first epoch.
+    # resume's order and position) cannot take: it is refused when the settings are checked, rather than left
+    # to fail as a TypeError at the first epoch.
     "overfit_batches": "{trainer} limit_train_batches=N (overfit_batches swaps the training loader's sampler, and "
                        "the recipe's resumable loader keeps its own order)",
     "barebones": "the recipe's flags (barebones turns off the logging, checkpoints and callbacks a recipe runs on)",
@@ -121,7 +122,8 @@ def trainer_hints() -> dict[str, Any]:
     return {name: hints.get(name, Any) for name in inspect.signature(L.Trainer.__init__).parameters if name != "self"}
 
 
-def check_trainer_settings(settings: dict[str, Any], owned: dict[str, str], source: str = "{trainer}") -> dict[str, Any]:
+def check_trainer_settings(settings: dict[str, Any], owned: dict[str, str],
+                           source: str = "{trainer}") -> dict[str, Any]:
     """``settings`` checked against ``lightning.Trainer``'s signature, text values read as their annotation
     asks; ``owned`` maps the settings the pack sets itself to the flag to use instead. ``source`` opens each
     message: the flag (``{trainer}``) or a script's keyword (``main(trainer_kwargs=...)``)."""
@@ -202,8 +204,8 @@ def split_setting(text: str, param: str = "trainer") -> tuple[str, str]:
     """``KEY=VALUE`` as (key, value text)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"{{{param}}} takes KEY=VALUE, e.g. {{{param}}} val_check_interval=0.25 (got {lit(repr(text))})",
-                          param)
+        raise ConfigError(f"{{{param}}} takes KEY=VALUE, e.g. {{{param}}} val_check_interval=0.25 "
+                          f"(got {lit(repr(text))})", param)
     return key.strip(), value
 
 
@@ -227,8 +229,8 @@ def callback_spec(spec: Any, param: str = "callbacks") -> dict[str, Any]:
                           f"(got {lit(repr(spec))})", param)
     extra = sorted(set(map(str, spec)) - {"class_path", "init_args"})
     if extra:
-        raise ConfigError(f"{{{param}}} {lit(repr(spec))}: unknown key {lit(repr(extra[0]))}; a callback has class_path "
-                          "and init_args", param)
+        raise ConfigError(f"{{{param}}} {lit(repr(spec))}: unknown key {lit(repr(extra[0]))}; a callback has "
+                          "class_path and init_args", param)
     path, init_args = spec.get("class_path"), spec.get("init_args") or {}
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(f"{{{param}}} {lit(repr(spec))} has no class_path, e.g. "

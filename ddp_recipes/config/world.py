@@ -49,7 +49,8 @@ def launch_environment(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     pod = f" in Kubernetes pod {env.get('HOSTNAME', '?')}" if "KUBERNETES_SERVICE_HOST" in env else ""
     if "SLURM_NTASKS" in env:
-        return f"SLURM (job {env.get('SLURM_JOB_ID', '?')}, task {env.get('SLURM_PROCID', '?')} of {env['SLURM_NTASKS']})"
+        return (f"SLURM (job {env.get('SLURM_JOB_ID', '?')}, task {env.get('SLURM_PROCID', '?')} "
+                f"of {env['SLURM_NTASKS']})")
     if launched_by_torchrun(env):
         pet = sorted(k for k in env if k.startswith("PET_"))
         told = f", configured by the operator's {', '.join(pet)}" if pet else ""

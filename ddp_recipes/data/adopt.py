@@ -183,10 +183,10 @@ class _AdoptingDataConnector(_DataConnector):
         if isinstance(sampler, DistributedSampler):
             duplicated = 0 if sampler.drop_last else sampler.total_size - len(sampler.dataset)  # type: ignore[arg-type]
             if duplicated:
-                self._warn(name, f"its DistributedSampler pads {len(sampler.dataset)} samples to "  # type: ignore[arg-type]
-                                 f"{sampler.total_size}: {duplicated} sample(s) are scored twice and bias the "
-                                 "metrics; use ddp_recipes.data.samplers.ExactDistributedSampler (or let Lightning "
-                                 "shard a plain loader) for exact evaluation")
+                self._warn(name, f"its DistributedSampler pads {len(sampler.dataset)} "  # type: ignore[arg-type]
+                                 f"samples to {sampler.total_size}: {duplicated} sample(s) are scored twice and "
+                                 "bias the metrics; use ddp_recipes.data.samplers.ExactDistributedSampler (or let "
+                                 "Lightning shard a plain loader) for exact evaluation")
             return None
         if not self.trainer._accelerator_connector.use_distributed_sampler:
             return None

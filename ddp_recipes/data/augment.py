@@ -3,8 +3,10 @@
 The options are those of torchvision's classification reference (``references/classification/train.py``),
 so a recipe known from there can be repeated here flag for flag: ``auto_augment`` (``ra``, ``ta_wide``,
 ``augmix``, ``imagenet``), ``ra_magnitude``, ``augmix_severity``, ``random_erase``, the crop and resize
-sizes, ``interpolation``, and ``mixup_alpha`` / ``cutmix_alpha``. With none of them given, the pipelines are
-the pack's earlier ones, transform for transform.
+sizes, ``interpolation``, and ``mixup_alpha`` / ``cutmix_alpha``. With none of them given, no auto-augmentation,
+erasing or mixing runs and the pipelines are the plain ones: a random crop (``RandomResizedCrop``; CIFAR: a pad-4
+``RandomCrop``), a flip and normalization for training; resize, centre crop and normalization for evaluation
+(CIFAR: normalization only).
 
 Per-image transforms run in loader workers on PIL images (or uint8 tensors) and draw from torch's global
 RNG, which the resumable sampler seeds per sample. Batch mixing runs in the training process on a whole

@@ -59,7 +59,8 @@ class SplitDataModule(L.LightningDataModule):
             # Exact (unpadded) sharding would leave a rank without a batch; Lightning then fails on that rank
             # only and the others wait for it. Every rank knows the sizes, so every rank stops here.
             raise DataError(f"the {what} set has {len(dataset)} sample(s) for {world} ranks: with exact sharding "
-                             f"every rank needs one; give it at least {world} (e.g. {{val_size}}) or use fewer {{devices}}")
+                             f"every rank needs one; give it at least {world} (e.g. {{val_size}}) or use "
+                             "fewer {devices}")
         return exact_eval_loader(dataset, self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     @staticmethod

@@ -160,7 +160,8 @@ class _PolicyRecorder:
     ``AutoAugment``, ``RandAugment`` and ``TrivialAugmentWide`` (torchvision 0.26 to 0.29, tested)."""
 
     def __init__(self, pipeline: TrainPipeline) -> None:
-        self.policy = augment.auto_augment_policy(pipeline.auto_augment, interpolation=pipeline.interpolation,  # type: ignore[arg-type]
+        self.policy = augment.auto_augment_policy(pipeline.auto_augment,  # type: ignore[arg-type]
+                                                  interpolation=pipeline.interpolation,  # type: ignore[arg-type]
                                                   ra_magnitude=pipeline.ra_magnitude,
                                                   augmix_severity=pipeline.augmix_severity)
         self.ops: list[tuple[str, float]] = []

@@ -3,10 +3,11 @@
 All three share one base (:class:`~ddp_recipes.data.base.SplitDataModule`): a resumable training loader
 (a ``DistributedSampler`` order built at every world size, seeded per-sample augmentation, a position that
 checkpoints save; Lightning keeps it and calls ``set_epoch``), exact unpadded evaluation loaders, and
-loader defaults fitted to the machine (:func:`default_num_workers`, pinned memory only with CUDA). Each exposes ``num_classes`` and
-``image_size`` so a recipe can size the model and check the stem before training. The CIFAR-10 and folder
-modules take the augmentation options of torchvision's classification reference; the pipelines are built
-by :mod:`ddp_recipes.data.augment`, and are the same as before when no option is given.
+loader defaults fitted to the machine (:func:`default_num_workers`, pinned memory only with CUDA). Each
+exposes ``num_classes`` and ``image_size`` so a recipe can size the model and check the stem before
+training. The CIFAR-10 and folder modules take the augmentation options of torchvision's classification
+reference; the pipelines are built by :mod:`ddp_recipes.data.augment`, and with no option given they are
+the plain crop + flip ones described there.
 """
 
 from __future__ import annotations
@@ -326,7 +327,8 @@ class ImageFolderDataModule(_ImageDataModule):
             # With decode "gpu" the folders only list the files: the encoded datasets read them.
             train = datasets.ImageFolder(os.fspath(self.data_dir / "train"),
                                          transform=None if gpu else self.train_transform())
-            val = datasets.ImageFolder(os.fspath(self.data_dir / "val"), transform=None if gpu else self.val_transform())
+            val = datasets.ImageFolder(os.fspath(self.data_dir / "val"),
+                                       transform=None if gpu else self.val_transform())
         except FileNotFoundError as err:  # torchvision: a class folder without a single image file
             raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
         if gpu:

@@ -209,10 +209,12 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler: ResumableSampler = self.sampler  # type: ignore[assignment]
-        if state.get("seed") != sampler.seed or state.get("dataset_len") != len(sampler.dataset):  # type: ignore[arg-type]
+        if (state.get("seed") != sampler.seed
+                or state.get("dataset_len") != len(sampler.dataset)):  # type: ignore[arg-type]
             raise CheckpointError(f"{{resume}}: the checkpoint's training data (seed {state.get('seed')}, "
                              f"{state.get('dataset_len')} samples) is not this run's (seed {sampler.seed}, "
-                             f"{len(sampler.dataset)} samples); pass the same {{seed}} and data")  # type: ignore[arg-type]
+                             f"{len(sampler.dataset)} samples); pass the same "  # type: ignore[arg-type]
+                             "{seed} and data")
         sampler.resume_at(state["epoch"], state["samples_seen"])
         self._loaded_version += 1
 

@@ -115,7 +115,8 @@ class TensorBatchDataset(TensorDataset):
         """Whether a fetch may draw random numbers (read by the resumable loader, which then seeds it): not
         for this class; a subclass may override ``__getitem__``/``__getitems__`` with a random transform."""
         cls = type(self)
-        return not (cls.__getitem__ is TensorDataset.__getitem__ and cls.__getitems__ is TensorBatchDataset.__getitems__)
+        return not (cls.__getitem__ is TensorDataset.__getitem__
+                    and cls.__getitems__ is TensorBatchDataset.__getitems__)
 
     def gather_epoch(self, order: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """This rank's whole epoch, rows in ``order``, as one copy per tensor (the resumable loader's

@@ -16,7 +16,7 @@ Why the saved layout is kept for the first resumed step: the numbers depend on w
 bucket. MKL's matrix-vector product (the ``bmm`` that computes P) gives other last bits for a matrix that
 starts at another offset modulo 16 bytes, and torch draws a fresh Q in the packing order of the layout.
 DDP's initial layout puts the MNIST MLP's weights 16-byte aligned, its rebuilt one 8 bytes off: a resumed
-step compressed in place ended 1e-8 away from the uninterrupted run's. So when a bucket arrives holding the
+step compressed in place would end 1e-8 away from the uninterrupted run's. So when a bucket arrives holding the
 same tensors as the saved entry in another order, PowerSGD runs on a copy of it laid out as saved (one copy
 in and out, on that step only) and the result is copied back; from DDP's rebuild on, the bucket has the
 saved layout again and runs in place.

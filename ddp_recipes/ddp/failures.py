@@ -99,8 +99,9 @@ class PeerWatch:
     reads, so every rank prints the message and exits (code 1) within about one beat of each other. Rank 0
     hosts the store: it exits last, once every other live rank has read the news (or after ``stale_s``: a
     rank that has not read it by then is lost too), so that no rank finds the store gone and blames rank 0
-    for another rank's death. A rank that stops normally posts ``done``, and a store that stays unreachable for ``stale_s``
-    (its host, rank 0, died) counts as a lost rank 0. Runs outside the step: no cost on the training path.
+    for another rank's death. A rank that stops normally posts ``done``, and a store that stays unreachable
+    for ``stale_s`` (its host, rank 0, died) counts as a lost rank 0. Runs outside the step: no cost on the
+    training path.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, stale_s: float, hint: Any,

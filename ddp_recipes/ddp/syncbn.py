@@ -55,8 +55,8 @@ class CPUSyncBatchNorm(_BatchNorm):
 
     Outside training (also with ``track_running_stats=False``, where evaluation normalises with this rank's
     batch statistics, as torch's SyncBatchNorm does), or without an initialised process group of more
-    than one rank, it is plain BatchNorm. Statistics are reduced in float32 (two all-reduces: count+sum, then the centred sum of
-    squares, which is numerically safer than E[x^2] - E[x]^2).
+    than one rank, it is plain BatchNorm. Statistics are reduced in float32 (two all-reduces: count+sum, then
+    the centred sum of squares, which is numerically safer than E[x^2] - E[x]^2).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,

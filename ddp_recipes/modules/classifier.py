@@ -237,9 +237,10 @@ class ImageClassifier(TrainLossLogging):
 
     def optimizer_groups(self) -> list[dict]:
         """:meth:`param_groups`, split into backbone and head groups when fine-tuning (``freeze_backbone`` or
-        ``backbone_lr_mult``); otherwise exactly :meth:`param_groups` (the layout of earlier checkpoints).
+        ``backbone_lr_mult``); otherwise exactly :meth:`param_groups`, the group layout that the optimizer state
+        of a run without fine-tuning is saved and loaded in.
 
-        A backbone frozen until ``unfreeze_at_epoch`` joins the optimizer now, so the groups (and the LR
+        A backbone frozen until ``unfreeze_at_epoch`` joins the optimizer from the start, so the groups (and the LR
         schedule's per-group state) never change mid-run: while frozen its parameters have no gradient, and
         torch's optimizers skip a parameter whose ``grad`` is None (no step, no weight decay, no state).
         """

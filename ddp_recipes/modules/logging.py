@@ -65,7 +65,7 @@ class TrainLossLogging(LightningModule):
         if self.train_loss_epoch.update_count:
             # compute() is the mean over every rank's samples already. sync_dist with "max" (of equal values:
             # exact) is one small all-reduce per epoch, and tells Lightning the value is synced: logged as
-            # unsynced it warned "use sync_dist=True" on every distributed run.
+            # unsynced it would warn "use sync_dist=True" on every distributed run.
             self.log("train_loss_epoch", self.train_loss_epoch.compute(), on_step=False, on_epoch=True,
                      sync_dist=True, reduce_fx="max")
         self.train_loss_epoch.reset()
