@@ -171,7 +171,7 @@ def test_published_scaling_table_is_pinned():
     # The faster the step, the more the model misses: AMP's gap is many times the whole all-reduce.
     amp = next(r for r in rows if r["precision"] == "AMP")
     assert amp["gap_ms"] > 10 * amp["comm_ms"]
-    page = (Path(__file__).resolve().parents[1] / "docs" / "benchmark.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "benchmark.md").read_text()
     assert format_scaling_table(rows) in page, "docs/benchmark.md's scaling table is stale: paste format_scaling_table()"
 
 

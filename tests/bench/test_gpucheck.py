@@ -217,12 +217,12 @@ def test_pytest_verdicts(tmp_path):
 
 
 def test_a_cut_pytest_run_says_what_it_had_shown(tmp_path):
-    (tmp_path / "output.log").write_text("tests/test_gpu.py::test_a PASSED [ 10%]\n"
-                                         "tests/test_gpu.py::test_b SKIPPED (needs 2+ CUDA GPUs) [ 20%]\n"
-                                         "tests/test_gpu.py::test_c FAILED [ 30%]\n"
-                                         "tests/test_gpu.py::test_d \n")
+    (tmp_path / "output.log").write_text("tests/gpu/test_gpu.py::test_a PASSED [ 10%]\n"
+                                         "tests/gpu/test_gpu.py::test_b SKIPPED (needs 2+ CUDA GPUs) [ 20%]\n"
+                                         "tests/gpu/test_gpu.py::test_c FAILED [ 30%]\n"
+                                         "tests/gpu/test_gpu.py::test_d \n")
     assert runner.pytest_partial(tmp_path, "") == ("before the cut: 1 failed, 1 passed, 1 skipped; "
-                                                   "running: tests/test_gpu.py::test_d")
+                                                   "running: tests/gpu/test_gpu.py::test_d")
 
 
 def test_gpu_pytest_collects_the_gpu_tier_files_only():
@@ -231,7 +231,7 @@ def test_gpu_pytest_collects_the_gpu_tier_files_only():
     cmd = gc.pytest_cmd("not kill_and_resume")
     assert cmd[-len(gc.GPU_TEST_FILES):] == list(gc.GPU_TEST_FILES) and "tests" not in cmd
     uses = re.compile(r"^(pytestmark = pytest\.mark\.gpu|\s*@pytest\.mark\.gpu\b)", re.MULTILINE)
-    marked = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py") if uses.search(p.read_text())}
+    marked = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py") if uses.search(p.read_text())}
     assert marked == set(gc.GPU_TEST_FILES)
     assert ["-m", "gpu"] in [cmd[i:i + 2] for i in range(len(cmd))]
     assert "-v" in cmd  # a cut run still shows its outcomes so far
@@ -456,7 +456,7 @@ INTERRUPTIBLE = textwrap.dedent("""
     import sys, time
     from ddp_recipes.bench import gpucheck as gc
     from ddp_recipes.bench import gpucheck_runner as runner
-    from tests.test_gpucheck import a_gpu_machine, family
+    from tests.bench.test_gpucheck import a_gpu_machine, family
     from pathlib import Path
     tmp, case = Path(sys.argv[1]), sys.argv[2]
 
@@ -640,7 +640,7 @@ def test_the_slot_runs_nothing_twice_and_compiled_runs_are_short():
     expression = tier[tier.index("-k") + 1]
     assert "not kill_and_resume" in expression and "not bench_raw_path_on_one_gpu" in expression
     assert checks["cuda-kill-resume"].cmd[checks["cuda-kill-resume"].cmd.index("-k") + 1] == gc.RESUME_TEST
-    from tests import test_gpu
+    from tests.gpu import test_gpu
 
     assert hasattr(test_gpu, "test_bench_raw_path_on_one_gpu") and hasattr(test_gpu, "test_cuda_kill_and_resume_auto_is_bit_identical")
 

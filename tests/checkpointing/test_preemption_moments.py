@@ -1,7 +1,7 @@
 """Preemption at 2 ranks with the signal at awkward moments: every rank stops at the same step, the one after
 the boundary where the first signal was seen, saves it, and exits with the agreed signal (issue #31).
 
-``tests/preemption_scenario.py`` makes a rank signal itself at a chosen moment of a chosen step (before or
+``tests/scenarios/preemption_scenario.py`` makes a rank signal itself at a chosen moment of a chosen step (before or
 after the step's gradient all-reduce, after the boundary check, during mid-epoch or epoch-end validation, in
 the first micro-batch of an accumulation window), on one rank, on both at different steps, and with each
 rank started by SLURM instead of Lightning. Counted in steps, never timed.
@@ -20,8 +20,8 @@ import pytest
 from tests.helpers import free_port
 from tests.launch import saved_step, start
 
-ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "tests" / "preemption_scenario.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ROOT / "tests" / "scenarios" / "preemption_scenario.py"
 TERM, USR1 = 128 + signal.SIGTERM, 128 + signal.SIGUSR1
 
 # (plan, accumulation, the step every rank stops and saves at, the exit code of every rank); one case in the
@@ -62,7 +62,7 @@ def test_every_rank_stops_at_the_agreed_step(plan, accumulate, stop, code, tmp_p
     _check(tmp_path, done.stderr, stop, code)
 
 
-@pytest.mark.slow  # two more ranks' start-up; the fast set has one SLURM task in tests/test_resume.py
+@pytest.mark.slow  # two more ranks' start-up; the fast set has one SLURM task in tests/checkpointing/test_resume.py
 def test_slurm_requeue_signal_to_one_task_stops_both_and_requeues_once(tmp_path):
     """Two srun tasks (one process each, as SLURM starts them); SIGUSR1 reaches task 1 only."""
     bin_dir = tmp_path / "bin"

@@ -263,7 +263,7 @@ def test_a_cpu_run_never_calls_into_cuda(tmp_path, monkeypatch):
 
     from recipes import resnet
 
-    ours = str(Path(__file__).resolve().parents[1] / "ddp_recipes")
+    ours = str(Path(__file__).resolve().parents[2] / "ddp_recipes")
     asked: list[str] = []
 
     def recorder(name, original):

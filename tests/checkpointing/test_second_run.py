@@ -34,14 +34,14 @@ from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
 from ddp_recipes.errors import ConfigError
 from recipes import mnist
+from tests.checkpointing.test_resume import RESNET, args, assert_same_weights, images  # noqa: F401  (images: a fixture)
 from tests.helpers import SHARED_DATA
 from tests.launch import run, saved_step
-from tests.test_resume import RESNET, args, assert_same_weights, images  # noqa: F401  (images: a fixture)
 
 needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 MNIST = ["--data-dir", str(SHARED_DATA), "--accelerator", "cpu", "--no-download", "--no-diagnostics",
          "--logger", "none"]  # 125 steps per epoch at 1 device
-SCENARIO = Path(__file__).resolve().parent / "second_run_scenario.py"
+SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "second_run_scenario.py"
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
 LAYERS = [
@@ -149,7 +149,9 @@ def _defined(module: str) -> set[str]:
     return names
 
 
-TEST_FILES = sorted((ROOT / "tests").glob("*.py")) + sorted((ROOT / "examples").glob("*.py"))
+# Every module of tests/, its subfolders included (their __init__.py are empty package markers), and examples/.
+TEST_FILES = sorted(p for p in (ROOT / "tests").rglob("*.py") if p.parent == ROOT / "tests" or p.name != "__init__.py")
+TEST_FILES += sorted((ROOT / "examples").glob("*.py"))
 
 
 @pytest.mark.parametrize("importer", [*MODULES, *(str(p.relative_to(ROOT)) for p in TEST_FILES)])

@@ -1,6 +1,6 @@
 """A pack training step issues no collective beyond DDP's own (issue #31): counted, not timed.
 
-At 2 gloo ranks, ``tests/collective_scenario.py`` records the collectives issued on every process group
+At 2 gloo ranks, ``tests/scenarios/collective_scenario.py`` records the collectives issued on every process group
 between consecutive training batch ends (each group's sequence number: DDP's C++ gradient-bucket
 all-reduces and buffer broadcasts included) for the MNIST recipe's path and for plain
 ``L.Trainer(strategy="ddp")`` on the same module and data. In every steady interval (not the one that
@@ -18,8 +18,8 @@ import pytest
 
 from tests.launch import run
 
-ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "tests" / "collective_scenario.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ROOT / "tests" / "scenarios" / "collective_scenario.py"
 
 
 def _counts(out: Path, mode: str) -> list[list[dict]]:

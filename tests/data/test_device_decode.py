@@ -5,7 +5,7 @@ policies, erasing) and the recipe's PIL pipeline within interpolation tolerance 
 draws are the CPU pipeline's); the fallback decodes a CMYK JPEG and a PNG named .JPEG and counts them; the
 draws continue bit for bit after a loader restart at 2 ranks with workers, and after a SIGTERM and
 ``--resume auto`` of the recipe at 2 ranks; the refusals are one line naming the flag. The host-read count of
-the step is in tests/test_host_sync.py, the CUDA twins in tests/test_gpu_decode.py.
+the step is in tests/cross_cutting/test_host_sync.py, the CUDA twins in tests/gpu/test_gpu_decode.py.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_decode_gpu_gives_the_pil_pipelines_batches_for_the_same_seed(tree):
 
 
 def test_the_fallback_decodes_a_cmyk_jpeg_and_a_png_named_jpeg(tree, tmp_path):
-    """nvJPEG refuses both (CUDA twin: tests/test_gpu_decode.py); on the CPU device libjpeg decodes the CMYK one
+    """nvJPEG refuses both (CUDA twin: tests/gpu/test_gpu_decode.py); on the CPU device libjpeg decodes the CMYK one
     and refuses the PNG. Either way the batch keeps every image, equal to the PIL pipeline's within a level, and
     each file decoded on the CPU instead is counted."""
     root = write_jpeg_tree(tmp_path / "odd", per_class=5, val_per_class=2, side=40)
@@ -245,7 +245,7 @@ def _resume_args(root: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow  # three 2-rank runs: over 30 s
 def test_sigterm_mid_epoch_then_resume_auto_at_two_ranks_is_exact(tmp_path):
-    from tests.test_resume import assert_same_weights
+    from tests.checkpointing.test_resume import assert_same_weights
 
     root = write_jpeg_tree(tmp_path / "jpegs", per_class=12, val_per_class=3, side=20)
     run([*_resume_args(root), "--output-dir", str(tmp_path / "straight")], timeout=600, check=True)

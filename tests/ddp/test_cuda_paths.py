@@ -1,4 +1,4 @@
-"""CUDA code paths reached on CPU with fake devices (issue #20, items 6 and 8); tests/test_gpu_cuda_paths.py
+"""CUDA code paths reached on CPU with fake devices (issue #20, items 6 and 8); tests/gpu/test_gpu_cuda_paths.py
 runs them on real GPUs."""
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ def test_one_device_checks_bf16_in_its_rank_too(monkeypatch, restore_tf32):
 # ---- item 6: a lost peer on NCCL ends every rank with the pack's line ------------------------------------
 
 def _run_pair(case: str) -> list[subprocess.CompletedProcess]:
-    """Rank 0 and rank 1 of tests/peerwatch_scenarios.py ``case``, each its own process, on one port."""
+    """Rank 0 and rank 1 of tests/scenarios/peerwatch_scenarios.py ``case``, each its own process, on one port."""
     port = free_port()
-    procs = [start(["-m", "tests.peerwatch_scenarios", case, rank], port=port,
+    procs = [start(["-m", "tests.scenarios.peerwatch_scenarios", case, rank], port=port,
                    env={"MASTER_ADDR": "127.0.0.1"}) for rank in (0, 1)]
     return [p.finish(timeout=120) for p in procs]
 
@@ -123,7 +123,7 @@ def test_at_three_ranks_or_more_every_survivor_blames_the_dead_rank(world):
     """Rank 1 dies; its watcher is rank 0, which hosts the store. Every survivor must name rank 1, none find
     the store gone and blame rank 0 (rank 0 exits only once the others have read the news)."""
     port = free_port()
-    procs = [start(["-m", "tests.peerwatch_scenarios", "ring", rank, world], port=port, quiet=None,
+    procs = [start(["-m", "tests.scenarios.peerwatch_scenarios", "ring", rank, world], port=port, quiet=None,
                    env={"MASTER_ADDR": "127.0.0.1"}) for rank in range(world)]
     done = [p.finish(timeout=120) for p in procs]
     assert done[1].returncode == 3, done[1].stderr[-2000:]

@@ -10,12 +10,12 @@ import torch
 
 from tests.launch import run
 
-SCRIPT = Path(__file__).with_name("ddp_scenarios.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "scenarios" / "ddp_scenarios.py"
 _CACHE: dict[tuple, dict[int, dict]] = {}
 
 
 def run_scenario(tmp_root: Path, *args: str, torchrun: bool = False, expect_ok: bool = True):
-    """Run tests/ddp_scenarios.py once per distinct argument list; returns {rank: saved dict}."""
+    """Run tests/scenarios/ddp_scenarios.py once per distinct argument list; returns {rank: saved dict}."""
     key = (torchrun, *args)
     if key in _CACHE:
         return _CACHE[key]

@@ -3,7 +3,7 @@ resumes exactly; torchrun restarts a crashed rank and the run resumes on its own
 the previous checkpoint; two one-process "nodes" train exactly like --devices 2; and >= 20 kinds of bad input
 fail with one line naming the flag, without touching existing files.
 
-Faults are injected by tests/reliability_scenarios.py (environment variables, so every rank sees them).
+Faults are injected by tests/scenarios/reliability_scenarios.py (environment variables, so every rank sees them).
 Multi-process runs use ResNet-18 on 16 px synthetic images (or the shared mini-MNIST), 1 thread per rank.
 """
 
@@ -36,8 +36,8 @@ from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA, free_port, write_mnist_subset
 from tests.launch import run, start
 
-ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "tests" / "reliability_scenarios.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ROOT / "tests" / "scenarios" / "reliability_scenarios.py"
 HAVE_MNIST = (SHARED_DATA / "MNIST").exists()
 needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason="shared mini-MNIST missing")
 
@@ -453,7 +453,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 def _output_dir(tmp_path: Path, inputs: dict[str, str], checkpoint: bool) -> tuple[Path, dict[Path, bytes]]:
     """An output folder holding an earlier run's files; returns it and their bytes. With its ``checkpoint``
     only for a case that resumes: a new run into a folder that holds a checkpoint is refused before any other
-    check that needs the run to start (tests/test_second_run.py), which would hide the input error tested."""
+    check that needs the run to start (tests/checkpointing/test_second_run.py), which would hide the input error tested."""
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
     (out / "summary.json").write_bytes(SENTINEL_SUMMARY)
@@ -522,7 +522,7 @@ def test_bad_input_fails_in_one_line(case, program, template, expected, inputs, 
 
 def test_remote_checkpoint_paths_go_to_the_object_store(tmp_path, monkeypatch):
     """s3://bucket/x.ckpt must not become a local folder named 's3:'; memory:// stands in for an object store
-    (an object, then the manifest naming it: see tests/test_cloud_storage.py for a real S3 API)."""
+    (an object, then the manifest naming it: see tests/storage/test_cloud_storage.py for a real S3 API)."""
     from ddp_recipes.checkpointing.files import fetch
 
     monkeypatch.chdir(tmp_path)

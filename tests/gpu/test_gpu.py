@@ -30,7 +30,7 @@ two_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason=
 ampere = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 8, reason="needs an Ampere+ GPU")
 TINY_RESNET = ["--accelerator", "gpu", "--devices", "1", "--data", "synthetic", "--image-size", "32",
                "--synthetic-samples", "512", "--synthetic-val-samples", "128", "--batch-size", "64"]
-SCENARIOS = Path(__file__).with_name("gpu_scenarios.py")
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios" / "gpu_scenarios.py"
 INF_STEP = 10  # _fit_tiny's step whose loss is made inf (16-mixed: the GradScaler must skip it)
 
 
@@ -307,8 +307,8 @@ def test_doctor_on_one_gpu_passes_over_nccl(tmp_path):
 # ---- SIGKILL + --resume auto on CUDA, through the recipe's main([...]) --------------------------------
 
 def _kill_resume_matches_straight(tmp_path, argv: list[str], steps: int, kill_from: int) -> Path:
+    from tests.checkpointing.test_resume import CAPTURED_STEP_LIMIT_S, assert_same_weights
     from tests.launch import saved_step
-    from tests.test_resume import CAPTURED_STEP_LIMIT_S, assert_same_weights
 
     recipe = [SCENARIOS, "recipe", *argv]  # the recipe's main([...]) under gpu_scenarios.py's spies
     run([*recipe, "--output-dir", tmp_path / "straight"], timeout=600, check=True)
@@ -338,7 +338,7 @@ def test_cuda_kill_and_resume_auto_is_bit_identical(tmp_path):
 # ---- two or more GPUs: NCCL --------------------------------------------------------------------------
 
 def _scenario(tmp_path, *args: str) -> dict[int, dict]:
-    """tests/ddp_scenarios.py on GPUs (NCCL), through gpu_scenarios.py's all-reduce spy."""
+    """tests/scenarios/ddp_scenarios.py on GPUs (NCCL), through gpu_scenarios.py's all-reduce spy."""
     out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
     script = SCENARIOS
     run([script, args[0], out, *args[1:], "--accelerator", "gpu", "--no-tf32"], check=True)

@@ -1,4 +1,4 @@
-"""Issue #20 items 6 and 8 on real GPUs (CPU twins in tests/test_cuda_paths.py); skip without CUDA."""
+"""Issue #20 items 6 and 8 on real GPUs (CPU twins in tests/ddp/test_cuda_paths.py); skip without CUDA."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.launch import run
-from tests.test_resnet_recipe import TINY, weights
+from tests.recipes.test_resnet_recipe import TINY, weights
 
 STEPS = ["--devices", "2", "--max-steps", "2", "--synthetic-val-samples", "0"]
 # Compiled kernels reorder float sums; two SGD steps keep the drift at this order.

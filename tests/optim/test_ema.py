@@ -16,10 +16,10 @@ from torch.optim.swa_utils import AveragedModel
 
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, ema_state_dict
-from tests.ema_scenarios import FEATURES, TinyClassifier, data, loader
 from tests.launch import run
+from tests.scenarios.ema_scenarios import FEATURES, TinyClassifier, data, loader
 
-SCRIPT = Path(__file__).with_name("ema_scenarios.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "scenarios" / "ema_scenarios.py"
 
 
 def trainer(callbacks: list[Callback], **kwargs) -> L.Trainer:

@@ -29,7 +29,7 @@ from ddp_recipes.optim.schedules import (
     lightning_reference_scheduler,
     reference_scheduler,
 )
-from tests.ema_scenarios import TinyClassifier, loader
+from tests.scenarios.ema_scenarios import TinyClassifier, loader
 
 # ---- optimizers ------------------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA, raises_cli
 from tests.launch import run
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 TINY_RESNET = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
                "--synthetic-val-samples", "32", "--batch-size", "16"]

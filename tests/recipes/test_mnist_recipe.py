@@ -109,7 +109,7 @@ def _five_epoch_default(tmp_path, devices: int) -> dict:
 @pytest.mark.slow
 def test_five_epoch_default_accuracy_one_device(tmp_path):
     """The issue's bar: the write-up's own script reaches 0.9475 on this split at 1 process. Slow (about a
-    minute on 2 cores); the fast suite's bar is tests/test_mnist_module.py: one MLP epoch > 0.85 test accuracy
+    minute on 2 cores); the fast suite's bar is tests/modules/test_mnist_module.py: one MLP epoch > 0.85 test accuracy
     (a broken data path, loss or optimizer stays near 0.1; one healthy epoch measured 0.9+ here)."""
     summary = _five_epoch_default(tmp_path, 1)
     assert summary["epochs"] == 5 and summary["global_batch_size"] == 64

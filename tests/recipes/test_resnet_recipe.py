@@ -39,7 +39,7 @@ def test_two_devices_sync_batchnorm_smoke(tmp_path):
     model.load_state_dict(state)
 
 
-@pytest.mark.slow  # tests/test_resume.py kills and resumes at random steps in the fast set
+@pytest.mark.slow  # tests/checkpointing/test_resume.py kills and resumes at random steps in the fast set
 def test_resume_continues_exactly(tmp_path):
     """2 epochs straight == 1 epoch, then --resume auto for the 2nd (constant LR: see docs/strategy-and-trainer.md#batch-lr-and-accumulation)."""
     common = [*TINY, "--no-cosine", "--synthetic-val-samples", "0"]
@@ -53,7 +53,7 @@ def test_resume_continues_exactly(tmp_path):
         assert torch.allclose(resumed[key].float(), value.float(), rtol=1e-6, atol=1e-7), key
 
 
-@pytest.mark.slow  # tests/test_resume.py resizes 2 -> 1 rank in the fast set
+@pytest.mark.slow  # tests/checkpointing/test_resume.py resizes 2 -> 1 rank in the fast set
 def test_checkpoints_cross_world_sizes(tmp_path):
     two = tmp_path / "two"
     run(["-m", "recipes.resnet", *TINY, "--devices", "2", "--max-epochs", "1", "--output-dir", str(two)], check=True)

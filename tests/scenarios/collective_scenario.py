@@ -1,6 +1,6 @@
-"""Counts the collectives of every training step at 2 ranks, for tests/test_step_collectives.py.
+"""Counts the collectives of every training step at 2 ranks, for tests/cross_cutting/test_step_collectives.py.
 
-``python tests/collective_scenario.py OUT MODE`` fits the MNIST module (the CNN: BatchNorm buffers, so DDP
+``python tests/scenarios/collective_scenario.py OUT MODE`` fits the MNIST module (the CNN: BatchNorm buffers, so DDP
 broadcasts buffers every forward as well as all-reducing gradient buckets) for 2 epochs of 8 steps on 2
 CPU ranks, with
 
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

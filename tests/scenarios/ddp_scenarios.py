@@ -1,4 +1,4 @@
-"""Scenarios the DDP tests run in fresh processes: ``python tests/ddp_scenarios.py NAME OUT [options]``.
+"""Scenarios the DDP tests run in fresh processes: ``python tests/scenarios/ddp_scenarios.py NAME OUT [options]``.
 
 Lightning's launcher re-runs this same command line for every extra rank (or torchrun starts each one),
 so each scenario is a plain script; every rank writes ``OUT/rank<r>.pt`` with its final weights and
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddp_recipes import TunedDDPStrategy, build_trainer  # noqa: E402
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 64, 16, 4

@@ -1,4 +1,4 @@
-"""Runs for the DDPDiagnostics tests: ``python tests/diag_scenarios.py {bad,clean} OUT [--devices N]``.
+"""Runs for the DDPDiagnostics tests: ``python tests/scenarios/diag_scenarios.py {bad,clean} OUT [--devices N]``.
 
 Lightning's launcher re-runs this command line for rank 1. Every rank writes ``OUT/rank<r>.json`` with the
 diagnostics' findings and the checks that ran.
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddp_recipes import build_trainer  # noqa: E402
 from ddp_recipes.train.diagnostics import DDPDiagnostics  # noqa: E402
 

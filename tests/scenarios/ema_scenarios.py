@@ -1,4 +1,4 @@
-"""A tiny ImageClassifier for the EMA tests, and their 2-rank run: ``python tests/ema_scenarios.py OUT``.
+"""A tiny ImageClassifier for the EMA tests, and their 2-rank run: ``python tests/scenarios/ema_scenarios.py OUT``.
 
 Lightning's launcher re-runs this command line for rank 1; every rank writes ``OUT/rank<r>.pt`` with its
 averaged network, its model and the metrics it logged.
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddp_recipes.modules.classifier import ImageClassifier  # noqa: E402
 
 FEATURES, CLASSES = 8, 3

@@ -1,9 +1,9 @@
-"""What the GPU tier runs in fresh processes: ``python tests/gpu_scenarios.py ...``.
+"""What the GPU tier runs in fresh processes: ``python tests/scenarios/gpu_scenarios.py ...``.
 
 * ``recipe ARGS``: ``recipes.resnet.main(ARGS)`` with deterministic CUDA kernels. cuDNN's default
   convolution algorithms accumulate with atomics, so two uninterrupted CUDA runs already differ in the
   last bits; a bit-for-bit resume comparison needs the kernels fixed, to test the resume and nothing else.
-* anything else: ``tests/ddp_scenarios.py`` with the same arguments, plus a spy on
+* anything else: ``tests/scenarios/ddp_scenarios.py`` with the same arguments, plus a spy on
   ``torch.distributed.all_reduce`` (what DDP's Python comm hooks call: the dtype and bytes of every tensor
   they send; DDP's built-in all-reduce is C++ and never shows up here) and the BatchNorm classes the model
   holds at training start; both go into each rank's record.
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def deterministic() -> None:
@@ -34,7 +34,7 @@ def spied_scenario() -> None:
     import torch
     import torch.distributed as dist
 
-    from tests import ddp_scenarios
+    from tests.scenarios import ddp_scenarios
 
     sent: list[tuple[str, int]] = []
     original = dist.all_reduce

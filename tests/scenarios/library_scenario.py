@@ -1,6 +1,6 @@
-"""A user's own Lightning script on the library path, for tests/test_library_path.py.
+"""A user's own Lightning script on the library path, for tests/train/test_library_path.py.
 
-``python tests/library_scenario.py OUT EPOCHS EVERY_N_STEPS`` trains the user's own module (BatchNorm +
+``python tests/scenarios/library_scenario.py OUT EPOCHS EVERY_N_STEPS`` trains the user's own module (BatchNorm +
 dropout) on the user's own map-style Dataset (torchvision ``RandomCrop`` in ``__getitem__``, drawing from
 torch's global RNG as user code does) through ``DataLoader(shuffle=True, num_workers=2,
 persistent_workers=True)``, on 2 CPU ranks via ``build_trainer(devices=2, ...)``, and continues with
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

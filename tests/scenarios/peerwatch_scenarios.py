@@ -1,9 +1,9 @@
-"""One rank of a PeerWatch scenario (tests/test_cuda_paths.py): ``python -m tests.peerwatch_scenarios CASE RANK``.
+"""One rank of a PeerWatch scenario (tests/ddp/test_cuda_paths.py): ``python -m tests.scenarios.peerwatch_scenarios CASE RANK``.
 
 The watch runs on gloo here, exactly as TunedDDPStrategy starts it on NCCL (the backend name is the only
 thing faked): the main thread sleeps outside any collective, so only the watch can end it.
 
-``python -m tests.peerwatch_scenarios ring RANK WORLD``: the watch alone on a bare TCPStore (rank 0 hosts it,
+``python -m tests.scenarios.peerwatch_scenarios ring RANK WORLD``: the watch alone on a bare TCPStore (rank 0 hosts it,
 as the process group's rank 0 does), no Lightning: rank 1 dies, every other rank must end blaming rank 1.
 """
 

@@ -1,6 +1,6 @@
-"""Signals at awkward moments of a 2-rank fit, for tests/test_preemption_moments.py.
+"""Signals at awkward moments of a 2-rank fit, for tests/checkpointing/test_preemption_moments.py.
 
-``python tests/preemption_scenario.py OUT PLAN [ACCUMULATE]`` fits a small module for 2 epochs of 6 optimizer
+``python tests/scenarios/preemption_scenario.py OUT PLAN [ACCUMULATE]`` fits a small module for 2 epochs of 6 optimizer
 steps on 2 CPU ranks with ``build_trainer`` (validation twice per epoch). ``PLAN`` is a comma list of
 ``RANK:STEP:MOMENT[:SIGNAL]``: that rank sends itself the signal (default SIGTERM) during optimizer step STEP
 (the step that makes ``global_step`` STEP), at MOMENT:
@@ -25,7 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

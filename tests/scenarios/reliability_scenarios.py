@@ -1,4 +1,4 @@
-"""A recipe with one injected fault, for tests/test_reliability.py: ``python tests/reliability_scenarios.py
+"""A recipe with one injected fault, for tests/ddp/test_reliability.py: ``python tests/scenarios/reliability_scenarios.py
 RECIPE [recipe flags...]`` runs ``recipes.RECIPE.main`` with a callback that, on rank ``REL_RANK`` (default 1)
 when ``trainer.global_step == REL_STEP``, does what ``REL_FAULT`` says:
 
@@ -9,7 +9,7 @@ when ``trainer.global_step == REL_STEP``, does what ``REL_FAULT`` says:
 Lightning's launcher re-runs this same command line for every extra rank and torchrun runs it per rank, so
 the environment reaches every rank. No fault is injected when ``REL_FAULT`` is unset.
 
-``python tests/reliability_scenarios.py slow-save TARGET READY`` saves a 16 MiB checkpoint to TARGET through
+``python tests/scenarios/reliability_scenarios.py slow-save TARGET READY`` saves a 16 MiB checkpoint to TARGET through
 AtomicCheckpointIO, but stalls after the first MiB written (creating READY), so the test can kill it mid-save.
 """
 
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 

@@ -1,6 +1,6 @@
-"""A user's Lightning script run a second time, for tests/test_second_run.py (2 gloo ranks, build_trainer).
+"""A user's Lightning script run a second time, for tests/checkpointing/test_second_run.py (2 gloo ranks, build_trainer).
 
-``python tests/second_run_scenario.py MODE OUT STEPS``:
+``python tests/scenarios/second_run_scenario.py MODE OUT STEPS``:
 
 * ``nodes``: each rank works in its own folder, ``OUT/node<LOCAL_RANK>``, with the same relative
   ``default_root_dir`` (``run``): two nodes whose disks hold different files at the same path. The script
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

@@ -1,7 +1,7 @@
 """A user's script around ``recipes.mnist.main``: a stateful callback of its own (``main(callbacks=...)``) and
 Trainer settings (``main(trainer_kwargs=...)``), as docs/bring-your-own-model.md shows.
 
-    python tests/surface_scenario.py --devices 2 --accelerator cpu --output-dir OUT ...
+    python tests/scenarios/surface_scenario.py --devices 2 --accelerator cpu --output-dir OUT ...
 
 Each rank writes ``OUT/tally-<run>-rank<r>.json`` at the end of fit: the batches its ``Tally`` counted (restored
 from the checkpoint on ``--resume``), what it restored, and the Trainer settings it saw.

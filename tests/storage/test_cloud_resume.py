@@ -13,10 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.checkpointing.test_resume import (  # noqa: F401
+    CAPTURED_STEP_LIMIT_S,
+    RESNET,
+    args,
+    assert_same_weights,
+    images,
+    straight,
+)
 from tests.helpers import SHARED_DATA
 from tests.launch import run, start
 from tests.s3server import object_upload
-from tests.test_resume import CAPTURED_STEP_LIMIT_S, RESNET, args, assert_same_weights, images, straight  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 Fast, in-process cases: the object-then-manifest rule that ``--resume auto`` reads, a killed upload and a
 damaged object, a store answering 503 for a while, a missing bucket, a missing client package. The 2-rank
-SIGTERM / killed-upload resumes from the bucket, bit for bit, are in tests/test_cloud_resume.py (slow).
+SIGTERM / killed-upload resumes from the bucket, bit for bit, are in tests/storage/test_cloud_resume.py (slow).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """DDPDiagnostics: every CPU-detectable row of the troubleshooting table, induced on purpose and found.
 
-Two 2-process gloo runs of tests/diag_scenarios.py (one with all the mistakes, one clean), a 1-process
+Two 2-process gloo runs of tests/scenarios/diag_scenarios.py (one with all the mistakes, one clean), a 1-process
 run in this process, and the decision functions with made-up numbers (the CUDA memory row among them).
 """
 
@@ -31,10 +31,10 @@ from ddp_recipes.train.diagnostic_rules import (
 )
 from ddp_recipes.train.diagnostics import DDPDiagnostics, DDPDiagnosticWarning
 from ddp_recipes.train.trainer import trainer_for
-from tests.diag_scenarios import FrozenEpochSampler, Net, dataset
 from tests.launch import run
+from tests.scenarios.diag_scenarios import FrozenEpochSampler, Net, dataset
 
-SCRIPT = Path(__file__).with_name("diag_scenarios.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "scenarios" / "diag_scenarios.py"
 CPU_CODES = {"unsharded-data", "sampler-epoch", "param-drift", "loss-divergence", "unused-params",
              "small-batch-bn", "lr-not-scaled"}
 

@@ -3,7 +3,7 @@ guarantees (issue #26). Preemption saves and exits non-zero, ``fit(ckpt_path="la
 after SIGTERM or SIGKILL (epoch end, mid-epoch), validation is unpadded, and every Lightning spelling of
 an argument is accepted while every bad value fails in one line naming it.
 
-The multi-process runs are ``tests/library_scenario.py``: 2 gloo ranks, 2 loader workers each with
+The multi-process runs are ``tests/scenarios/library_scenario.py``: 2 gloo ranks, 2 loader workers each with
 RandomCrop drawn from the global RNG, BatchNorm and dropout; their end weights are compared bit for bit.
 """
 
@@ -28,8 +28,8 @@ from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError
 from tests.launch import Background, saved_step, start
 
-ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "tests" / "library_scenario.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ROOT / "tests" / "scenarios" / "library_scenario.py"
 EPOCHS, STEPS = 2, 12  # 6 steps per epoch at 2 ranks
 WAIT_S = 300
 

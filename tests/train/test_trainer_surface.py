@@ -185,7 +185,7 @@ def test_user_callback_survives_two_ranks_and_resume_auto(tmp_path):
     """A script's own stateful callback runs on both ranks, is checkpointed, and continues its count after
     --resume auto; trainer_kwargs and --trainer reach every rank's Trainer."""
     out = tmp_path / "out"
-    base = ["tests/surface_scenario.py", "--devices", "2", *DATA, "--output-dir", str(out), "--batch-size", "32",
+    base = ["tests/scenarios/surface_scenario.py", "--devices", "2", *DATA, "--output-dir", str(out), "--batch-size", "32",
             "--val-size", "128", "--checkpoint-every-n-steps", "3", "--log-every-n-steps", "2",
             "--trainer", "enable_progress_bar=false"]
     run([*base, "--max-steps", "6"], env={"SURFACE_RUN": "first"}, check=True)
@@ -237,13 +237,13 @@ def test_lightning_cli_two_ranks_with_the_registry_name(tmp_path):
     """``fit --trainer.strategy tuned_ddp --trainer.devices 2`` with the pack's MNIST module and DataModule named
     on the command line: 2 gloo ranks under TunedDDPStrategy, identical parameters after training."""
     out = tmp_path / "out"
-    run(["tests/lightning_cli_scenario.py", "fit", "--model", "ddp_recipes.MNISTClassifier",
+    run(["tests/scenarios/lightning_cli_scenario.py", "fit", "--model", "ddp_recipes.MNISTClassifier",
          "--data", "ddp_recipes.MNISTDataModule", "--data.data_dir", str(SHARED_DATA), "--data.download", "false",
          "--data.batch_size", "32", "--trainer.strategy", "tuned_ddp", "--trainer.devices", "2",
          "--trainer.accelerator", "cpu", "--trainer.max_steps", "8", "--trainer.logger", "false",
          "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
          "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(out), "--seed_everything", "3",
-         "--trainer.callbacks+=tests.lightning_cli_scenario.SameWeights"], check=True)
+         "--trainer.callbacks+=tests.scenarios.lightning_cli_scenario.SameWeights"], check=True)
     facts = json.loads((out / "ranks.json").read_text())
     assert facts["strategy"] == "TunedDDPStrategy" and facts["world_size"] == 2 and facts["backend"] == "gloo"
     assert facts["global_step"] == 8 and facts["gradient_as_bucket_view"] is True
