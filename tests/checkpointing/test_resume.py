@@ -20,6 +20,7 @@ from PIL import Image
 
 from tests.helpers import SHARED_DATA
 from tests.launch import run, saved_step, start
+from tests.marks import needs_mnist
 
 CAPTURED_STEP_LIMIT_S = 240
 
@@ -176,7 +177,7 @@ def test_resize_with_another_global_batch_applies_the_new_lr(images, tmp_path):
 
 
 @pytest.mark.slow  # over 30 s: the fast suite keeps its 10-minute budget
-@pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
+@needs_mnist
 def test_powersgd_state_is_checkpointed(tmp_path):
     """PowerSGD (from iteration 10) on 2 ranks, SIGKILLed after it started compressing: the resumed run ends
     equal. The MNIST MLP's gradients fit one DDP bucket, whose order changes at DDP's bucket rebuild, so this

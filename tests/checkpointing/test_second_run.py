@@ -37,8 +37,8 @@ from recipes import mnist
 from tests.checkpointing.test_resume import RESNET, args, assert_same_weights, images  # noqa: F401  (images: a fixture)
 from tests.helpers import SHARED_DATA
 from tests.launch import run, saved_step
+from tests.marks import needs_mnist
 
-needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 MNIST = ["--data-dir", str(SHARED_DATA), "--accelerator", "cpu", "--no-download", "--no-diagnostics",
          "--logger", "none"]  # 125 steps per epoch at 1 device
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "second_run_scenario.py"

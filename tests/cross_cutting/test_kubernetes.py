@@ -18,11 +18,11 @@ import yaml
 
 from tests.helpers import SHARED_DATA, free_port, raises_cli
 from tests.launch import ROOT, start
+from tests.marks import needs_mnist
 
 EXAMPLES = ROOT / "examples" / "k8s"
 POD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
             "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 
 
 # ---- the manifests ---------------------------------------------------------------------------------------

@@ -35,11 +35,10 @@ from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA, free_port, write_mnist_subset
 from tests.launch import run, start
+from tests.marks import HAVE_MNIST, needs_mnist
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = ROOT / "tests" / "scenarios" / "reliability_scenarios.py"
-HAVE_MNIST = (SHARED_DATA / "MNIST").exists()
-needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason="shared mini-MNIST missing")
 
 TIMEOUT_S = 20  # --timeout-s of the multi-process runs: short, yet above a loaded machine's start-up skew
 # 64 images, 2 ranks x batch 16: 2 steps per epoch, a checkpoint at every epoch end (steps 2 and 4).

@@ -22,9 +22,9 @@ from ddp_recipes.train.userclass import follow_checkpoint, resolve_classes, same
 from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA, raises_cli
 from tests.launch import run
+from tests.marks import needs_mnist
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 TINY_RESNET = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
                "--synthetic-val-samples", "32", "--batch-size", "16"]
 

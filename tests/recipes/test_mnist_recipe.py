@@ -12,8 +12,9 @@ from ddp_recipes.modules.mnist import MNISTClassifier
 from recipes import mnist
 from tests.helpers import SHARED_DATA, write_mnist_subset
 from tests.launch import run
+from tests.marks import needs_mnist
 
-pytestmark = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
+pytestmark = needs_mnist
 
 SUMMARY_KEYS = {"world_size", "global_batch_size", "epochs", "steps", "fit_seconds", "train_samples_per_sec",
                 "test_acc", "final_train_loss", "torch_version", "lightning_version"}

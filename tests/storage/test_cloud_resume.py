@@ -23,6 +23,7 @@ from tests.checkpointing.test_resume import (  # noqa: F401
 )
 from tests.helpers import SHARED_DATA
 from tests.launch import run, start
+from tests.marks import needs_mnist
 from tests.s3server import object_upload
 
 pytestmark = pytest.mark.slow
@@ -86,7 +87,7 @@ MNIST = ["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED
          "--max-steps", "8", "--checkpoint-every-n-steps", "1", "--no-diagnostics"]
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
+@needs_mnist
 def test_an_upload_killed_mid_write_resumes_from_the_previous_complete_checkpoint(s3, tmp_path):
     """The server holds the step-3 upload after half its body and the node goes away (SIGKILL): the bucket
     still says step 2, ``--resume auto`` takes it, and the run ends as the uninterrupted one."""

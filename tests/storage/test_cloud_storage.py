@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from tests.helpers import SHARED_DATA
+from tests.marks import needs_mnist
 from tests.s3server import object_upload
 
 MNIST = ["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--batch-size", "64",
          "--no-diagnostics"]
-needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 
 
 def checkpoint(step: int, epoch: int) -> dict:

@@ -19,8 +19,9 @@ from ddp_recipes.train.callbacks import ThroughputMeter
 from recipes import mnist
 from tests.helpers import SHARED_DATA, free_port, raises_cli, write_mnist_subset
 from tests.launch import run, saved_step, start
+from tests.marks import needs_mnist
 
-pytestmark = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
+pytestmark = needs_mnist
 # The trackers' packages are extras (the lent GPU machine has neither): their tests skip, naming the extra.
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
                                   reason="needs mlflow: pip install 'ddp-recipes[mlflow]' (or the dev extra)")

@@ -17,8 +17,8 @@ from ddp_recipes.config.trainer_settings import PACK_OWNED, check_trainer_settin
 from recipes import mnist, resnet
 from tests.helpers import SHARED_DATA
 from tests.launch import run
+from tests.marks import needs_mnist
 
-needs_mnist = pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="shared mini-MNIST missing")
 # LightningCLI's own test for its optional dependency (absent on the lent GPU machine's stack).
 needs_lightning_cli = pytest.mark.skipif(not _JSONARGPARSE_SIGNATURES_AVAILABLE,
                                          reason="LightningCLI needs jsonargparse[signatures] (the dev extra)")
