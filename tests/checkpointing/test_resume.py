@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import SHARED_DATA
+from tests.helpers import SHARED_DATA, assert_same_weights
 from tests.launch import run, saved_step, start
 from tests.marks import needs_mnist
 
@@ -47,17 +47,6 @@ def args(images: Path, devices: int, *extra: str) -> list[str]:
 
 
 RESNET = ["-m", "recipes.resnet"]
-
-
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
 # 12 optimizer steps either way: 2 ranks x 6 per epoch; 1 rank x 12 micro-batches / 2 accumulated x 2 epochs.

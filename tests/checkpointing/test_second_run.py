@@ -34,8 +34,8 @@ from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
 from ddp_recipes.errors import ConfigError
 from recipes import mnist
-from tests.checkpointing.test_resume import RESNET, args, assert_same_weights, images  # noqa: F401  (images: a fixture)
-from tests.helpers import SHARED_DATA
+from tests.checkpointing.test_resume import RESNET, args, images  # noqa: F401  (images: a fixture)
+from tests.helpers import SHARED_DATA, assert_same_weights
 from tests.launch import run, saved_step
 from tests.marks import needs_mnist
 

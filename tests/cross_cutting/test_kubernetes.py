@@ -13,10 +13,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
-from tests.helpers import SHARED_DATA, free_port, raises_cli
+from tests.helpers import SHARED_DATA, assert_same_weights, free_port, raises_cli
 from tests.launch import ROOT, start
 from tests.marks import needs_mnist
 
@@ -209,9 +208,7 @@ def test_two_pods_under_torchrun_with_the_operators_pet_variables(tmp_path):
     per_pod = tmp_path / "per-pod"
     pods([*MNIST, "--output-dir", str(per_pod), "--checkpoint-every-n-steps", "6"],
          lambda i: {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port2)}, tmp_path)
-    a = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    b = torch.load(per_pod / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(out / "checkpoints" / "last.ckpt", per_pod / "checkpoints" / "last.ckpt")
 
 
 @pytest.mark.slow

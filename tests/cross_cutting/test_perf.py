@@ -17,6 +17,7 @@ from ddp_recipes.train import diagnostics, perf
 from ddp_recipes.train.callbacks import ThroughputMeter
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.trainer import build_trainer
+from tests.helpers import weights
 
 
 def test_tf32_switches_and_what_the_setup_print_says(monkeypatch, restore_tf32):
@@ -181,10 +182,6 @@ def _mnist(out, *extra: str) -> list[str]:
             "--max-steps", "12", "--seed", "5", *extra]
 
 
-def _weights(path):
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
 def test_compile_one_device_reports_compile_time_and_keeps_plain_checkpoint_keys(tmp_path):
     """Plumbing at one device with the aot_eager backend (no code generation, seconds)."""
     from recipes import mnist
@@ -193,7 +190,7 @@ def test_compile_one_device_reports_compile_time_and_keeps_plain_checkpoint_keys
     compiled = mnist.main(_mnist(tmp_path / "compiled", "--compile", "--compile-backend", "aot_eager"))
     assert eager["compile_seconds"] is None and compiled["compile_seconds"] > 0
     assert compiled["first_step_seconds"] >= compiled["compile_seconds"]
-    a, b = _weights(tmp_path / "eager" / "final.ckpt"), _weights(tmp_path / "compiled" / "final.ckpt")
+    a, b = weights(tmp_path / "eager" / "final.ckpt"), weights(tmp_path / "compiled" / "final.ckpt")
     assert a.keys() == b.keys()  # no "_orig_mod." prefix: a compiled run's checkpoint loads into a plain module
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
@@ -258,7 +255,7 @@ def test_compiled_two_ranks_train_like_one_eager_process_at_twice_the_batch(tmp_
     run(["-m", "recipes.mnist", *_mnist(tmp_path / "ddp", "--devices", "2", "--batch-size", "32", "--compile",
                                          "--compile-backend", backend)], timeout=900, check=True)
     mnist.main(_mnist(tmp_path / "one", "--batch-size", "64"))
-    a, b = _weights(tmp_path / "one" / "final.ckpt"), _weights(tmp_path / "ddp" / "final.ckpt")
+    a, b = weights(tmp_path / "one" / "final.ckpt"), weights(tmp_path / "ddp" / "final.ckpt")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=tolerance, atol=tolerance)
     summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())

@@ -245,7 +245,7 @@ def _resume_args(root: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow  # three 2-rank runs: over 30 s
 def test_sigterm_mid_epoch_then_resume_auto_at_two_ranks_is_exact(tmp_path):
-    from tests.checkpointing.test_resume import assert_same_weights
+    from tests.helpers import assert_same_weights
 
     root = write_jpeg_tree(tmp_path / "jpegs", per_class=12, val_per_class=3, side=20)
     run([*_resume_args(root), "--output-dir", str(tmp_path / "straight")], timeout=600, check=True)

@@ -33,7 +33,7 @@ from ddp_recipes.ddp.failures import (
 )
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from recipes import mnist, resnet
-from tests.helpers import SHARED_DATA, free_port, write_mnist_subset
+from tests.helpers import SHARED_DATA, assert_same_weights, free_port, write_mnist_subset
 from tests.launch import run, start
 from tests.marks import HAVE_MNIST, needs_mnist
 
@@ -59,17 +59,6 @@ def run_logged(args: list[str], log: Path, timeout: float = 300, port: bool = Fa
     """``python <args>`` to the end, output in ``log``: (exit code, the log's text)."""
     done = run(args, log=log, timeout=timeout, env=env, **{**CLEAN, "port": port})
     return done.returncode, done.stdout
-
-
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert torch.equal(wa[key], wb[key]), key
 
 
 def gone(pid: int) -> bool:

@@ -31,7 +31,7 @@ from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.pretrained import load_pretrained, resolve_weights
 from ddp_recipes.modules.resnet import ResNetClassifier
 from recipes import resnet
-from tests.helpers import raises_cli
+from tests.helpers import CodeOnLoad, assert_same_weights, raises_cli
 from tests.launch import run, saved_step, start
 
 HUB_FILE = "resnet18-f37072fd.pth"  # the file name of ResNet18_Weights.IMAGENET1K_V1's URL
@@ -316,17 +316,9 @@ def test_offline_with_an_empty_cache_names_the_file_to_place(folder, tmp_path):
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
-class _Payload:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return open, (self.path, "w")
-
-
 def test_a_weights_file_that_would_run_code_is_refused(folder, tmp_path, capsys):
     marker, evil = tmp_path / "pwned", tmp_path / "evil.pth"
-    torch.save({"conv1.weight": torch.zeros(1), "x": _Payload(str(marker))}, evil)
+    torch.save({"conv1.weight": torch.zeros(1), "x": CodeOnLoad(str(marker))}, evil)
     with pytest.raises(SystemExit) as exc:
         resnet.main([*args(folder, "--max-steps", "1"), "--weights", str(evil), "--output-dir", str(tmp_path / "o")])
     assert exc.value.code == 2 and not marker.exists()
@@ -385,10 +377,7 @@ def test_preempted_at_the_last_batch_before_the_switch_resumes_into_the_unfreeze
     assert (saved["global_step"], saved["epoch"], saved["backbone_frozen"]) == (8, 1, True)
     resumed = resnet.main([*argv, "--output-dir", str(out), "--resume", "auto"])
     assert resumed["fine_tuning"]["backbone_frozen_at_end"] is False
-    a = torch.load(tmp_path / "straight" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
-    b = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+    assert_same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", out / "checkpoints" / "last.ckpt")
 
 
 def val_acc_by_epoch(out: Path) -> dict[int, float]:
@@ -440,11 +429,7 @@ def test_two_ranks_kill_and_resume_across_the_unfreeze_point_is_exact(phase, hub
     if phase == "frozen":
         assert_backbone_is(last, hub)
     run([*argv, "--resume", "auto"], env=env, timeout=600, check=True)
-    a = torch.load(straight[0] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
-    b = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+    assert_same_weights(straight[0] / "checkpoints" / "last.ckpt", last)
 
 
 def test_fine_tuning_refuses_what_the_run_around_it_cannot_combine_with():

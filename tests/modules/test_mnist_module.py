@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning import Trainer
 from torch import nn
 
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import MNISTClassifier
 from tests.helpers import SHARED_DATA as DATA_DIR
-from tests.helpers import raises_cli
+from tests.helpers import cpu_trainer, raises_cli
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +19,6 @@ def data_dir() -> Path:
     if not (DATA_DIR / "MNIST" / "raw").is_dir():
         pytest.skip(f"no MNIST under {DATA_DIR}")
     return DATA_DIR
-
-
-def _trainer(**kwargs) -> Trainer:
-    return Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
@@ -49,7 +43,7 @@ class LinearClassifier(MNISTClassifier):
 def test_subclass_build_model_is_trained(data_dir):
     model = LinearClassifier(lr=0.05)
     before = model.model[1].weight.detach().clone()
-    trainer = _trainer(max_steps=3, log_every_n_steps=1)
+    trainer = cpu_trainer(max_steps=3, log_every_n_steps=1)
     trainer.fit(model, datamodule=MNISTDataModule(data_dir, batch_size=32, download=False))
     assert trainer.global_step == 3
     net = trainer.lightning_module.model
@@ -63,7 +57,7 @@ def test_mlp_one_epoch_reaches_accuracy(data_dir):
     dm = MNISTDataModule(data_dir, batch_size=64, val_size=1000, download=False)
     # Warm-up + cosine through the schedules helper, as the recipes configure it.
     model = MNISTClassifier(arch="mlp", lr=0.05, warmup_epochs=0.2, cosine=True)
-    trainer = _trainer(max_epochs=1, num_sanity_val_steps=0)
+    trainer = cpu_trainer(max_epochs=1, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=dm)
     assert trainer.callback_metrics["val_acc"] > 0.85
     assert {"train_loss", "train_loss_epoch", "val_loss"} <= set(trainer.callback_metrics)

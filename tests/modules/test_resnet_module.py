@@ -6,18 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning import Trainer, seed_everything
+from lightning import seed_everything
 from torch import nn
 
 from ddp_recipes.data.images import SyntheticImageDataModule
 from ddp_recipes.modules import resnet as resnet_mod
 from ddp_recipes.modules.resnet import ResNetClassifier
-from tests.helpers import cli_text, raises_cli
-
-
-def _trainer(**kwargs) -> Trainer:
-    return Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, **kwargs)
+from tests.helpers import cli_text, cpu_trainer, raises_cli
 
 
 def _layer4_side(model: nn.Module, image_size: int, device: str = "cpu") -> int:
@@ -101,7 +96,7 @@ def test_check_image_size_bounds_match_network(cifar_stem, expected):
 def test_fit_rejects_too_small_images():
     dm = SyntheticImageDataModule(num_samples=8, image_size=16, batch_size=4)
     with raises_cli(ValueError, match="--image-size 16 is too small .*--cifar-stem"):
-        _trainer(max_steps=1).fit(ResNetClassifier(), dm)
+        cpu_trainer(max_steps=1).fit(ResNetClassifier(), dm)
 
 
 def _loss_and_grads(module: ResNetClassifier, x: torch.Tensor, y: torch.Tensor):
@@ -176,7 +171,7 @@ def test_fit_on_synthetic_data():
     seed_everything(0, verbose=False)
     dm = SyntheticImageDataModule(num_samples=12, image_size=32, batch_size=4, val_samples=8)
     model = ResNetClassifier(num_classes=10, lr=0.05, nesterov=True)  # ImageNet stem: 1x1 at layer4
-    trainer = _trainer(max_steps=3, log_every_n_steps=1)  # train_loss is logged at the logger cadence
+    trainer = cpu_trainer(max_steps=3, log_every_n_steps=1)  # train_loss is logged at the logger cadence
     trainer.fit(model, dm)
     assert trainer.global_step == 3
     metrics = trainer.callback_metrics

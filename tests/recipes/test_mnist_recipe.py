@@ -10,7 +10,7 @@ import torch
 from ddp_recipes.data.mnist import load_split
 from ddp_recipes.modules.mnist import MNISTClassifier
 from recipes import mnist
-from tests.helpers import SHARED_DATA, write_mnist_subset
+from tests.helpers import SHARED_DATA, assert_same_weights, write_mnist_subset
 from tests.launch import run
 from tests.marks import needs_mnist
 
@@ -95,9 +95,7 @@ def test_same_seed_same_weights(tmp_path):
     for name in ("a", "b"):
         mnist.main(["--data-dir", str(SHARED_DATA), "--output-dir", str(tmp_path / name), "--accelerator", "cpu",
                     "--max-steps", "30", "--no-download", "--seed", "11"])
-    a = torch.load(tmp_path / "a" / "final.ckpt", weights_only=False)["state_dict"]
-    b = torch.load(tmp_path / "b" / "final.ckpt", weights_only=False)["state_dict"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(tmp_path / "a" / "final.ckpt", tmp_path / "b" / "final.ckpt")
 
 
 def _five_epoch_default(tmp_path, devices: int) -> dict:

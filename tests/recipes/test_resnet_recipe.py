@@ -8,15 +8,12 @@ import pytest
 import torch
 
 from recipes import resnet
+from tests.helpers import CodeOnLoad, weights
 from tests.launch import run
 
 # Tiny but real: ResNet-18 with the CIFAR stem on 16 px images, 64 training images, batch 16.
 TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
         "--synthetic-val-samples", "32", "--batch-size", "16", "--lr", "0.05"]
-
-
-def weights(path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
 
 
 def test_one_device_smoke(tmp_path):
@@ -112,21 +109,11 @@ def test_image_too_small_for_stem(tmp_path, existing_run, capsys):
     assert "--image-size" in line and "--cifar-stem" in line
 
 
-class _Payload:
-    """What a malicious .ckpt carries: unpickling it calls open(path, "w"), creating the file."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return open, (self.path, "w")
-
-
 def test_checkpoint_that_would_run_code_is_refused(tmp_path, existing_run, capsys):
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.ckpt"
     state = torch.load(existing_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    torch.save({**state, "extra": _Payload(str(marker))}, evil)
+    torch.save({**state, "extra": CodeOnLoad(str(marker))}, evil)
     line = _bad(tmp_path, existing_run, capsys, "--resume", str(evil))
     assert "--resume" in line and "refused" in line and "io.open" in line  # names what it would have run
     assert not marker.exists(), "the checkpoint's code ran"

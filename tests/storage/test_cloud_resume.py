@@ -17,11 +17,10 @@ from tests.checkpointing.test_resume import (  # noqa: F401
     CAPTURED_STEP_LIMIT_S,
     RESNET,
     args,
-    assert_same_weights,
     images,
     straight,
 )
-from tests.helpers import SHARED_DATA
+from tests.helpers import SHARED_DATA, assert_same_weights
 from tests.launch import run, start
 from tests.marks import needs_mnist
 from tests.s3server import object_upload

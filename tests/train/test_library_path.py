@@ -26,6 +26,7 @@ from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.data.resumable import ResumableDataLoader
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError
+from tests.helpers import assert_same_weights
 from tests.launch import Background, saved_step, start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,15 +42,6 @@ def scenario(out: Path, every_n_steps: int, step_s: float = 0.0) -> Background:
 def finish(proc: Background) -> tuple[int, str]:
     done = proc.finish(timeout=WAIT_S)
     return done.returncode, done.stderr
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = (torch.load(p, map_location="cpu", weights_only=True)["state_dict"] for p in (a, b))
-    assert wa.keys() == wb.keys()
-    worst = max(((wa[k].float() - wb[k].float()).abs().max() / wb[k].float().abs().max().clamp_min(1e-12)).item()
-                for k in wa if wa[k].is_floating_point())
-    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert not different, f"{len(different)} tensors differ (max relative difference {worst:.3g}), e.g. {different[:3]}"
 
 
 def last_of(out: Path) -> Path:
