@@ -17,15 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_recipes.data import samplers
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.data.samplers import ExactDistributedSampler, exact_eval_loader
-from tests.helpers import SHARED_DATA as DATA_DIR
 from tests.helpers import cli_text, raises_cli
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Path:
-    if not (DATA_DIR / "MNIST" / "raw").is_dir():
-        pytest.skip(f"no MNIST under {DATA_DIR}")
-    return DATA_DIR
 
 
 def _module(data_dir: Path, **kwargs) -> MNISTDataModule:
@@ -35,8 +27,8 @@ def _module(data_dir: Path, **kwargs) -> MNISTDataModule:
     return dm
 
 
-def test_loads_normalized_tensors(data_dir):
-    dm = _module(data_dir, val_size=1000, batch_size=32)
+def test_loads_normalized_tensors(mnist_dir):
+    dm = _module(mnist_dir, val_size=1000, batch_size=32)
     assert (len(dm.train_set), len(dm.val_set), dm.train_size) == (7000, 1000, 7000)
     images, labels = dm.train_set.tensors
     assert images.shape == (7000, *dm.dims) and images.dtype == torch.float32
@@ -54,18 +46,18 @@ def test_loads_normalized_tensors(data_dir):
     assert len(dm.test_dataloader().dataset) == 2000
 
 
-def test_val_split_disjoint_and_deterministic(data_dir):
-    a, b = _module(data_dir, val_size=500), _module(data_dir, val_size=500)
+def test_val_split_disjoint_and_deterministic(mnist_dir):
+    a, b = _module(mnist_dir, val_size=500), _module(mnist_dir, val_size=500)
     train, val = set(a.train_indices.tolist()), set(a.val_indices.tolist())
     assert not train & val and train | val == set(range(8000))
     assert torch.equal(a.val_indices, b.val_indices)  # what every rank computes
     assert torch.equal(a.val_set.tensors[0], b.val_set.tensors[0])
-    other = _module(data_dir, val_size=500, seed=7)
+    other = _module(mnist_dir, val_size=500, seed=7)
     assert not torch.equal(a.val_indices, other.val_indices)
 
 
-def test_val_size_zero_disables_validation(data_dir):
-    assert _module(data_dir).val_dataloader() == []
+def test_val_size_zero_disables_validation(mnist_dir):
+    assert _module(mnist_dir).val_dataloader() == []
 
 
 @pytest.mark.parametrize("n", [1, 7, 1001])
@@ -133,8 +125,8 @@ def test_missing_data_dir_offline_download(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_corrupt_data_dir(data_dir, tmp_path, damage):
-    shutil.copytree(data_dir / "MNIST", tmp_path / "MNIST")
+def test_corrupt_data_dir(mnist_dir, tmp_path, damage):
+    shutil.copytree(mnist_dir / "MNIST", tmp_path / "MNIST")
     victim = tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte"
     victim.chmod(0o644)
     blob = victim.read_bytes()
@@ -146,9 +138,9 @@ def test_corrupt_data_dir(data_dir, tmp_path, damage):
         _assert_one_line_error(excinfo)
 
 
-def test_val_size_too_large(data_dir):
+def test_val_size_too_large(mnist_dir):
     with raises_cli(ValueError, match="--val-size"):
-        _module(data_dir, val_size=8000)
+        _module(mnist_dir, val_size=8000)
 
 
 def test_loaders_pin_memory_exactly_when_the_trainer_trains_on_cuda(tmp_path, monkeypatch):

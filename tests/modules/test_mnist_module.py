@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.mnist import MNISTClassifier
-from tests.helpers import SHARED_DATA as DATA_DIR
 from tests.helpers import cpu_trainer, raises_cli
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> Path:
-    if not (DATA_DIR / "MNIST" / "raw").is_dir():
-        pytest.skip(f"no MNIST under {DATA_DIR}")
-    return DATA_DIR
 
 
 @pytest.mark.parametrize("arch", ["mlp", "cnn"])
@@ -40,11 +30,11 @@ class LinearClassifier(MNISTClassifier):
         return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, self.hparams.num_classes))
 
 
-def test_subclass_build_model_is_trained(data_dir):
+def test_subclass_build_model_is_trained(mnist_dir):
     model = LinearClassifier(lr=0.05)
     before = model.model[1].weight.detach().clone()
     trainer = cpu_trainer(max_steps=3, log_every_n_steps=1)
-    trainer.fit(model, datamodule=MNISTDataModule(data_dir, batch_size=32, download=False))
+    trainer.fit(model, datamodule=MNISTDataModule(mnist_dir, batch_size=32, download=False))
     assert trainer.global_step == 3
     net = trainer.lightning_module.model
     assert isinstance(net[1], nn.Linear) and len(net) == 2  # the subclass's network, not the MLP
@@ -52,9 +42,9 @@ def test_subclass_build_model_is_trained(data_dir):
     assert "train_loss" in trainer.callback_metrics  # logged at the logger's cadence (every step here)
 
 
-def test_mlp_one_epoch_reaches_accuracy(data_dir):
+def test_mlp_one_epoch_reaches_accuracy(mnist_dir):
     torch.manual_seed(0)
-    dm = MNISTDataModule(data_dir, batch_size=64, val_size=1000, download=False)
+    dm = MNISTDataModule(mnist_dir, batch_size=64, val_size=1000, download=False)
     # Warm-up + cosine through the schedules helper, as the recipes configure it.
     model = MNISTClassifier(arch="mlp", lr=0.05, warmup_epochs=0.2, cosine=True)
     trainer = cpu_trainer(max_epochs=1, num_sanity_val_steps=0)
