@@ -68,7 +68,8 @@ def write_synthetic_mnist(dest: Path, n_train: int, n_test: int, seed: int = 0) 
             images[i, 3 + 12 * row:10 + 12 * row, 1 + 5 * col:8 + 5 * col] = 255
         header = np.array([2051, count, 28, 28], dtype=">i4").tobytes()
         (raw / f"{split}-images-idx3-ubyte").write_bytes(header + images.tobytes())
-        (raw / f"{split}-labels-idx1-ubyte").write_bytes(np.array([2049, count], dtype=">i4").tobytes() + labels.tobytes())
+        lab_header = np.array([2049, count], dtype=">i4").tobytes()
+        (raw / f"{split}-labels-idx1-ubyte").write_bytes(lab_header + labels.tobytes())
     return dest
 
 

@@ -157,7 +157,8 @@ def test_predict_main_lists_links(capsys):
 
 
 def test_published_scaling_table_is_pinned():
-    """Every published point docs/benchmark.md cites beside the model (its "The scaling model" section shows this table)."""
+    """Every published point docs/benchmark.md cites beside the model (its "The scaling model" section shows
+    this table)."""
     from ddp_recipes.bench.commodel import format_scaling_table, published_scaling_table
 
     rows = published_scaling_table()
@@ -172,7 +173,8 @@ def test_published_scaling_table_is_pinned():
     amp = next(r for r in rows if r["precision"] == "AMP")
     assert amp["gap_ms"] > 10 * amp["comm_ms"]
     page = (Path(__file__).resolve().parents[2] / "docs" / "benchmark.md").read_text()
-    assert format_scaling_table(rows) in page, "docs/benchmark.md's scaling table is stale: paste format_scaling_table()"
+    assert format_scaling_table(rows) in page, \
+        "docs/benchmark.md's scaling table is stale: paste format_scaling_table()"
 
 
 def test_prediction_says_what_it_leaves_out():

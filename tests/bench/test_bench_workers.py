@@ -110,7 +110,8 @@ def test_bench_dp_refuses_a_replica_that_computed_in_another_dtype(tmp_path):
     dtype it asked for."""
     unwrapped = lambda module: module.module  # noqa: E731 - AutocastForward's inner network, as a lost wrap
     with pytest.raises(SystemExit, match="replicas computed in float32, not bfloat16"):
-        dp_loop(DP_TINY, torch.device("cpu"), str(tmp_path / "dp.json"), parallel=lambda net: ThreadReplica(net, unwrapped))
+        dp_loop(DP_TINY, torch.device("cpu"), str(tmp_path / "dp.json"),
+                parallel=lambda net: ThreadReplica(net, unwrapped))
     assert not (tmp_path / "dp.json").exists()
 
 

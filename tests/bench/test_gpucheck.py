@@ -183,8 +183,8 @@ def test_a_relative_out_dir_is_under_the_callers_directory(tmp_path, monkeypatch
     """Checks run in the checkout; a relative --out-dir still names a folder under gpu-check's own directory,
     for what the checks write there as for the report."""
     monkeypatch.chdir(tmp_path)
-    writes = runner.Check("writes", "writes into its work dir", [PY, "-c", "import sys; open(sys.argv[1], 'w').write('ok')",
-                                                               "{work}/out.txt"], timeout_s=60)
+    writes = runner.Check("writes", "writes into its work dir",
+                          [PY, "-c", "import sys; open(sys.argv[1], 'w').write('ok')", "{work}/out.txt"], timeout_s=60)
     [result] = runner.run_checks([writes], gpus=1, out_dir=Path("results"), budget_s=300, **QUIET)
     assert result["verdict"] == "pass", result
     assert (tmp_path / "results" / "gpu-check" / "writes" / "out.txt").read_text() == "ok"
@@ -231,7 +231,8 @@ def test_gpu_pytest_collects_the_gpu_tier_files_only():
     cmd = gc.pytest_cmd("not kill_and_resume")
     assert cmd[-len(gc.GPU_TEST_FILES):] == list(gc.GPU_TEST_FILES) and "tests" not in cmd
     uses = re.compile(r"^(pytestmark = pytest\.mark\.gpu|\s*@pytest\.mark\.gpu\b)", re.MULTILINE)
-    marked = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py") if uses.search(p.read_text())}
+    marked = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
+              if uses.search(p.read_text())}
     assert marked == set(gc.GPU_TEST_FILES)
     assert ["-m", "gpu"] in [cmd[i:i + 2] for i in range(len(cmd))]
     assert "-v" in cmd  # a cut run still shows its outcomes so far
@@ -318,7 +319,8 @@ def test_the_report_reads_cleanly(tmp_path, monkeypatch):
                                "others were not asked for)", saved["meaning"]
     monkeypatch.setattr(gc, "plan_checks", lambda args, gpus: [fake("multi", "pass", min_gpus=2)])
     assert gc.main(["--out-dir", str(tmp_path)]) == 4
-    assert json.loads((tmp_path / "gpu-report.json").read_text())["meaning"] == "nothing could be checked on this machine"
+    saved = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert saved["meaning"] == "nothing could be checked on this machine"
 
 
 def test_a_pass_with_checks_that_did_not_apply_names_them():
@@ -337,7 +339,8 @@ def test_a_pass_with_checks_that_did_not_apply_names_them():
 def test_reference_rows_never_show_another_precisions_figure():
     [bf16] = report.reference_rows("bf16-mixed", 989e12, "NVIDIA H100 80GB HBM3")
     assert bf16["images_per_s"] is None and bf16["label"].startswith("unavailable")
-    a100 = next(r for r in report.reference_rows("16-mixed", 989e12, "NVIDIA H100 80GB HBM3") if r["gpu"].startswith("A100"))
+    a100 = next(r for r in report.reference_rows("16-mixed", 989e12, "NVIDIA H100 80GB HBM3")
+                if r["gpu"].startswith("A100"))
     assert a100["images_per_s"] == 2470.0 and a100["scaled_images_per_s"] == round(2470 * 989 / 312, 1)
     assert "scaled" in a100["label"] and "estimate" in a100["label"]
 
@@ -370,7 +373,8 @@ def test_decode_gpu_reports_both_rates_and_waits_and_fails_off_cuda_or_on_a_fall
     assert on_cpu["verdict"] == "fail" and on_cpu["reason"].startswith("--decode gpu decoded on cpu, not CUDA")
     unmeasured = check.judge(0, write_decode(tmp_path / "none", cuda, gpu_rate=None), "")
     assert unmeasured["verdict"] == "fail" and "no steady-state rate" in unmeasured["reason"]
-    assert check.judge(1, tmp_path / "missing", "Traceback\nRuntimeError: boom")["reason"] == "exit 1: Traceback | RuntimeError: boom"
+    assert (check.judge(1, tmp_path / "missing", "Traceback\nRuntimeError: boom")["reason"]
+            == "exit 1: Traceback | RuntimeError: boom")
     # A cut during the second run still says what the first measured; the report's row carries the figures.
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "decode.json").write_text(json.dumps({"cpu": decode_run(1450.0, 0.4)}))
@@ -422,8 +426,9 @@ def test_the_overall_verdict_and_its_exit_code(verdicts, expected):
 
 def a_gpu_machine(**kw) -> Machine:
     facts = dict(gpus=1, gpu="Fake GPU", capability="9.0", peak_flops_per_sec=None, torch_cuda="13.0", cudnn=91900,
-                 torch_error=None, cuda_visible_devices=None, driver=Driver(tool="nvidia-smi", gpus=["Fake GPU, 1 MiB"]),
-                 versions={"torch": "2.11.0"}, python="3.12.1")
+                 torch_error=None, cuda_visible_devices=None,
+                 driver=Driver(tool="nvidia-smi", gpus=["Fake GPU, 1 MiB"]), versions={"torch": "2.11.0"},
+                 python="3.12.1")
     return Machine(**{**facts, **kw})
 
 
@@ -446,7 +451,8 @@ def test_main_writes_the_report_and_exits_by_the_verdict(tmp_path, monkeypatch):
 def test_main_exits_3_when_the_budget_ran_out(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "MIN_START_S", 1.0)
     monkeypatch.setattr(gc, "inspect_machine", lambda check_compile: a_gpu_machine())
-    monkeypatch.setattr(gc, "plan_checks", lambda args, gpus: [fake("good", "pass"), fake("slow", "import time; time.sleep(60)")])
+    monkeypatch.setattr(gc, "plan_checks",
+                        lambda args, gpus: [fake("good", "pass"), fake("slow", "import time; time.sleep(60)")])
     assert gc.main(["--out-dir", str(tmp_path), "--budget-s", "6"]) == 3
     saved = json.loads((tmp_path / "gpu-report.json").read_text())
     assert saved["verdict"] == "incomplete" and [c["verdict"] for c in saved["checks"]] == ["pass", "incomplete"]
@@ -474,7 +480,8 @@ INTERRUPTIBLE = textwrap.dedent("""
     else:
         check, pids = family(tmp, "hang", "sleep", timeout_s=300)
     gc.inspect_machine = slow_inspection if case == "inspect" else (lambda check_compile: a_gpu_machine())
-    gc.plan_checks = lambda args, gpus: [check, runner.Check("after", "never started", [sys.executable, "-c", "pass"], 60)]
+    gc.plan_checks = lambda args, gpus: [check,
+                                         runner.Check("after", "never started", [sys.executable, "-c", "pass"], 60)]
     raise SystemExit(gc.main(["--out-dir", str(tmp / "out")]))
 """)
 
@@ -642,7 +649,8 @@ def test_the_slot_runs_nothing_twice_and_compiled_runs_are_short():
     assert checks["cuda-kill-resume"].cmd[checks["cuda-kill-resume"].cmd.index("-k") + 1] == gc.RESUME_TEST
     from tests.gpu import test_gpu
 
-    assert hasattr(test_gpu, "test_bench_raw_path_on_one_gpu") and hasattr(test_gpu, "test_cuda_kill_and_resume_auto_is_bit_identical")
+    assert hasattr(test_gpu, "test_bench_raw_path_on_one_gpu")
+    assert hasattr(test_gpu, "test_cuda_kill_and_resume_auto_is_bit_identical")
 
     def steps(name: str) -> tuple[int, int]:
         cmd = checks[name].cmd

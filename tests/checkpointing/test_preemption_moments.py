@@ -47,7 +47,8 @@ def _outcome(out: Path) -> list[dict]:
 
 def _check(out: Path, stderr: str, stop: int, code: int) -> None:
     ranks = _outcome(out)
-    assert [r["step"] for r in ranks] == [stop, stop] and [r["code"] for r in ranks] == [code, code], (ranks, stderr[-3000:])
+    assert [r["step"] for r in ranks] == [stop, stop] and [r["code"] for r in ranks] == [code, code], \
+        (ranks, stderr[-3000:])
     assert saved_step(out / "checkpoints" / "last.ckpt") == stop
     lines = [line for line in stderr.splitlines() if line.startswith("preempted by")]
     assert len(lines) == 1 and f"at step {stop} " in lines[0], stderr[-3000:]

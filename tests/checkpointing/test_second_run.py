@@ -122,8 +122,8 @@ def test_resume_auto_never_takes_another_runs_checkpoint(tmp_path):
     mnist.main([*MNIST, "--max-steps", "4", "--lr", "0.05", "--output-dir", str(b)])
     mnist.main([*MNIST, "--max-steps", "8", "--lr", "0.05", "--output-dir", str(straight)])
     shutil.copy(a / "checkpoints" / "best.ckpt", b / "checkpoints" / "best.ckpt")
-    with pytest.warns(UserWarning, match=r"--resume auto: skipping .*best\.ckpt \(best\.ckpt at step 14.*\): it belongs "
-                                         r"to run [0-9a-f]{12}, not to this folder's run"):
+    with pytest.warns(UserWarning, match=r"--resume auto: skipping .*best\.ckpt \(best\.ckpt at step 14.*\): "
+                                         r"it belongs to run [0-9a-f]{12}, not to this folder's run"):
         summary = mnist.main([*MNIST, "--max-steps", "8", "--lr", "0.05", "--output-dir", str(b), "--resume", "auto"])
     assert summary["resumed_from"] == str(last(b)) and summary["steps"] == 8
     assert_same_weights(last(b), last(straight))
@@ -213,7 +213,8 @@ def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_pat
     with pytest.raises(ConfigError) as info:
         connector.agree(trainer, LastCheckpoint(folder), connector.Continue(), fitting=True)
     text = info.value.cli()
-    assert f"rank 0 resumes from {folder / 'last.ckpt'} (step 6 of run aaaaaaaaaaaa), which rank 1 reads as step 3" in text
+    assert (f"rank 0 resumes from {folder / 'last.ckpt'} (step 6 of run aaaaaaaaaaaa), which rank 1 reads as "
+            "step 3") in text
     assert "every rank must read the same checkpoints: put --output-dir on a filesystem every node shares" in text
     assert info.value.agreed  # printed by rank 0 only
     rank0["step"] = 3  # the same file: rank 1 takes rank 0's folder and run id
@@ -573,7 +574,8 @@ def test_a_checkpoint_io_plugin_is_refused_by_the_recipe_and_named_by_the_librar
     assert ("error: main(trainer_kwargs=...) plugins TorchCheckpointIO would replace the recipe's AtomicCheckpointIO"
             in capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
-    with pytest.warns(UserWarning, match="TorchCheckpointIO replaces the pack's AtomicCheckpointIO: saves are no longer"):
+    with pytest.warns(UserWarning,
+                      match="TorchCheckpointIO replaces the pack's AtomicCheckpointIO: saves are no longer"):
         build_trainer(accelerator="cpu", plugins=[TorchCheckpointIO()], default_root_dir=str(tmp_path), **QUIET)
 
 

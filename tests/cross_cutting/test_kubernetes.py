@@ -173,8 +173,8 @@ def pods(args: list[str], env_of, tmp_path: Path, **options) -> list:
 def test_two_pods_without_torchrun_train_as_one_world(tmp_path):
     port = free_port()
     out = tmp_path / "per-pod"
-    env = lambda i: {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),  # noqa: E731
-                     "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    env = lambda i: {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",  # noqa: E731
+                     "MASTER_PORT": str(port), "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
     done = pods([*MNIST, "--output-dir", str(out)], env, tmp_path)
     for d in done:
         assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-3000:]

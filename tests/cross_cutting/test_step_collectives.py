@@ -47,8 +47,8 @@ def test_a_pack_step_issues_exactly_plain_lightnings_collectives(plain, tmp_path
         assert len(per_step) == 1 and min(per_step) >= 2, theirs  # DDP's bucket all-reduce(s) + buffer broadcast
         extra = [(row["step"], row["collectives"], other["collectives"], row["python"])
                  for row, other in zip(ours, theirs, strict=True) if row["collectives"] != other["collectives"]]
-        assert not extra, (f"rank {rank}: (step, pack's collectives, plain's, the pack's Python calls) where the pack's "
-                           f"step issued other collectives than plain Lightning's: {extra}")
+        assert not extra, (f"rank {rank}: (step, pack's collectives, plain's, the pack's Python calls) where the "
+                           f"pack's step issued other collectives than plain Lightning's: {extra}")
         assert {row["groups"] for row in ours} == {row["groups"] for row in theirs}  # no process group of its own
         # The epoch end is where the pack's own collectives go (vote, diagnostics, checkpoint state).
         at_epoch_end = [(a["collectives"], b["collectives"]) for a, b in zip(pack[rank], plain[rank], strict=True)

@@ -77,7 +77,8 @@ def test_the_device_pipeline_is_the_cpu_tensor_pipeline_bit_for_bit(tree, auto_a
 
 def test_decode_gpu_gives_the_pil_pipelines_batches_for_the_same_seed(tree):
     """The recipe's two modes on the same folder and seed, through the resumable loader with a worker: the same
-    samples, crops and flips; pixels within two levels (PIL's resize vs torch's; a tenth of a level on average), evaluation too."""
+    samples, crops and flips; pixels within two levels (PIL's resize vs torch's; a tenth of a level on
+    average), evaluation too."""
     common = dict(batch_size=8, image_size=32, num_workers=1, min_crop_scale=0.2, seed=3)
     cpu, gpu = ImageFolderDataModule(tree, **common), ImageFolderDataModule(tree, decode="gpu", **common)
     for dm in (cpu, gpu):

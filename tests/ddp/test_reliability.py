@@ -441,7 +441,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 def _output_dir(tmp_path: Path, inputs: dict[str, str], checkpoint: bool) -> tuple[Path, dict[Path, bytes]]:
     """An output folder holding an earlier run's files; returns it and their bytes. With its ``checkpoint``
     only for a case that resumes: a new run into a folder that holds a checkpoint is refused before any other
-    check that needs the run to start (tests/checkpointing/test_second_run.py), which would hide the input error tested."""
+    check that needs the run to start (tests/checkpointing/test_second_run.py), which would hide the input
+    error tested."""
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
     (out / "summary.json").write_bytes(SENTINEL_SUMMARY)
@@ -453,7 +454,8 @@ def _output_dir(tmp_path: Path, inputs: dict[str, str], checkpoint: bool) -> tup
 
 
 def _table_row(program: str, template: str, line: str, names: dict[str, str]) -> None:
-    # RELIABILITY_TABLE=path pytest ... writes docs/multi-node-and-failures.md's bad-input table from what the CLIs really print.
+    # RELIABILITY_TABLE=path pytest ... writes docs/multi-node-and-failures.md's bad-input table from what the
+    # CLIs really print.
     table = os.environ.get("RELIABILITY_TABLE")
     if table:
         command = {"doctor": "python -m ddp_recipes.doctor", "bench": "python -m ddp_recipes.bench"}.get(
@@ -514,7 +516,8 @@ def test_remote_checkpoint_paths_go_to_the_object_store(tmp_path, monkeypatch):
     from ddp_recipes.checkpointing.files import fetch
 
     monkeypatch.chdir(tmp_path)
-    ckpt_io.AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "step": 5}, "memory://runs/x.ckpt")
+    ckpt_io.AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "step": 5},
+                                                 "memory://runs/x.ckpt")
     assert list(tmp_path.iterdir()) == []  # nothing written locally
     assert torch.load(fetch("memory://runs/x.ckpt"), weights_only=True)["step"] == 5
     ckpt_io.AtomicCheckpointIO().save_checkpoint({"state_dict": {}, "step": 6}, f"file://{tmp_path}/local.ckpt")

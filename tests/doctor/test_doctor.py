@@ -148,7 +148,8 @@ def test_a_hung_nccl_collective_is_diagnosed_not_an_exit_code() -> None:
     """Under blocking wait (the doctor sets it on NCCL) torch raises this from the rank's own thread."""
     cfg = DoctorConfig(accelerator="cpu", master_port=29511, timeout_s=30)
     hung = RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, "
-                        "OpType=ALLREDUCE, NumelIn=65537, NumelOut=65537, Timeout(ms)=30000) ran for 30010 milliseconds "
-                        "before timing out.")
+                        "OpType=ALLREDUCE, NumelIn=65537, NumelOut=65537, Timeout(ms)=30000) ran for 30010 "
+                        "milliseconds before timing out.")
     found = classify(hung, cfg, "check", 0)
-    assert found.secondary and found.cause.startswith("rank 0: a collective in the check step hung for --timeout-s 30 s")
+    assert found.secondary
+    assert found.cause.startswith("rank 0: a collective in the check step hung for --timeout-s 30 s")

@@ -3,7 +3,8 @@
 Proves: the same encoded batch decoded and augmented on CUDA equals the CPU device's result (libjpeg-turbo)
 within a few levels of JPEG decoder rounding, for the same draws; nvJPEG's refusals (a PNG named .JPEG, a
 CMYK JPEG) fall back to the CPU, are counted and keep every image. (The pack's side of the step makes no host
-read: tests/cross_cutting/test_host_sync.py, on the CPU; torchvision's nvJPEG call itself waits for its decode on the host.)
+read: tests/cross_cutting/test_host_sync.py, on the CPU; torchvision's nvJPEG call itself waits for its decode
+on the host.)
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def args(folder: Path, *extra: str) -> list[str]:
 
 
 def backbone_items(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and not k[len(prefix):].startswith("fc.")}
+    return {k[len(prefix):]: v for k, v in state.items()
+            if k.startswith(prefix) and not k[len(prefix):].startswith("fc.")}
 
 
 def assert_backbone_is(ckpt: Path, hub: Path) -> None:
@@ -335,7 +336,8 @@ def test_a_weights_file_of_another_arch_fails_before_any_process_starts(folder, 
     err = capsys.readouterr().err.strip().splitlines()
     extra = sorted(set(r34) - set(models.resnet18().state_dict()))
     assert exc.value.code == 2 and len(err) == 1
-    assert f"do not fit this model: {len(extra)} unexpected (layer" in err[0] and f"and {len(extra) - 3} more)" in err[0]
+    assert f"do not fit this model: {len(extra)} unexpected (layer" in err[0]
+    assert f"and {len(extra) - 3} more)" in err[0]
     assert len(err[0]) < 400, "a wrong file is named in one short line, not every key it holds"
     assert not (tmp_path / "o").exists()
 

@@ -61,7 +61,8 @@ def test_optimizer_keeps_group_weight_decay():
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [({"name": "adam"}, "optimizer"), ({"lr": 0.0}, "lr"),
-                                               ({"momentum": 1.0}, "momentum"), ({"weight_decay": -1.0}, "weight_decay"),
+                                               ({"momentum": 1.0}, "momentum"),
+                                               ({"weight_decay": -1.0}, "weight_decay"),
                                                ({"name": "sgd_nesterov", "momentum": 0.0}, "optimizer")])
 def test_optimizer_errors_name_the_parameter(kwargs, param):
     args = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, **kwargs}

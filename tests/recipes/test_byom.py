@@ -308,7 +308,8 @@ def test_bad_class_flags_fail_in_one_line(tmp_path, capsys, examples_on_path, fl
 def test_python_class_errors(tmp_path, capsys, examples_on_path):
     from my_model import DropoutCNN
 
-    for kwargs, needle in (({"model_cls": NotAModule}, "model_cls"), ({"datamodule_cls": NoBatchSize}, "datamodule_cls")):
+    for kwargs, needle in (({"model_cls": NotAModule}, "model_cls"),
+                           ({"datamodule_cls": NoBatchSize}, "datamodule_cls")):
         with pytest.raises(SystemExit):
             mnist.main(["--accelerator", "cpu", "--output-dir", str(tmp_path)], **kwargs)
         assert needle in capsys.readouterr().err

@@ -38,7 +38,8 @@ def test_two_devices_sync_batchnorm_smoke(tmp_path):
 
 @pytest.mark.slow  # tests/checkpointing/test_resume.py kills and resumes at random steps in the fast set
 def test_resume_continues_exactly(tmp_path):
-    """2 epochs straight == 1 epoch, then --resume auto for the 2nd (constant LR: see docs/strategy-and-trainer.md#batch-lr-and-accumulation)."""
+    """2 epochs straight == 1 epoch, then --resume auto for the 2nd (constant LR: see
+    docs/strategy-and-trainer.md#batch-lr-and-accumulation)."""
     common = [*TINY, "--no-cosine", "--synthetic-val-samples", "0"]
     resnet.main([*common, "--max-epochs", "2", "--output-dir", str(tmp_path / "straight")])
     resnet.main([*common, "--max-epochs", "1", "--output-dir", str(tmp_path / "split")])

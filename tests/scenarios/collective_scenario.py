@@ -127,11 +127,13 @@ def main(out: Path, mode: str) -> None:
         L.seed_everything(0, verbose=False)
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, default_root_dir=out,
                             logger=CSVLogger(out / "plain", name="logs"), log_every_n_steps=10,
-                            callbacks=[TQDMProgressBar(refresh_rate=20), ModelCheckpoint(dirpath=out / "plain"), counter],
+                            callbacks=[TQDMProgressBar(refresh_rate=20), ModelCheckpoint(dirpath=out / "plain"),
+                                       counter],
                             enable_model_summary=False, num_sanity_val_steps=0)
         from ddp_recipes.data.samplers import keep_batch
 
-        trainer.fit(MNISTClassifier(arch="cnn"), DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=keep_batch),
+        trainer.fit(MNISTClassifier(arch="cnn"),
+                    DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=keep_batch),
                     DataLoader(val, batch_size=BATCH, collate_fn=keep_batch))
         return
     from ddp_recipes.bench.overhead import _Tensors

@@ -1,7 +1,8 @@
 """A user's own LightningCLI script, with nothing of the pack in it: the pack's module, DataModule and strategy
 come in by name on the command line (docs/strategy-and-trainer.md#lightningcli).
 
-    python tests/scenarios/lightning_cli_scenario.py fit --model ddp_recipes.MNISTClassifier --data ddp_recipes.MNISTDataModule \\
+    python tests/scenarios/lightning_cli_scenario.py fit --model ddp_recipes.MNISTClassifier \\
+        --data ddp_recipes.MNISTDataModule \\
         --trainer.strategy tuned_ddp --trainer.devices 2 --trainer.accelerator cpu \\
         --trainer.callbacks+=tests.scenarios.lightning_cli_scenario.SameWeights --trainer.default_root_dir OUT ...
 

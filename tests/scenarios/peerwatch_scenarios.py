@@ -1,4 +1,5 @@
-"""One rank of a PeerWatch scenario (tests/ddp/test_cuda_paths.py): ``python -m tests.scenarios.peerwatch_scenarios CASE RANK``.
+"""One rank of a PeerWatch scenario (tests/ddp/test_cuda_paths.py):
+``python -m tests.scenarios.peerwatch_scenarios CASE RANK``.
 
 The watch runs on gloo here, exactly as TunedDDPStrategy starts it on NCCL (the backend name is the only
 thing faked): the main thread sleeps outside any collective, so only the watch can end it.
@@ -47,8 +48,8 @@ def ring(rank: int, world: int) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=rank == 0,
                           timeout=timedelta(seconds=60))
     # 3 s: a loaded test machine may stall a process for a second or two; that must not read as a death.
-    watch = failures.PeerWatch(store, rank, world, stale_s=3.0, hint=lambda what: f"{failures.PEER_FAILURE_PREFIX}: {what}",
-                               interval_s=0.2)
+    watch = failures.PeerWatch(store, rank, world, stale_s=3.0,
+                               hint=lambda what: f"{failures.PEER_FAILURE_PREFIX}: {what}", interval_s=0.2)
     watch.start()
     store.add("ready", 1)
     while store.add("ready", 0) < world:  # every rank beating before rank 1 dies

@@ -1,6 +1,7 @@
-"""A recipe with one injected fault, for tests/ddp/test_reliability.py: ``python tests/scenarios/reliability_scenarios.py
-RECIPE [recipe flags...]`` runs ``recipes.RECIPE.main`` with a callback that, on rank ``REL_RANK`` (default 1)
-when ``trainer.global_step == REL_STEP``, does what ``REL_FAULT`` says:
+"""A recipe with one injected fault, for tests/ddp/test_reliability.py:
+``python tests/scenarios/reliability_scenarios.py RECIPE [recipe flags...]`` runs ``recipes.RECIPE.main`` with a
+callback that, on rank ``REL_RANK`` (default 1) when ``trainer.global_step == REL_STEP``, does what ``REL_FAULT``
+says:
 
 * ``stop``:  stop calling collectives: write ``REL_DIR/rank<r>.pid`` (pid and time), sleep ``REL_WAIT_S``
   seconds (the test may SIGKILL it meanwhile), then exit 3;

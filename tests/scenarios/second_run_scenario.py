@@ -1,4 +1,5 @@
-"""A user's Lightning script run a second time, for tests/checkpointing/test_second_run.py (2 gloo ranks, build_trainer).
+"""A user's Lightning script run a second time, for tests/checkpointing/test_second_run.py (2 gloo ranks,
+build_trainer).
 
 ``python tests/scenarios/second_run_scenario.py MODE OUT STEPS``:
 

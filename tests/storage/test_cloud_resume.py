@@ -55,7 +55,8 @@ def leftovers(work: Path) -> list[Path]:
     return [p for p in work.rglob("*") if p.is_file()]
 
 
-def test_sigterm_mid_epoch_then_resume_auto_from_the_bucket_on_a_new_node_is_exact(s3, images, straight, tmp_path):  # noqa: F811
+def test_sigterm_mid_epoch_then_resume_auto_from_the_bucket_on_a_new_node_is_exact(
+        s3, images, straight, tmp_path):  # noqa: F811
     bucket = "spot"
     out = s3.bucket(bucket) + "/run"
     argv = [*RESNET, *args(images, 2, "--max-epochs", "2", "--checkpoint-every-n-steps", "2"), "--output-dir", out]
@@ -73,7 +74,8 @@ def test_sigterm_mid_epoch_then_resume_auto_from_the_bucket_on_a_new_node_is_exa
 
     second = node(tmp_path, "node-b", s3)
     resumed = run([*argv, "--resume", "auto"], timeout=600, check=True, **second)
-    assert f"Restoring states from the checkpoint path at {out}/checkpoints/last.ckpt" in resumed.stdout + resumed.stderr
+    assert (f"Restoring states from the checkpoint path at {out}/checkpoints/last.ckpt"
+            in resumed.stdout + resumed.stderr)
     assert manifest(s3, bucket)["global_step"] == 12
     assert_same_weights(straight(2), final_weights(s3, bucket, tmp_path))
     assert leftovers(first["cwd"]) == [] and leftovers(second["cwd"]) == []  # all of it went to the bucket
@@ -82,8 +84,8 @@ def test_sigterm_mid_epoch_then_resume_auto_from_the_bucket_on_a_new_node_is_exa
     assert len([k for k in keys if "/objects/" in k]) == 2  # last and best: replaced objects are deleted
 
 
-MNIST = ["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--devices", "1",
-         "--max-steps", "8", "--checkpoint-every-n-steps", "1", "--no-diagnostics"]
+MNIST = ["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download",
+         "--devices", "1", "--max-steps", "8", "--checkpoint-every-n-steps", "1", "--no-diagnostics"]
 
 
 @needs_mnist

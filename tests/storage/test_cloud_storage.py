@@ -98,7 +98,8 @@ def test_a_run_on_a_bucket_rides_out_503s_and_resumes_from_it(s3, tmp_path, monk
     err = capsys.readouterr().err
     said = [line for line in err.splitlines() if line.startswith("storage: ")]
     assert len(s3.faults.failed) == 3 and len(said) == 2, err[-2000:]
-    assert "upload of s3://flaky/run/checkpoints/objects/last-00000002-" in said[0] and "retrying with backoff" in said[0]
+    assert "upload of s3://flaky/run/checkpoints/objects/last-00000002-" in said[0]
+    assert "retrying with backoff" in said[0]
     assert "done after 4 attempts" in said[1]
     keys = s3.keys("flaky")
     assert "run/summary.json" in keys and "run/checkpoints/last.ckpt.manifest.json" in keys
@@ -241,7 +242,8 @@ def test_a_refused_resume_url_names_resume_not_output_dir(s3, tmp_path, monkeypa
         authenticate("inf")
     assert info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("python -m recipes.resnet: error: --resume: lookup of s3://locked-resume/run/checkpoints/"), line
+    assert line.startswith("python -m recipes.resnet: error: --resume: lookup of "
+                           "s3://locked-resume/run/checkpoints/"), line
     assert "--output-dir" not in line
 
 
@@ -328,7 +330,8 @@ def test_an_offline_wandb_run_on_a_bucket_is_refused_before_anything_is_written(
                      "--logger", "csv,wandb", *extra])
     assert info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("python -m recipes.resnet: error: --logger wandb offline with --output-dir s3://wandb-offline/run")
+    assert line.startswith("python -m recipes.resnet: error: --logger wandb offline with --output-dir "
+                           "s3://wandb-offline/run")
     assert "--wandb-offline" in line
     assert list(tmp_path.iterdir()) == []
     assert s3.keys("wandb-offline") == []

@@ -115,7 +115,8 @@ QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False
     (dict(devices=2, strategy_kwargs={"broadcast_buffers": False, "start_method": "popen"}),
      lambda t: t.strategy._ddp_kwargs["broadcast_buffers"] is False),
     (dict(checkpoint_every_n_steps=5, checkpoint_dir="ck"),
-     lambda t: [(c.every_n_steps, c.dirpath) for c in t.callbacks if isinstance(c, LastCheckpoint)] == [(5, Path("ck"))]),
+     lambda t: [(c.every_n_steps, c.dirpath) for c in t.callbacks if isinstance(c, LastCheckpoint)]
+     == [(5, Path("ck"))]),
     (dict(), lambda t: [c.dirpath for c in t.callbacks if isinstance(c, LastCheckpoint)]
      == [Path(t.default_root_dir) / "checkpoints"]),
     (dict(preemption=False), lambda t: not any(isinstance(c, LastCheckpoint) for c in t.callbacks)),

@@ -41,8 +41,8 @@ def test_dense_peaks_for_names_as_torch_reports_them(name, gpu, bf16_tflops, tf3
 
 
 @pytest.mark.parametrize(("name", "gpu", "fp32", "fp16"),
-                         [("Tesla V100-SXM2-32GB", "V100 SXM2", 15.7, 125), ("Tesla V100-PCIE-16GB", "V100 PCIe", 14, 112),
-                          ("Tesla T4", "T4", 8.1, 65)])
+                         [("Tesla V100-SXM2-32GB", "V100 SXM2", 15.7, 125),
+                          ("Tesla V100-PCIE-16GB", "V100 PCIe", 14, 112), ("Tesla T4", "T4", 8.1, 65)])
 def test_pre_ampere_gpus_count_fp32_for_32_true_and_know_no_bf16(name, gpu, fp32, fp16):
     assert peaks.find_row(name).gpu == gpu
     run = peaks.peak(name, "32-true")  # TF32 asked, but there are no TF32 tensor cores: FP32 is the peak

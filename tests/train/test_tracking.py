@@ -221,7 +221,8 @@ def test_resume_into_another_mlflow_store_fails_clearly(tmp_path):
 
     cfg = mnist.MNISTConfig(output_dir=str(tmp_path), accelerator="cpu", logger="mlflow",
                             tracking_uri="http://127.0.0.1:1")
-    with raises_cli(ConfigError, match="^--tracking-uri http://127.0.0.1:1 is not where the checkpoint's MLflow run r1"):
+    with raises_cli(ConfigError,
+                    match="^--tracking-uri http://127.0.0.1:1 is not where the checkpoint's MLflow run r1"):
         build_loggers(cfg, _tracked({"mlflow": {"run_id": "r1", "tracking_uri": "http://127.0.0.1:2"}}))
 
 

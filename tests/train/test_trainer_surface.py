@@ -33,8 +33,10 @@ class Probe(Callback):
         self.validations = 0
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.seen = {"val_check_interval": trainer.val_check_interval, "limit_val_batches": trainer.limit_val_batches,
-                     "log_every_n_steps": trainer.log_every_n_steps, "num_sanity_val_steps": trainer.num_sanity_val_steps,
+        self.seen = {"val_check_interval": trainer.val_check_interval,
+                     "limit_val_batches": trainer.limit_val_batches,
+                     "log_every_n_steps": trainer.log_every_n_steps,
+                     "num_sanity_val_steps": trainer.num_sanity_val_steps,
                      "logger": trainer.logger, "callbacks": [type(c) for c in trainer.callbacks]}
 
     def on_validation_end(self, trainer, pl_module) -> None:
@@ -63,7 +65,8 @@ def test_settings_callbacks_and_logger_reach_the_trainer(tmp_path):
         "trainer": {"limit_val_batches": 3},
         "callbacks": [{"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
                        "init_args": {"logging_interval": "step"}},
-                      {"class_path": "EarlyStopping", "init_args": {"monitor": "val_acc", "mode": "max", "patience": 9}}],
+                      {"class_path": "EarlyStopping",
+                       "init_args": {"monitor": "val_acc", "mode": "max", "patience": 9}}],
     }))
     probe, logs = Probe(), tmp_path / "mine"
     out = tmp_path / "out"
@@ -110,7 +113,8 @@ def test_resnet_takes_the_same_surface_in_fit_and_test_only(tmp_path):
 
 def test_print_config_round_trips_trainer_and_callbacks(tmp_path, capsys):
     args = ["--trainer", "val_check_interval=0.5", "--trainer", "limit_val_batches=1.0",
-            "--callbacks", "LearningRateMonitor", "--callbacks", "{class_path: EarlyStopping, init_args: {monitor: val_acc}}"]
+            "--callbacks", "LearningRateMonitor",
+            "--callbacks", "{class_path: EarlyStopping, init_args: {monitor: val_acc}}"]
     with pytest.raises(SystemExit):
         mnist.main([*args, "--print-config"])
     printed = capsys.readouterr().out
@@ -138,7 +142,8 @@ def test_print_config_round_trips_trainer_and_callbacks(tmp_path, capsys):
          "limit_train_batches=N"),
         (resnet, [], {"trainer_kwargs": {"overfit_batches": 0.1}}, "overfit_batches .* resumable loader"),
         (mnist, ["--trainer", "val_chek_interval=2"], {}, "no such argument; did you mean val_check_interval"),
-        (mnist, ["--trainer", "limit_val_batches=lots"], {}, "limit_val_batches='lots': lightning.Trainer takes float | int"),
+        (mnist, ["--trainer", "limit_val_batches=lots"], {},
+         "limit_val_batches='lots': lightning.Trainer takes float | int"),
         (mnist, ["--trainer", "limit_val_batches"], {}, "--trainer takes KEY=VALUE"),
         (mnist, ["--callbacks", "NoSuchCallback"], {}, "--callbacks"),
         (mnist, ["--callbacks", "lightning.pytorch.LightningModule"], {}, "--callbacks .* does not subclass"),
@@ -147,8 +152,10 @@ def test_print_config_round_trips_trainer_and_callbacks(tmp_path, capsys):
         (mnist, ["--callbacks", "{class_path: EarlyStopping, init_args: {monitor: val_acc, mode: up}}"], {},
          "--callbacks EarlyStopping\\(monitor='val_acc', mode='up'\\): "),
         (mnist, [], {"trainer_kwargs": {"strategy": "ddp"}}, "main\\(trainer_kwargs=...\\) strategy .* --comm-hook"),
-        (mnist, [], {"callbacks": ["LearningRateMonitor"]}, "main\\(callbacks=...\\) takes lightning Callback instances"),
-        (mnist, ["--callbacks", "BatchSizeFinder"], {}, "--callbacks BatchSizeFinder changes the batch size .* --batch-size"),
+        (mnist, [], {"callbacks": ["LearningRateMonitor"]},
+         "main\\(callbacks=...\\) takes lightning Callback instances"),
+        (mnist, ["--callbacks", "BatchSizeFinder"], {},
+         "--callbacks BatchSizeFinder changes the batch size .* --batch-size"),
         (resnet, [], {"callbacks": [LearningRateFinder()]}, "main\\(callbacks=...\\) LearningRateFinder changes the "
          "learning rate .* --lr instead"),
         (resnet, ["--trainer", "gradient_clip_val=1"], {}, "use --clip-grad-norm"),
@@ -185,8 +192,8 @@ def test_user_callback_survives_two_ranks_and_resume_auto(tmp_path):
     """A script's own stateful callback runs on both ranks, is checkpointed, and continues its count after
     --resume auto; trainer_kwargs and --trainer reach every rank's Trainer."""
     out = tmp_path / "out"
-    base = ["tests/scenarios/surface_scenario.py", "--devices", "2", *DATA, "--output-dir", str(out), "--batch-size", "32",
-            "--val-size", "128", "--checkpoint-every-n-steps", "3", "--log-every-n-steps", "2",
+    base = ["tests/scenarios/surface_scenario.py", "--devices", "2", *DATA, "--output-dir", str(out),
+            "--batch-size", "32", "--val-size", "128", "--checkpoint-every-n-steps", "3", "--log-every-n-steps", "2",
             "--trainer", "enable_progress_bar=false"]
     run([*base, "--max-steps", "6"], env={"SURFACE_RUN": "first"}, check=True)
     run([*base, "--max-steps", "9", "--resume", "auto"], env={"SURFACE_RUN": "resumed"}, check=True)
