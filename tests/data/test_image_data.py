@@ -17,7 +17,7 @@ from ddp_recipes.config import world
 from ddp_recipes.config.world import default_num_workers
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.modules.resnet import ResNetClassifier
-from tests.helpers import SHARED_DATA, cli_text, raises_cli
+from tests.helpers import cli_text, raises_cli
 
 # ---------------------------------------------------------------- loader defaults
 
@@ -162,13 +162,11 @@ def test_imagefolder_missing_dir(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
+def digits(tmp_path_factory, mnist_dir) -> Path:
     """10 classes x (30 train + 10 val) real MNIST digits as 32 px RGB PNGs in an ImageFolder tree."""
-    if not (SHARED_DATA / "MNIST" / "raw").is_dir():
-        pytest.skip(f"no MNIST under {SHARED_DATA}")
     from PIL import Image
 
-    mnist = datasets.MNIST(root=SHARED_DATA, train=True, download=False)
+    mnist = datasets.MNIST(root=mnist_dir, train=True, download=False)
     root = tmp_path_factory.mktemp("digits")
     wanted = {"train": 30, "val": 10}
     written = {(split, c): 0 for split in wanted for c in range(10)}

@@ -18,6 +18,7 @@ from recipes import mnist, resnet
 from recipes.resnet import ResNetConfig, build_datamodule, ema_callback
 from tests.helpers import SHARED_DATA
 from tests.launch import run
+from tests.marks import needs_mnist
 
 TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
         "--synthetic-val-samples", "40", "--batch-size", "16", "--num-classes", "10"]
@@ -209,7 +210,7 @@ def test_test_only_reproduces_the_runs_own_test_on_any_world_size(tmp_path):
         assert two[key] == pytest.approx(summary[key], abs=1e-5), key
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "MNIST").exists(), reason="needs the shared MNIST")
+@needs_mnist
 def test_mnist_reads_a_config_file(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text(f"data_dir: {SHARED_DATA}\nmax_steps: 2\nbatch_size: 32\nno_such: 1\n")
