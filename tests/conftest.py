@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from tests.helpers import SHARED_DATA
 from tests.marks import pytest_runtest_setup  # noqa: F401 - the hook of @pytest.mark.compiles
+
+
+@pytest.fixture(scope="module")
+def mnist_dir() -> Path:
+    """The shared mini-MNIST folder (``tests.helpers.SHARED_DATA``); the test skips, naming it, where it is missing."""
+    if not (SHARED_DATA / "MNIST" / "raw").is_dir():
+        pytest.skip(f"no MNIST under {SHARED_DATA}")
+    return SHARED_DATA
 
 
 @pytest.fixture

@@ -68,7 +68,8 @@ def write_synthetic_mnist(dest: Path, n_train: int, n_test: int, seed: int = 0) 
             images[i, 3 + 12 * row:10 + 12 * row, 1 + 5 * col:8 + 5 * col] = 255
         header = np.array([2051, count, 28, 28], dtype=">i4").tobytes()
         (raw / f"{split}-images-idx3-ubyte").write_bytes(header + images.tobytes())
-        (raw / f"{split}-labels-idx1-ubyte").write_bytes(np.array([2049, count], dtype=">i4").tobytes() + labels.tobytes())
+        lab_header = np.array([2049, count], dtype=">i4").tobytes()
+        (raw / f"{split}-labels-idx1-ubyte").write_bytes(lab_header + labels.tobytes())
     return dest
 
 
@@ -121,3 +122,47 @@ def write_odd_images(folder: Path) -> None:
     field = Image.fromarray(rng.integers(0, 256, (8, 9, 3), dtype=np.uint8)).resize((45, 40), Image.BICUBIC)
     field.convert("CMYK").save(folder / "cmyk.JPEG", format="JPEG", quality=95)
     field.save(folder / "png_in_disguise.JPEG", format="PNG")
+
+
+def weights(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's ``state_dict``, on CPU, read with ``weights_only=True``: every checkpoint the tests
+    compare (the recipes' ``last.ckpt`` and ``final.ckpt``, a user's script's on the library path) holds only
+    tensors and plain data, as the pack's own reader requires."""
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def assert_same_weights(a: str | os.PathLike, b: str | os.PathLike) -> None:
+    """The two checkpoints hold the same weights bit for bit: the same keys, every tensor ``torch.equal``. The
+    failure names the tensors that differ and the largest relative difference among them."""
+    import torch
+
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    if different:
+        worst = max((((wa[k].float() - wb[k].float()).abs().max() / wb[k].float().abs().max().clamp_min(1e-12)).item()
+                     for k in different if wa[k].is_floating_point() and wa[k].shape == wb[k].shape), default=0.0)
+        raise AssertionError(f"{len(different)} tensors differ (max relative difference {worst:.3g}), "
+                             f"e.g. {different[:3]}")
+
+
+def cpu_trainer(**kwargs: Any) -> Any:
+    """A quiet one-device CPU ``lightning.Trainer`` for in-process fits: no logger, no checkpoints, no
+    progress bar, no model summary; ``kwargs`` add to those."""
+    from lightning import Trainer
+
+    return Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+class CodeOnLoad:
+    """What a malicious pickle (a ``.ckpt``, a weights file) carries: unpickling it calls ``open(path, "w")``,
+    creating the file, so a test sees whether a load ran the file's code."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")

@@ -34,10 +34,10 @@ def launch_env(*, port: int | bool = True, threads: int | None = 1, quiet: bool 
     """This process's environment for a child: ``port`` sets MASTER_PORT (True: a free one; False: unset,
     what the test's own environment has); ``threads`` sets OMP_NUM_THREADS (None: left alone), the cores are
     shared; ``quiet`` sets PYTHONWARNINGS=ignore, ``quiet=False`` removes it (for tests that look for
-    warnings), ``None`` leaves it; ``pythonpath`` puts the repository root first on PYTHONPATH, so the checkout under test wins
-    (False: removed, only what a user has); ``drop``/``drop_prefixes`` remove inherited variables (launcher
-    variables, injected faults); ``extra`` is set last. ``PL_GLOBAL_SEED`` never passes: a child is a fresh
-    script, and ``lightning.seed_everything`` in an earlier test of this process set it here."""
+    warnings), ``None`` leaves it; ``pythonpath`` puts the repository root first on PYTHONPATH, so the checkout
+    under test wins (False: removed, only what a user has); ``drop``/``drop_prefixes`` remove inherited
+    variables (launcher variables, injected faults); ``extra`` is set last. ``PL_GLOBAL_SEED`` never passes: a
+    child is a fresh script, and ``lightning.seed_everything`` in an earlier test of this process set it here."""
     dropped = {*drop, "PL_GLOBAL_SEED"}
     env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith(drop_prefixes or ("\0",))}
     if port is not False:

@@ -1,9 +1,13 @@
-"""The suite's marks that need a hook (tests/conftest.py takes the hook from here; a test can load this
-module alone with ``pytest -p tests.marks``, without the torch import that conftest pays for).
+"""The suite's shared marks: those that need a hook (tests/conftest.py takes the hook from here; a test can load
+this module alone with ``pytest -p tests.marks``, without the torch import that conftest pays for), and
+``needs_mnist``.
 
 ``@pytest.mark.compiles``: the test ``torch.compile``s on CUDA. It skips, with gpu-check's own reason, where
 gpu-check's compiled checks are 'no verdict' (Triton cannot build its C helper: no C compiler or no
 ``Python.h``), so that the gpu tier does not fail where those checks have no verdict.
+
+``@needs_mnist``: the test reads the shared mini-MNIST (``tests.helpers.SHARED_DATA``); it skips, saying so,
+where that folder is missing or hidden (``DDP_RECIPES_SHARED_DATA=none``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,11 @@ from __future__ import annotations
 import functools
 
 import pytest
+
+from tests.helpers import SHARED_DATA
+
+HAVE_MNIST = (SHARED_DATA / "MNIST").exists()
+needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason="shared mini-MNIST missing")
 
 
 @functools.cache

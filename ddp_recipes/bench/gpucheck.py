@@ -64,10 +64,11 @@ PROG = "python3 -m ddp_recipes.bench.gpucheck"
 TOTAL_BUDGET_S = 420.0  # 7 minutes of a 10-minute slot on one H200: the rest is the machine's start and the copy
 PACK_VS_RAW_MIN = 0.90  # the pack's step may cost at most ~10 % over the raw loop's at ResNet-50 scale
 # The gpu tier, and only it: collecting all of tests/ would import every test module (and its optional
-# packages) before a single GPU test runs. tests/test_gpucheck.py checks this list against the markers.
-GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_gpu_cuda_paths.py", "tests/test_gpu_timing.py",
-                  "tests/test_gpu_decode.py")
-RESUME_TEST = "kill_and_resume"  # the -k expression of tests/test_gpu.py's CUDA kill + --resume auto test
+# packages) before a single GPU test runs. tests/bench/test_gpucheck.py checks this list against the
+# markers.
+GPU_TEST_FILES = ("tests/gpu/test_gpu.py", "tests/gpu/test_gpu_cuda_paths.py",
+                  "tests/gpu/test_gpu_timing.py", "tests/gpu/test_gpu_decode.py")
+RESUME_TEST = "kill_and_resume"  # the -k expression of tests/gpu/test_gpu.py's CUDA kill + --resume auto test
 # gpu-tests: the tier but the kill-and-resume test (its own check) and the 5-step raw bench run (the
 # resnet50-raw check runs that worker at full size): the slot has no seconds for the same thing twice.
 GPU_TESTS_EXPRESSION = f"not {RESUME_TEST} and not bench_raw_path_on_one_gpu"

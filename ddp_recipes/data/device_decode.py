@@ -7,7 +7,7 @@ the CPU pipeline), the flip, the policy's recorded operations; the images stacke
 scaled to float and normalized as one batch; the erased boxes last, as the CPU pipeline erases after
 normalizing. Evaluation: resize the short side and centre-crop each image, then the same batch steps. The
 results equal the CPU tensor pipeline's bit for bit for the same draws, and the PIL pipeline's within
-interpolation tolerance (``tests/test_device_decode.py``).
+interpolation tolerance (``tests/data/test_device_decode.py``).
 
 No step reads the device from the host: the draws are host-side Python values, the normalisation constants are
 copied to each device once (pinned, non-blocking), and torchvision's normalize (which builds them from Python

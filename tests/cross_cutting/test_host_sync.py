@@ -1,0 +1,242 @@
+"""A pack training step reads the device from the host no more often than plain Lightning's (issue #20.4).
+
+Counted, not timed: a ``TorchDispatchMode`` counts ``aten._local_scalar_dense`` (``.item()``, ``float(t)``)
+and ``aten.is_nonzero`` (``bool(t)``, ``if t:``) over a steady-state window of training steps, for the
+MNIST recipe's path (``run_fit_test`` with the recipe's callbacks, ``build_trainer``, resumable loader,
+diagnostics) and for a plain ``lightning.Trainer`` running the same module on the same tensors. On CPU
+these reads cost little, but each is a stream stall on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+
+from ddp_recipes.bench.overhead import _Tensors
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
+from ddp_recipes.modules.logging import SyncFreeMean
+from ddp_recipes.modules.mnist import MNISTClassifier
+from ddp_recipes.train.checkpoints import checkpoint_callbacks
+from ddp_recipes.train.run import make_trainer, run_fit_test
+
+HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero")
+BATCH, START, WINDOW = 16, 12, 24  # steps 12..36 of a 200-step epoch: no epoch end, no first-step work
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostReadCounter(Callback):
+    """Counts every aten op from the end of step ``start`` to the end of step ``start + window``: whole steps,
+    every hook of every callback included (the mode is entered in one batch-end hook, left in a later one), and
+    the next batch's transfer to the device (with ``--decode gpu``, its decode)."""
+
+    def __init__(self, start: int = START, window: int = WINDOW) -> None:
+        self.start, self.window = start, window
+        self.mode: _CountOps | None = None
+        self.ops: Counter[str] = Counter()
+        self.steps = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch_idx == self.start:
+            self.mode = _CountOps()
+            self.mode.__enter__()
+        elif batch_idx == self.start + self.window and self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.ops, self.steps, self.mode = self.mode.ops, self.window, None
+
+    def host_reads(self) -> int:
+        return sum(self.ops[name] for name in HOST_READS)
+
+
+def _data() -> tuple[TensorBatchDataset, TensorBatchDataset]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3264, 1, 28, 28, generator=g), torch.randint(0, 10, (3264,), generator=g)
+    return TensorBatchDataset(x[:3200], y[:3200]), TensorBatchDataset(x[3200:], y[3200:])
+
+
+def _pack(tmp_path, extra: list[Callback] = ()) -> HostReadCounter:
+    train, val = _data()
+    cfg = RunConfig(devices=1, accelerator="cpu", max_steps=START + WINDOW + 2, batch_size=BATCH,
+                    output_dir=str(tmp_path / "pack"), num_workers=0)
+    counter = HostReadCounter()
+    # The recipe's own callbacks and logging (recipes.mnist.main, without its flag parsing and test pass).
+    run_fit_test(cfg, lambda: MNISTClassifier(lr=cfg.plan.lr), _Tensors(train, val, BATCH, cfg.seed),
+                 callbacks=[*checkpoint_callbacks(cfg, True, MNISTClassifier), counter, *extra], test=False,
+                 save_final=False)
+    return counter
+
+
+def _plain(tmp_path) -> HostReadCounter:
+    train, val = _data()
+    counter = HostReadCounter()
+    # What a user writes with Lightning alone, logging and drawing at the pack's cadence (make_trainer's).
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=START + WINDOW + 2, default_root_dir=tmp_path,
+                        logger=CSVLogger(tmp_path / "plain", name="logs"), log_every_n_steps=10,
+                        callbacks=[TQDMProgressBar(refresh_rate=20), counter])
+    trainer.fit(MNISTClassifier(lr=0.01), DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=keep_batch),
+                DataLoader(val, batch_size=BATCH, collate_fn=keep_batch))
+    return counter
+
+
+class _ReadsLoss(Callback):
+    """The mistake the test must catch: a pack-style callback that reads the loss on the host every step."""
+
+    def __init__(self) -> None:
+        self.seen = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen += outputs["loss"].item()
+
+
+def test_a_pack_step_reads_the_device_no_more_than_plain_lightning(tmp_path):
+    pack, plain = _pack(tmp_path), _plain(tmp_path)
+    assert pack.steps == plain.steps == WINDOW
+    # The window really saw the steps: forward, backward and the optimizer ran inside the mode.
+    for counted in (pack, plain):
+        assert counted.ops["aten::addmm"] >= WINDOW
+        assert counted.ops["aten::_foreach_add_"] + counted.ops["aten::add_"] > 0
+    assert pack.host_reads() <= plain.host_reads(), (
+        f"pack {dict((k, pack.ops[k]) for k in HOST_READS)} vs plain {dict((k, plain.ops[k]) for k in HOST_READS)} "
+        f"over {WINDOW} steps")
+
+
+@pytest.mark.slow
+def test_the_count_sees_one_item_per_step_in_a_callback(tmp_path):
+    base = _pack(tmp_path / "base")
+    added = _pack(tmp_path / "added", extra=[_ReadsLoss()])
+    assert added.host_reads() - base.host_reads() == WINDOW
+
+
+def test_sync_free_mean_is_the_weighted_mean_and_keeps_nan():
+    metric = SyncFreeMean()
+    metric.update(torch.tensor(2.0), weight=3)
+    metric.update(torch.tensor(4.0), weight=1)
+    metric.update(torch.tensor([1.0, 3.0]))  # a vector: each element weight 1
+    assert torch.isclose(metric.compute(), torch.tensor((6 + 4 + 4) / 6))
+    metric.update(torch.tensor([1.0, 2.0]), weight=torch.tensor([0.0, 2.0]))
+    assert torch.isclose(metric.compute(), torch.tensor((14 + 4) / 8))
+    metric.update(torch.tensor(float("nan")), weight=2)
+    assert torch.isnan(metric.compute())  # not silently dropped
+
+
+def test_sync_free_mean_update_makes_no_host_read():
+    metric = SyncFreeMean()
+    with _CountOps() as mode:
+        metric.update(torch.tensor(0.5), weight=64)
+    assert not any(mode.ops[name] for name in HOST_READS), dict(mode.ops)
+
+
+@pytest.mark.parametrize("make", ["make_trainer"])
+def test_the_recipe_trainer_keeps_its_log_cadence(tmp_path, make):
+    # The window above compares at make_trainer's cadence; if it changes, the plain side must follow.
+    cfg = RunConfig(devices=1, accelerator="cpu", max_steps=2, output_dir=str(tmp_path))
+    assert make_trainer(cfg).log_every_n_steps == 10
+
+
+def test_the_modules_training_step_makes_no_host_read():
+    # Shared by both sides above, so counted here on its own: MeanMetric's default NaN check would be one
+    # aten.is_nonzero per step (``if nans.any()``).
+    module = MNISTClassifier()
+    batch = (torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,)))
+    with _CountOps() as mode:
+        module.training_step(batch, 0)
+    assert mode.ops["aten::addmm"] == 2  # the step ran inside the mode
+    assert not any(mode.ops[name] for name in HOST_READS), {k: mode.ops[k] for k in HOST_READS}
+
+
+# ---- --decode gpu: the decode and the device augmentation in the step --------------------------------------
+
+DECODE_START, DECODE_WINDOW = 2, 3
+
+
+class _DecodeCounter(HostReadCounter):
+    """Also the images the DataModule's device decoder decoded inside the window (torchvision 0.26's CPU
+    decode_jpeg does not go through the dispatcher, so the op count cannot show it on every version)."""
+
+    def __init__(self, dm, start: int, window: int) -> None:
+        super().__init__(start, window)
+        self.dm, self.marks = dm, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx in (self.start, self.start + self.window):
+            self.marks.append(self.dm.decoder.images)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def decoded(self) -> int:
+        return self.marks[1] - self.marks[0]
+
+
+def _resnet_steps(tmp_path, root, decode: str) -> _DecodeCounter:
+    """The ResNet recipe's path (run_fit_test, its callbacks) on a JPEG folder, one loader worker, 11 steps."""
+    from ddp_recipes.data.images import ImageFolderDataModule
+    from ddp_recipes.modules.resnet import ResNetClassifier
+
+    cfg = RunConfig(devices=1, accelerator="cpu", max_steps=DECODE_START + DECODE_WINDOW + 2, batch_size=1,
+                    output_dir=str(tmp_path / decode), num_workers=1)
+    dm = ImageFolderDataModule(root, batch_size=1, image_size=16, num_workers=1, decode=decode,
+                               random_erase=0.5, auto_augment="ta_wide")
+    counter = _DecodeCounter(dm, DECODE_START, DECODE_WINDOW)
+    run_fit_test(cfg, lambda: ResNetClassifier(num_classes=2, cifar_stem=True, lr=cfg.plan.lr), dm,
+                 callbacks=[*checkpoint_callbacks(cfg, True, ResNetClassifier), counter], test=False, save_final=False)
+    return counter
+
+
+def test_a_decode_gpu_step_reads_the_device_no_more_than_a_decode_cpu_step(tmp_path):
+    from tests.helpers import write_jpeg_tree
+
+    root = write_jpeg_tree(tmp_path / "jpegs", per_class=6, val_per_class=1, side=20)  # 12 steps per epoch
+    gpu, cpu = _resnet_steps(tmp_path, root, "gpu"), _resnet_steps(tmp_path, root, "cpu")
+    assert gpu.steps == cpu.steps == DECODE_WINDOW
+    assert gpu.decoded() == DECODE_WINDOW and cpu.decoded() == 0  # the window's batches were decoded inside it
+    assert gpu.host_reads() <= cpu.host_reads(), (
+        f"decode gpu {dict((k, gpu.ops[k]) for k in HOST_READS)} vs cpu {dict((k, cpu.ops[k]) for k in HOST_READS)}")
+
+
+def test_decoding_and_augmenting_a_batch_on_the_device_makes_no_host_read(tmp_path):
+    """Every step of the device pipeline, the fallback included: the crops, flips, policy operations and erased
+    boxes are host values drawn in the workers, the normalisation constants stay on the device."""
+    from PIL import Image
+
+    from ddp_recipes.data.device_decode import DeviceDecoder
+    from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
+    from ddp_recipes.data.seeding import sample_seed, seed_all
+    from tests.helpers import write_jpeg_tree
+
+    root = write_jpeg_tree(tmp_path / "jpegs", per_class=6, side=30)
+    files = sorted(str(p) for p in root.rglob("*.jpg"))
+    Image.new("RGB", (30, 34), (0, 90, 0)).save(root / "png.JPEG", format="PNG")
+    files.append(str(root / "png.JPEG"))
+    decoder = DeviceDecoder(channels_last=True)
+    for pipeline in (TrainPipeline(24, auto_augment="imagenet", random_erase=1.0), EvalPipeline(24)):
+        dataset = EncodedImageFolder([(f, 0) for f in files], pipeline)
+        samples = []
+        for i in range(len(files)):
+            seed_all(sample_seed(0, 0, i))
+            samples.append(dataset[i])
+        batch = dataset.collate(samples).to("cpu")
+        decoder(batch)  # the normalisation constants are copied once per device, before the count
+        before = decoder.images
+        with _CountOps() as mode:
+            x, _ = decoder(batch)
+        assert x.shape == (len(files), 3, 24, 24) and decoder.images - before == len(files)
+        assert mode.ops["aten::div_"] >= 1  # the device augmentation ran inside the mode
+        assert not any(mode.ops[name] for name in HOST_READS), {k: mode.ops[k] for k in HOST_READS}
+    assert decoder.fallbacks == 4  # the PNG, twice per pipeline

@@ -1,0 +1,224 @@
+"""Kubernetes launches: the manifests in examples/k8s, and the environment their operators set, emulated
+on loopback (each "pod" a process group of its own on 127.0.0.1).
+
+Two ways a pod starts the recipe: under torchrun, told its topology by the operator's ``PET_*``
+variables (PyTorchJob with ``nprocPerNode``, the JobSet example); or as the pod's only process with
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (a PyTorchJob without torchrun), which
+Lightning does not detect (its KubeflowEnvironment must be passed by hand) and would run as node 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import SHARED_DATA, assert_same_weights, free_port, raises_cli
+from tests.launch import ROOT, start
+from tests.marks import needs_mnist
+
+EXAMPLES = ROOT / "examples" / "k8s"
+POD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+# ---- the manifests ---------------------------------------------------------------------------------------
+
+
+def check_container(container: dict, gpus: int, grace: int) -> None:
+    """The recipe under torchrun, resuming from object storage, with the GPUs torchrun is told about."""
+    from ddp_recipes.config.cli import parse_config
+    from recipes.resnet import PROG, ResNetConfig
+
+    assert container["image"] and ":" in container["image"]
+    assert container["command"] == ["torchrun", "-m", "recipes.resnet"]
+    argv = container["args"]
+    cfg = parse_config(ResNetConfig, [*argv, "--accelerator", "cpu"], prog=PROG)  # the flags are the recipe's
+    assert cfg.resume == "auto" and cfg.output_dir.startswith("s3://") and cfg.checkpoint_every_n_steps > 0
+    assert "--devices" not in argv and "--num-nodes" not in argv  # torchrun's environment says
+    for side in ("limits", "requests"):
+        assert int(container["resources"][side]["nvidia.com/gpu"]) == gpus
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert "/dev/shm" in mounts  # loader workers need more than the container's 64 MB
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert "DDP_RECIPES_CACHE_DIR" in env
+    assert grace >= 120  # one step and one checkpoint upload, with room
+    # torchrun SIGKILLs its workers --shutdown-timeout after its own SIGTERM (30 s unless told): the pod's
+    # grace period is the ranks' only if torchrun waits for them nearly as long, and leaves itself time to exit.
+    shutdown = int(env["PET_SHUTDOWN_TIMEOUT"]["value"])
+    assert 120 <= shutdown < grace, (shutdown, grace)
+
+
+def test_pytorchjob_manifest():
+    job = yaml.safe_load((EXAMPLES / "pytorchjob.yaml").read_text())
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    spec = job["spec"]
+    gpus = int(spec["nprocPerNode"])
+    assert isinstance(spec["nprocPerNode"], str)  # the CRD's type: a quoted number
+    assert spec["runPolicy"]["backoffLimit"] >= 1
+    replicas = spec["pytorchReplicaSpecs"]
+    assert set(replicas) == {"Master", "Worker"} and replicas["Master"]["replicas"] == 1
+    for role in replicas.values():
+        assert role["restartPolicy"] == "OnFailure"
+        pod = role["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["name"] == "pytorch"  # the operator's required container name
+        check_container(container, gpus, pod["terminationGracePeriodSeconds"])
+
+
+def test_jobset_manifest():
+    jobset = yaml.safe_load((EXAMPLES / "jobset.yaml").read_text())
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
+    spec = jobset["spec"]
+    assert spec["failurePolicy"]["maxRestarts"] >= 1
+    (replicated,) = spec["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"]
+    pod = job["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert int(env["PET_NNODES"]["value"]) == job["parallelism"]
+    assert env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"].endswith(
+        "['batch.kubernetes.io/job-completion-index']")
+    name, rjob = jobset["metadata"]["name"], replicated["name"]
+    assert env["PET_MASTER_ADDR"]["value"] == f"{name}-{rjob}-0-0.{name}"  # pod 0's JobSet DNS name
+    assert int(env["PET_MASTER_PORT"]["value"]) in [p["containerPort"] for p in container["ports"]]
+    check_container(container, int(env["PET_NPROC_PER_NODE"]["value"]), pod["terminationGracePeriodSeconds"])
+
+
+# ---- one process per pod, without torchrun: resolved in-process ---------------------------------------------
+
+
+@pytest.fixture
+def pod(monkeypatch):
+    """This process as pod 1 of 2 started without torchrun."""
+    for name in POD_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511",
+                            KUBERNETES_SERVICE_HOST="10.0.0.1", HOSTNAME="resnet-worker-0").items():
+        monkeypatch.setenv(name, value)
+    return monkeypatch
+
+
+def test_a_pod_without_torchrun_is_one_node_of_world_size(pod):
+    from ddp_recipes.config.world import check_node_env, launch_environment, resolve_world
+
+    assert resolve_world(None, None) == (1, 2)
+    check_node_env(2, "cpu")  # RANK is the node rank
+    assert launch_environment() == ("one process per pod in Kubernetes pod resnet-worker-0 (no torchrun): RANK 1 of "
+                                    "WORLD_SIZE 2, master 127.0.0.1:29511")
+    with raises_cli(Exception, r"^--devices 4, but this pod was started as one process of WORLD_SIZE 2 .*torchrun "
+                               r"--nproc-per-node 4 \(PyTorchJob: nprocPerNode\)"):
+        resolve_world(4, None)
+    with raises_cli(Exception, r"^--num-nodes 3 disagrees with WORLD_SIZE=2"):
+        resolve_world(None, 3)
+    pod.setenv("PET_NPROC_PER_NODE", "4")  # nprocPerNode set, but the command is not torchrun
+    with raises_cli(Exception, r"^PET_NPROC_PER_NODE=4 \(PyTorchJob nprocPerNode\) but this pod's command is not "
+                               r"torchrun"):
+        resolve_world(None, None)
+    pod.delenv("PET_NPROC_PER_NODE")
+    pod.setenv("NODE_RANK", "0")
+    with raises_cli(Exception, r"^NODE_RANK=0 but RANK=1 in a pod"):
+        check_node_env(2, "cpu")
+
+
+def test_several_gpus_in_a_pod_without_torchrun_is_an_error_not_a_one_gpu_run(pod):
+    from ddp_recipes.config import world
+
+    pod.setattr(world, "cuda_devices", lambda: 4)  # a 4-GPU pod
+    with raises_cli(Exception, r"this pod sees 4 GPUs but was started as one process .*3 would idle.*torchrun "
+                               r"--nproc-per-node 4"):
+        world.check_node_env(2, "cuda")
+
+
+def test_rank_without_node_rank_is_not_node_0(monkeypatch):
+    """A pod with RANK but not the rest of the per-pod variables, run by hand as one of 2 nodes."""
+    from ddp_recipes.config.world import check_node_env
+
+    for name in POD_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
+    with raises_cli(Exception, r"^RANK=1 is set but NODE_RANK is not, with --num-nodes 2"):
+        check_node_env(2)
+
+
+def test_the_doctor_takes_the_pods_for_nodes_and_says_so(pod, capsys):
+    from ddp_recipes.doctor.checks import preflight
+    from ddp_recipes.doctor.config import DoctorConfig
+    from ddp_recipes.doctor.report import print_preflight
+
+    cfg = DoctorConfig(accelerator="cpu")
+    assert (cfg.devices, cfg.num_nodes, cfg.node_rank, cfg.master_port) == (1, 2, 1, 29511)
+    info, _ = preflight(cfg)
+    print_preflight(cfg, info)
+    assert "launched by: one process per pod in Kubernetes pod resnet-worker-0 (no torchrun)" in capsys.readouterr().out
+
+
+# ---- emulated on loopback: two pods, two process groups -------------------------------------------------------
+
+MNIST = ["-m", "recipes.mnist", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download",
+         "--max-steps", "6", "--no-diagnostics"]
+
+
+def pods(args: list[str], env_of, tmp_path: Path, **options) -> list:
+    procs = [start(args, env=env_of(i), cwd=tmp_path, drop=POD_VARS, port=False, **options) for i in range(2)]
+    return [p.finish(timeout=300) for p in procs]
+
+
+@needs_mnist
+@pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
+def test_two_pods_without_torchrun_train_as_one_world(tmp_path):
+    port = free_port()
+    out = tmp_path / "per-pod"
+    env = lambda i: {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",  # noqa: E731
+                     "MASTER_PORT": str(port), "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+    done = pods([*MNIST, "--output-dir", str(out)], env, tmp_path)
+    for d in done:
+        assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["num_nodes"] == 2 and summary["devices_per_node"] == 1
+    assert "world size       2 (2 node(s) x 1 device(s), cpu)" in done[0].stdout
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_two_pods_under_torchrun_with_the_operators_pet_variables(tmp_path):
+    """What the PyTorchJob (nprocPerNode) and the JobSet example give each pod: torchrun with no topology
+    flags, PET_* plus the operator's own RANK/WORLD_SIZE. Same world and seed as the per-pod launch: the
+    same weights."""
+    port = free_port()
+
+    def env(i: int) -> dict:
+        return {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(i), "PET_MASTER_ADDR": "127.0.0.1",
+                "PET_MASTER_PORT": str(port), "RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "KUBERNETES_SERVICE_HOST": "10.0.0.1"}
+
+    out = tmp_path / "torchrun"
+    done = pods(["-m", "torch.distributed.run", *MNIST, "--output-dir", str(out), "--checkpoint-every-n-steps", "6"],
+                env, tmp_path)
+    for d in done:
+        assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["num_nodes"] == 2
+
+    port2 = free_port()
+    per_pod = tmp_path / "per-pod"
+    pods([*MNIST, "--output-dir", str(per_pod), "--checkpoint-every-n-steps", "6"],
+         lambda i: {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port2)}, tmp_path)
+    assert_same_weights(out / "checkpoints" / "last.ckpt", per_pod / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
+def test_the_doctor_in_a_pod_reports_what_it_detected(tmp_path):
+    port = free_port()
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "KUBERNETES_SERVICE_HOST": "10.0.0.1", "HOSTNAME": "resnet-master-0"}
+    done = start(["-m", "ddp_recipes.doctor", "--accelerator", "cpu", "--max-bytes", "4K"], env=env, cwd=tmp_path,
+                 drop=POD_VARS, port=False).finish(timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert ("launched by: one process per pod in Kubernetes pod resnet-master-0 (no torchrun): RANK 0 of "
+            f"WORLD_SIZE 1, master 127.0.0.1:{port}") in done.stdout
+    assert "1 process(es) x 1 node(s) = world 1" in done.stdout and done.stdout.strip().endswith("PASS")
