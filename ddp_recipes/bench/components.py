@@ -36,7 +36,7 @@ PACK_COMPONENTS = {
     "last-checkpoint": "LastCheckpoint altogether (signal flags, vote, step cadence, epoch-end save)",
     "diagnostics": "DDPDiagnostics",
     "meter": "ThroughputMeter (live meter and StepClock)",
-    "bucket-view": "gradient_as_bucket_view=True (DDP's default False instead)",
+    "bucket-view": "the pack's gradient_as_bucket_view (True on CUDA, False on CPU) flipped to the other value",
     "progress-bar": "the progress bar (refresh every 20 steps)",
     "logger": "the CSV logger and TrackerRun (no logger)",
     "profiler": "InputWaitProfiler (Lightning's PassThroughProfiler instead)",
@@ -110,7 +110,12 @@ def switch_off(trainer: Any, names: list[str]) -> None:
     if "resumable-loader" in names:
         trainer._data_connector.__class__ = _DataConnector
     if "bucket-view" in names and hasattr(trainer.strategy, "_ddp_kwargs"):
-        trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] = False
+        from ddp_recipes.ddp.strategy import bucket_view_default
+
+        chosen = trainer.strategy._ddp_kwargs.get("gradient_as_bucket_view")
+        if chosen is None:
+            chosen = bucket_view_default(trainer.strategy.root_device)
+        trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] = not chosen
 
 
 def finish(w: Any, out: str, name: str, trainer: Any, timer: Any, facts: dict[str, Any]) -> None:

@@ -3,8 +3,10 @@
 A drop-in subclass: every DDPStrategy argument, registry name style, checkpoint and launch mode works
 unchanged. What it changes or adds, each for a reason:
 
-* ``gradient_as_bucket_view=True`` (DDP's default is False): gradients live in the all-reduce buckets,
-  saving one copy of all gradients in memory and a memcpy per step.
+* ``gradient_as_bucket_view``: True on CUDA (DDP's default is False): gradients live in the all-reduce
+  buckets, one copy of all gradients less in memory and no copy back after the all-reduce. On CPU (gloo) it
+  stays False: there the step is measurably slower with it (see ``docs/benchmark.md``). An explicit value
+  is used as given on every device.
 * ``comm_hook="fp16"|"bf16"|"powersgd"``: gradient compression registered on *every* device type.
   Lightning registers hooks only on CUDA and silently drops them elsewhere; "fp16 gradients halve the
   all-reduce traffic" is only true when such a hook runs.
@@ -92,7 +94,7 @@ class TunedDDPStrategy(DDPStrategy):
         *args: Any,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        gradient_as_bucket_view: bool = True,
+        gradient_as_bucket_view: bool | None = None,
         bucket_cap_mb: float | None = None,
         comm_hook: str = "none",
         powersgd_rank: int = 1,
@@ -119,8 +121,9 @@ class TunedDDPStrategy(DDPStrategy):
             raise ConfigError("pass either {comm_hook} or ddp_comm_hook, not both")
         if timeout is not None:
             kwargs["timeout"] = timeout
-        ddp_kwargs: dict[str, Any] = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                                          gradient_as_bucket_view=gradient_as_bucket_view)
+        ddp_kwargs: dict[str, Any] = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph)
+        if gradient_as_bucket_view is not None:  # None: chosen per device at the DDP wrap (_setup_model)
+            ddp_kwargs["gradient_as_bucket_view"] = gradient_as_bucket_view
         if bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         self._sync_bn: LayerSync | None = None  # before super(): its __init__ may assign _layer_sync
@@ -267,6 +270,12 @@ class TunedDDPStrategy(DDPStrategy):
         if self._powersgd_hook is not None and states and len(states) == self.world_size:
             self._powersgd_hook.load_state_dict(states[self.global_rank], self.root_device)
 
+    @override
+    def _setup_model(self, model: Any) -> DistributedDataParallel:
+        # At the wrap, in the rank: only here is the device known for a strategy built before the launch.
+        self._ddp_kwargs.setdefault("gradient_as_bucket_view", bucket_view_default(self.root_device))
+        return super()._setup_model(model)
+
     # ---- comm hooks on every device type ------------------------------------------------------------
 
     def _resolve_comm_hook(self) -> tuple[Any, Any]:
@@ -367,6 +376,13 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
                               "process group); leave it out", name)
         raise ConfigError(f"{{{name}}} is not an argument of TunedDDPStrategy, Lightning's DDPStrategy or "
                           f"DistributedDataParallel; check its spelling (DDP accepts: {', '.join(sorted(ddp))})", name)
+
+
+def bucket_view_default(device: Any) -> bool:
+    """``gradient_as_bucket_view`` when none is given: True on CUDA, False elsewhere. With gloo on CPU the view
+    makes ResNet-18's backward at 2 ranks ~40 ms slower (of ~860 ms) while its thread does less work: the time
+    is spent waiting on the all-reduce (``bench account``, part ``bucket-view``, in ``docs/benchmark.md``)."""
+    return getattr(device, "type", str(device)) == "cuda"
 
 
 def apply_env_defaults(values: dict[str, Any]) -> dict[str, str]:

@@ -6,10 +6,13 @@ from datetime import timedelta
 
 import lightning as L
 import pytest
+import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy
 
 from ddp_recipes import TunedDDPStrategy, build_trainer
+from ddp_recipes.ddp.strategy import bucket_view_default
 from ddp_recipes.ddp.syncbn import SyncBatchNormPlugin
 from tests.helpers import raises_cli
 
@@ -17,7 +20,7 @@ from tests.helpers import raises_cli
 def test_registry_names_work_like_lightnings():
     trainer = L.Trainer(strategy="tuned_ddp", accelerator="cpu", devices=2, logger=False)
     assert type(trainer.strategy) is TunedDDPStrategy and isinstance(trainer.strategy, DDPStrategy)
-    assert trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is True
+    assert "gradient_as_bucket_view" not in trainer.strategy._ddp_kwargs  # chosen per device at the DDP wrap
     trainer = L.Trainer(strategy="tuned_ddp_find_unused_parameters_true", accelerator="cpu", devices=2, logger=False)
     assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
 
@@ -37,8 +40,21 @@ def test_ddpstrategy_arguments_pass_through():
     assert strategy.process_group_backend == "gloo" and strategy._start_method == "spawn"
     assert strategy._timeout == timedelta(seconds=7)
     assert strategy._ddp_kwargs == {"find_unused_parameters": False, "static_graph": True,
-                                    "gradient_as_bucket_view": True, "bucket_cap_mb": 10, "broadcast_buffers": False}
+                                    "bucket_cap_mb": 10, "broadcast_buffers": False}
     assert TunedDDPStrategy(timeout=12)._timeout == timedelta(seconds=12)
+
+
+def test_the_ddp_wrap_takes_bucket_views_on_cuda_only_unless_told(tmp_path):
+    """Unset, ``gradient_as_bucket_view`` is True on CUDA and False on CPU (gloo, where it slows the step);
+    a value the user gives reaches DistributedDataParallel on every device."""
+    assert bucket_view_default(torch.device("cuda", 0)) is True and bucket_view_default(torch.device("cpu")) is False
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for given, expected in ((None, False), (True, True), (False, False)):
+            strategy = TunedDDPStrategy(gradient_as_bucket_view=given, parallel_devices=[torch.device("cpu")])
+            assert strategy._setup_model(torch.nn.Linear(2, 2)).gradient_as_bucket_view is expected, given
+    finally:
+        dist.destroy_process_group()
 
 
 def test_bad_arguments():
