@@ -20,7 +20,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from ddp_recipes.checkpointing import ownership
-from ddp_recipes.checkpointing.preemption import FlagSignalConnector, Preempted, requeue_slurm_job
+from ddp_recipes.checkpointing.preemption import (
+    FlagSignalConnector,
+    Preempted,
+    requeue_slurm_job,
+    skip_sigterm_broadcast,
+)
 from ddp_recipes.checkpointing.vote import StopVote
 from ddp_recipes.storage import Url, location
 
@@ -76,6 +81,8 @@ class LastCheckpoint(Checkpoint):
         if stage == TrainerFn.FITTING and not isinstance(trainer._signal_connector, FlagSignalConnector):
             # Before Trainer._run registers handlers: no moment where Lightning's own handlers are live.
             trainer._signal_connector = self._signals = FlagSignalConnector(trainer)
+        if stage == TrainerFn.FITTING:
+            skip_sigterm_broadcast(trainer)
 
     # ---- the cadence -----------------------------------------------------------------------------------
 

@@ -119,6 +119,29 @@ class FlagSignalConnector(_SignalConnector):
             self.signum = int(signum)
 
 
+def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
+    """Take out Lightning's per-step SIGTERM broadcast from this trainer's training loop.
+
+    At 2+ ranks, Lightning 2.6's ``_TrainingEpochLoop.advance`` broadcasts ``trainer.received_sigterm`` from
+    rank 0 and reads it back with ``.item()`` before every batch: a collective and a device-to-host read per
+    step. Under :class:`FlagSignalConnector` that flag stays False (the stop is agreed through the
+    rendezvous store, :mod:`~ddp_recipes.checkpointing.vote`), so the broadcast can only ever say "go on".
+    Checked on Lightning 2.6.x (the pinned range); tests/checkpointing/test_sigterm_broadcast.py fails the
+    day a release renames or moves it.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    if callable(getattr(type(loop), SIGTERM_BROADCAST, None)):
+        setattr(loop, SIGTERM_BROADCAST, _agreed_elsewhere)  # this trainer's loop only
+
+
+#: Lightning's per-step SIGTERM broadcast, a method of ``_TrainingEpochLoop``.
+SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+
+
+def _agreed_elsewhere() -> None:
+    """The stop is agreed at step boundaries by the pack's vote: nothing to broadcast."""
+
+
 def requeue_slurm_job(trainer: L.Trainer, signum: int) -> str:
     """Requeue the SLURM job from rank 0 when ``signum`` is its requeue signal and Lightning's SLURM
     environment has ``auto_requeue``; returns the words the preemption message adds (empty: none)."""

@@ -55,10 +55,11 @@ class TrainLossLogging(LightningModule):
         self.train_loss_epoch.update(loss, weight=batch_size)
         trainer = self._trainer
         # Lightning's own test for "the logger writes this step" (log_every_n_steps, counted in optimizer
-        # steps); logging on other steps would only be overwritten.
+        # steps); logging on other steps would only be overwritten. Not prog_bar: Lightning would read a bar
+        # value from the device at every batch end; the pack's bar (train.progress) shows the logger's float.
         connector = getattr(trainer, "_logger_connector", None)
         if connector is None or getattr(connector, "should_update_logs", True):
-            self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
+            self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=False, batch_size=batch_size)
 
     @override
     def on_train_epoch_end(self) -> None:

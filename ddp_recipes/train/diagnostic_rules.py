@@ -37,20 +37,22 @@ def batch_size_of(batch: Any) -> int | None:
 
 
 def batch_fingerprint(batch: Any) -> Tensor:
-    """[numel, sum, position-weighted sum of per-sample sums, first elements] in float64 on CPU.
+    """[numel, sum, position-weighted sum of per-sample sums, first elements] in float64, on the batch's device.
 
-    The weighted sum makes a reordering of the same samples another batch; without a tensor, all NaN.
+    The weighted sum makes a reordering of the same samples another batch; without a tensor, all NaN (on
+    CPU). Computed without a host read (a CUDA batch's fingerprint is read where it is compared, at the
+    epoch end or in the first step's gather).
     """
     t = first_tensor(batch)
     if t is None or t.numel() == 0:
         return torch.full((3 + _HEAD,), math.nan, dtype=torch.float64)
     flat = t.detach().reshape(t.shape[0] if t.dim() else 1, -1)
-    per_sample = flat.sum(dim=1, dtype=torch.float64).cpu()
-    weighted = (per_sample * torch.arange(1, per_sample.numel() + 1, dtype=torch.float64)).sum()
-    first = flat.reshape(-1)[:_HEAD].to(torch.float64).cpu()
+    per_sample = flat.sum(dim=1, dtype=torch.float64)
+    weighted = (per_sample * torch.arange(1, per_sample.numel() + 1, dtype=torch.float64, device=t.device)).sum()
+    first = flat.reshape(-1)[:_HEAD].to(torch.float64)
     head = torch.nn.functional.pad(first, (0, _HEAD - first.numel()))
-    return torch.cat([torch.tensor([float(t.numel()), per_sample.sum().item(), weighted.item()],
-                                   dtype=torch.float64), head])
+    numel = torch.full((1,), float(t.numel()), dtype=torch.float64, device=t.device)
+    return torch.cat([numel, per_sample.sum().reshape(1), weighted.reshape(1), head])
 
 
 def identical_ranks(rows: Tensor) -> list[int]:

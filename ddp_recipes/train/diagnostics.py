@@ -150,6 +150,7 @@ class DDPDiagnostics(Callback):
         # Per-fit state; findings persist across fits (each is reported once per callback).
         self._started = False
         self._epoch_start: tuple[int, Tensor] | None = None  # (epoch, its first batch's fingerprint)
+        self._previous_start: tuple[int, Tensor] | None = None  # the epoch before's, until compared
         self._stale_epoch = 0.0  # 1.0 when this epoch began like the previous one (gathered at epoch end)
         self._grads_checked: set[int] = set()
         self._loss_sum: Tensor | None = None
@@ -193,7 +194,7 @@ class DDPDiagnostics(Callback):
         # Every rank reaches its first batch, so this gather is matched on all ranks.
         self.checked.add("unsharded-data")
         sampler, expected = train_sampler(trainer), trainer.distributed_sampler_kwargs
-        flag = torch.tensor([sampler_sharding(sampler, expected)], dtype=torch.float64)
+        flag = torch.tensor([sampler_sharding(sampler, expected)], dtype=torch.float64, device=fingerprint.device)
         wrong, same = unsharded_ranks(gather_rows(trainer, torch.cat([fingerprint, flag])))
         problems = [f"{name_ranks(ranks, trainer.world_size)} {what}" for ranks, what in (
             (same, "got the very same first training batch"),
@@ -246,12 +247,20 @@ class DDPDiagnostics(Callback):
             return  # too few samples: two honest shuffles may well start alike
         epoch = trainer.current_epoch
         current = batch_fingerprint(batch) if fingerprint is None else fingerprint
-        previous, self._epoch_start = self._epoch_start, (epoch, current)
-        if previous is not None and previous[0] == epoch - 1:
-            self.checked.add("sampler-epoch")
-            self._stale_epoch = float(torch.equal(previous[1], current) and not torch.isnan(current).any())
-            if trainer.world_size == 1 and self._stale_epoch:
-                self._report_stale_order(trainer, [0])
+        self._previous_start, self._epoch_start = self._epoch_start, (epoch, current)
+
+    def _compare_epoch_starts(self, trainer: L.Trainer) -> None:
+        """Whether this epoch began like the previous one: compared at the epoch end (on the device, read once
+        there), not at the epoch's first step."""
+        previous, current = self._previous_start, self._epoch_start
+        self._previous_start = None
+        if previous is None or current is None or previous[0] != current[0] - 1:
+            return
+        self.checked.add("sampler-epoch")
+        a, b = previous[1], current[1].to(previous[1].device)
+        self._stale_epoch = float(torch.equal(a, b) and not torch.isnan(b).any())
+        if trainer.world_size == 1 and self._stale_epoch:
+            self._report_stale_order(trainer, [0])
 
     def _report_stale_order(self, trainer: L.Trainer, ranks: list[int]) -> None:
         epoch = trainer.current_epoch
@@ -330,6 +339,7 @@ class DDPDiagnostics(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._compare_epoch_starts(trainer)
         if trainer.world_size < 2:
             self._check_input_wait(trainer)
             return

@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback
 
 from ddp_recipes.checkpointing.checkpoint import (
     plain_data,
@@ -54,7 +54,7 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, checkp
                  **kwargs: Any) -> L.Trainer:
     """The Trainer of ``cfg.plan`` (:func:`~ddp_recipes.train.trainer.trainer_for`, what ``build_trainer`` ends
     in) with the recipe's logging: the ``--logger`` trackers (:mod:`ddp_recipes.train.tracking`; resumed from
-    ``checkpoint``, its tracker runs; a ``logger`` keyword replaces them), a progress bar. ``kwargs`` (a run's
+    ``checkpoint``, its tracker runs; a ``logger`` keyword replaces them). ``kwargs`` (a run's
     ``--trainer`` settings, ``logger``, ...) win over these defaults."""
     if "logger" not in kwargs:
         kwargs["logger"] = build_loggers(cfg, checkpoint)
@@ -63,11 +63,7 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, checkp
         callbacks = [*(callbacks or []), TrackerRun(run_params(cfg))]
     kwargs.setdefault("default_root_dir", cfg.output_dir)
     kwargs.setdefault("log_every_n_steps", cfg.log_every_n_steps)
-    # A bar redrawn every step costs more than an MLP step on MNIST; 20 steps is still live. A user's own bar
-    # (--callbacks) replaces it: Lightning refuses two.
-    own_bar = any(isinstance(c, ProgressBar) for c in callbacks or [])
-    progress = [TQDMProgressBar(refresh_rate=20)] if kwargs.get("enable_progress_bar", True) and not own_bar else []
-    return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=[*progress, *(callbacks or [])], **kwargs)
+    return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=list(callbacks or []), **kwargs)
 
 
 def output_folder(cfg: RunConfig) -> Path | Url:

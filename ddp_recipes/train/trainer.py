@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -27,6 +28,7 @@ from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage import location
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.perf import BF16Check, InputWaitProfiler, TF32Setting, configure_tf32
+from ddp_recipes.train.progress import LoggedMetricsBar
 
 
 def build_trainer(
@@ -150,6 +152,12 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         callbacks.append(TF32Setting(plan.tf32))  # again in each rank: spawned ranks do not inherit it
         if not plan.distributed:
             callbacks.append(BF16Check())  # TunedDDPStrategy checks in its ranks; one device has Lightning's strategy
+    if trainer_kwargs.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar)
+                                                                                for c in callbacks):
+        # Lightning's default bar redraws every step (more host time than an MNIST-MLP step) and its loss
+        # would be a device read per step; this one shows the logger's value, every 20 steps. A user's own
+        # bar replaces it: Lightning refuses two.
+        callbacks.insert(0, LoggedMetricsBar(refresh_rate=20))
     if not any(isinstance(c, ResumeState) for c in callbacks):
         # Per-rank streams from seed + rank once training starts; a resumed run gets the checkpoint's
         # streams, loader position and comm-hook state back instead (and this run's LRs).

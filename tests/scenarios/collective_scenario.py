@@ -11,9 +11,10 @@ CPU ranks, with
 * ``pack-per-step-vote``: the pack plus a callback that does what the pack's preemption vote used to do
   (an asynchronous all-reduce of a flag on a gloo group of its own at every step): the count must see it.
 
-Each rank writes ``OUT/MODE-rank<r>.json``: for every interval between consecutive training batch ends,
-the collectives issued on every process group (each group's sequence number, which counts what DDP's C++
-reducer issues too), the groups that exist, and which ``torch.distributed`` functions Python called.
+Each rank writes ``OUT/MODE-rank<r>.json``: for every whole loop iteration (between consecutive training batch
+starts), the collectives issued on every process group (each group's sequence number, which counts what DDP's
+C++ reducer issues too), the groups that exist, which ``torch.distributed`` functions Python called, the host
+reads of tensor values, and whether the logger wrote at it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH, EPOCHS = 8, 8, 2
@@ -38,6 +40,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "broadcast_object_list", "barrier", "gather", "gather_object", "scatter", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
                "monitored_barrier", "_broadcast_coalesced", "new_group")
+HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero")
 
 
 def issued() -> int:
@@ -72,22 +75,51 @@ class PythonCalls:
         return counted
 
 
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host (``.item()``, ``bool(t)``): each a stream stall
+    on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in HOST_READS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
 class StepCollectives(Callback):
+    """One row per whole loop iteration, from a training batch's start to the next one's: Lightning's work
+    before the fetch (its SIGTERM broadcast), the step, every batch-end hook and the logger included."""
+
     def __init__(self, out: Path, mode: str, calls: PythonCalls) -> None:
         self.out, self.mode, self.calls = out, mode, calls
         self.rows: list[dict[str, Any]] = []
         self._last: int | None = None
+        self._reads: HostReads | None = None
+        self._logs = False
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = issued()
-        if self._last is not None:
+        if self._reads is not None:
+            self._reads.__exit__(None, None, None)
+        if self._last is not None:  # the iteration that ends here; batch_idx is the batch that starts now
             self.rows.append({"epoch": trainer.current_epoch, "batch_idx": batch_idx, "step": trainer.global_step,
                               "collectives": now - self._last, "groups": group_count(),
-                              "python": list(self.calls.names)})
+                              "python": list(self.calls.names), "reads": self._reads.reads, "logs": self._logs})
         self.calls.names.clear()
+        self._reads = HostReads()
+        self._reads.__enter__()
         self._last = issued()  # this hook's own bookkeeping is not the step's
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._logs = trainer._logger_connector.should_update_logs  # before Lightning's own step counter moves
+
     def on_train_end(self, trainer, pl_module) -> None:
+        if self._reads is not None:
+            self._reads.__exit__(None, None, None)
+            self._reads = None
         (self.out / f"{self.mode}-rank{trainer.global_rank}.json").write_text(json.dumps(self.rows, indent=1))
 
 

@@ -5,7 +5,8 @@ says:
 
 * ``stop``:  stop calling collectives: write ``REL_DIR/rank<r>.pid`` (pid and time), sleep ``REL_WAIT_S``
   seconds (the test may SIGKILL it meanwhile), then exit 3;
-* ``crash``: ``os._exit(1)``, but only once: ``REL_MARKER`` is created first and its presence disables the fault.
+* ``crash``: ``os._exit(1)``, but only once: ``REL_MARKER`` is created first and its presence disables the fault;
+* ``term``: send this rank SIGTERM (as a launcher would), once, like ``crash``.
 
 Lightning's launcher re-runs this same command line for every extra rank and torchrun runs it per rank, so
 the environment reaches every rank. No fault is injected when ``REL_FAULT`` is unset.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,14 @@ class Fault(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.kind or trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.kind == "term":  # the launcher's SIGTERM, as this rank receives it, once (REL_MARKER)
+            marker = Path(os.environ["REL_MARKER"])
+            if marker.exists():
+                return
+            marker.write_text(str(os.getpid()))
+            print(f"[scenario] rank {self.rank} gets SIGTERM during step {self.step + 1}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
             return
         if self.kind == "crash":
             marker = Path(os.environ["REL_MARKER"])
