@@ -19,6 +19,7 @@ from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpoin
 from ddp_recipes.checkpointing.connector import check_checkpoint_names, find_last_checkpoint
 from ddp_recipes.checkpointing.files import see_published
 from ddp_recipes.checkpointing.last import LastCheckpoint
+from ddp_recipes.checkpointing.position import RunPosition
 from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
 from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun, launched_per_pod
@@ -162,6 +163,10 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         # Per-rank streams from seed + rank once training starts; a resumed run gets the checkpoint's
         # streams, loader position and comm-hook state back instead (and this run's LRs).
         callbacks.append(ResumeState(seed=plan.seed, prebuilt=lifecycle.prebuilt if lifecycle is not None else None))
+    if not any(isinstance(c, RunPosition) for c in callbacks):
+        # After ResumeState (which repositions the loader): a resumed run that would repeat, skip or overrun
+        # batches fails at once instead of ending with more steps than its limit.
+        callbacks.append(RunPosition())
     if plan.diagnostics and not any(isinstance(c, DDPDiagnostics) for c in callbacks):
         callbacks.append(DDPDiagnostics(lr_scaling=plan.lr_scaling, warmup_epochs=plan.warmup_epochs,
                                         reference_batch=plan.reference_batch, global_batch=global_batch,
