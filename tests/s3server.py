@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,10 +39,14 @@ class _Faults:
         self.failed: list[str] = []
         self.stall_when: Match | None = None
         self.stalled = threading.Event()
+        self.frozen_until = 0.0  # time.monotonic() until which every request waits (a store that stopped answering)
         self.release = threading.Event()
 
     def __call__(self, environ: dict, start_response: Callable) -> Any:
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+        frozen = self.frozen_until - time.monotonic()
+        if frozen > 0:
+            time.sleep(frozen)
         with self.lock:
             if self.fail_trigger is not None and self.fail_trigger(method, path):
                 self.fail_trigger = None  # armed: this request and the next ones fail
@@ -123,9 +128,15 @@ class S3Server:
             self.faults.stall_when = when
         return self.faults.stalled
 
+    def freeze(self, seconds: float) -> None:
+        """Answer no request for ``seconds`` from now, then all of them (as a SIGSTOPped, then SIGCONTed
+        server would: connections open, nothing said)."""
+        self.faults.frozen_until = time.monotonic() + seconds
+
     def reset_faults(self) -> None:
         with self.faults.lock:
             self.faults.fail_trigger, self.faults.failures_left, self.faults.stall_when = None, 0, None
+            self.faults.frozen_until = 0.0
         self.faults.release.set()
 
     def stop(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddp_recipes.bench import account, commodel, loader, overhead, speedup
+from ddp_recipes.bench import account, commodel, loader, overhead, speedup, stops
 from ddp_recipes.bench.cli import OneLineParser, config_parser
 from ddp_recipes.config.cli import fail
 from ddp_recipes.errors import ConfigError
@@ -85,6 +85,8 @@ def build_cli() -> tuple[OneLineParser, dict[str, argparse.ArgumentParser]]:
          overhead.__doc__, overhead.add_arguments, overhead.run_command),
         ("account", "where the pack's step time goes, against plain Lightning and the raw loop", account.__doc__,
          account.add_arguments, account.run_command),
+        ("stops", "what a SIGTERM, a SIGKILL and a lost rank cost: seconds to exit, to the resumed first step, "
+         "steps redone", stops.__doc__, stops.add_arguments, stops.run_command),
     ):
         sub = commands.add_parser(name, help=help_text, description=description, formatter_class=raw)
         add_arguments(sub)

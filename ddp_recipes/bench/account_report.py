@@ -97,12 +97,12 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def rewrite_doc(path: Path, text: str) -> None:
-    """Replace what is between the begin and end markers in ``path`` with ``text`` (markers kept)."""
+def rewrite_doc(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace what is between the ``begin`` and ``end`` markers in ``path`` with ``text`` (markers kept)."""
     doc = path.read_text()
-    if BEGIN not in doc or END not in doc or doc.index(BEGIN) > doc.index(END):
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to rewrite; add the two markers where the "
+    if begin not in doc or end not in doc or doc.index(begin) > doc.index(end):
+        raise SystemExit(f"{path} has no {begin} ... {end} block to rewrite; add the two markers where the "
                          "table goes")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")

@@ -15,6 +15,9 @@ collective), the moment they part:
 * at the fit's end: no more steps than ``max_steps`` and ``max_epochs`` x steps per epoch imply.
 
 All of it is Python integers read at those points; no hook of it runs after a fit's first batch.
+
+:func:`open_next_epoch` and :func:`reopen_cut_epoch` put right the two restores of Lightning 2.6 found to
+break the agreement (:class:`~ddp_recipes.checkpointing.resume.ResumeState` calls them at the training boundary).
 """
 
 from __future__ import annotations
@@ -23,9 +26,56 @@ import math
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ddp_recipes.checkpointing.checkpoint import TrainerStateCallback
+
+# ---- two restores Lightning 2.6 gets wrong, put right at the training boundary (ResumeState) ----------
+
+
+def open_next_epoch(trainer: L.Trainer) -> None:
+    """Resumed from a checkpoint written at an epoch's last batch end (a stop agreed there), let the next epoch
+    start as every epoch does.
+
+    Lightning 2.6 restores that checkpoint by counting the epoch processed and completed (its training batches
+    are done; the fit loop's reset), but keeps the fit loop's "restarted mid-epoch" stage, so the next epoch is
+    never counted ready and started and skips its ``on_train_epoch_start`` hooks. A checkpoint written in that
+    epoch then reads as "no epoch in progress", and the run resumed from it trained the whole epoch again
+    (issue #43: 26 steps where the limit implies 24). The stage is the one thing wrong: cleared, the fit loop
+    opens the epoch, its counters and hooks as in the uninterrupted run.
+    """
+    fit_loop = trainer.fit_loop
+    loop = fit_loop.epoch_loop
+    if fit_loop.restarted_mid_epoch and loop.restarted_on_train_batch_end and loop.batch_progress.is_last_batch:
+        fit_loop.reset_restart_stage()
+
+
+def reopen_cut_epoch(trainer: L.Trainer) -> None:
+    """Resumed from a checkpoint written after a fit that stopped inside an epoch (``trainer.save_checkpoint``
+    after a ``max_steps`` fit, the recipes' ``final.ckpt``), continue that epoch at its next batch, as from the
+    ``last.ckpt`` of the same step.
+
+    Lightning 2.6 counts the cut epoch completed there and goes on in the next epoch, numbering its batches on
+    from the cut one's: the cut epoch's remaining batches are skipped and the next epoch is trained short
+    (:class:`~ddp_recipes.checkpointing.position.RunPosition` would stop such a run at its first batch). Here
+    the epoch counters go back to "started, not processed", the restart stage Lightning gives a mid-epoch
+    checkpoint, before the loader is repositioned (which reads the epoch from them).
+    """
+    from lightning.pytorch.loops.fit_loop import RestartStage
+
+    fit_loop = trainer.fit_loop
+    loop, progress = fit_loop.epoch_loop, fit_loop.epoch_progress
+    batches, done = trainer.num_training_batches, loop.batch_progress.current.completed
+    cut = isinstance(batches, int | float) and 0 < done < batches and not loop.batch_progress.is_last_batch
+    if (not cut or not loop.restarted_on_last or fit_loop._restart_stage != RestartStage.NONE
+            or progress.current.processed < 1 or progress.current.completed != progress.current.processed):
+        return
+    for counts in (progress.current, progress.total):
+        counts.processed -= 1
+        counts.completed -= 1
+    fit_loop._restart_stage = RestartStage.RESTARTED_MID_EPOCH
+
 
 _UNKNOWN = -1  # an epoch length that stands for "some epoch had a length not known here"
 
@@ -86,9 +136,15 @@ class RunPosition(TrainerStateCallback):
                 # written before Lightning counts that batch completed
                 "batches": int(loop.batch_progress.current.processed), "epoch_batches": _batches(trainer),
                 "last_batch": bool(loop.batch_progress.is_last_batch),  # an unsized loader's epoch end
+                "stopped_early": bool(trainer.should_stop),  # EarlyStopping, max_time, a module: the epoch is cut
                 "world_size": trainer.world_size, "accumulate": trainer.accumulate_grad_batches,
                 "samples_seen": _loader_samples_seen(trainer), "epoch_lengths": sorted(self._epoch_lengths),
                 "unchecked_epoch": self._unchecked_epoch}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._expect = None  # Lightning restores callback states after setup: only this fit's checkpoint counts
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -103,8 +159,10 @@ class RunPosition(TrainerStateCallback):
         self._expect = None
         self._epoch = self._first_step = self._unchecked_epoch = None
         self._epoch_lengths = set()
-        if trainer.ckpt_path is not None and not saved:
-            self._epoch_lengths = {_UNKNOWN}  # resumed from a checkpoint with no record: the run's total is unknown
+        if (trainer.ckpt_path is not None or trainer.global_step > 0) and not saved:
+            # resumed from a checkpoint with no record, or a second fit of this trainer: the epochs before
+            # may have had another length, so no one length implies the run's total
+            self._epoch_lengths = {_UNKNOWN}
         if not saved:
             return
         same_shape = (saved.get("world_size") == trainer.world_size and saved.get("accumulate")
@@ -147,7 +205,14 @@ class RunPosition(TrainerStateCallback):
                  f"{saved.get('epoch_batches')} batches, at step {saved['global_step']}")
         if step != saved["global_step"]:
             _fail(f"the resumed run starts at step {step}, but {where}")
-        if epoch != want_epoch or (saved["same_shape"] and batch_idx != want_batch):
+        sized = saved.get("epoch_batches") is not None  # an unsized loader's batch numbers are not a position
+        if saved.get("stopped_early") and not saved["finished"] and epoch == saved["epoch"] + 1 and batch_idx == 0:
+            rank_zero_warn(f"[run-position] the checkpoint's run stopped early inside epoch {saved['epoch']} (after "
+                           f"{saved['batches']} of its {saved.get('epoch_batches')} batches: EarlyStopping, "
+                           f"max_time or should_stop); this run goes on with epoch {epoch}, so the rest of epoch "
+                           f"{saved['epoch']} is not trained")
+            return
+        if epoch != want_epoch or (sized and (saved["same_shape"] or saved["finished"]) and batch_idx != want_batch):
             _fail(f"the resumed run starts at epoch {epoch}, batch {batch_idx}, but {where}: it would "
                   f"{'train batches of that epoch a second time' if epoch == saved['epoch'] else 'skip or repeat'}"
                   f" (expected epoch {want_epoch}, batch {want_batch})")
@@ -183,7 +248,8 @@ class RunPosition(TrainerStateCallback):
         over = [(limit, why) for limit, why in limits if step > limit]
         if over:
             limit, why = min(over)
-            _fail(f"the run ended at step {step}, past the {limit} that {why} implies")
+            raise RunPositionError(f"[run-position] the run ended at step {step}, past the {limit} that {why} "
+                                   "implies: batches were trained twice. Please report it with the run's log")
 
 
 def _batches(trainer: L.Trainer) -> Any:

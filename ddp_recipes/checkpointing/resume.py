@@ -31,6 +31,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
 from ddp_recipes.checkpointing.checkpoint import TrainerStateCallback
+from ddp_recipes.checkpointing.position import open_next_epoch, reopen_cut_epoch
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.data.seeding import seed_rank
 from ddp_recipes.optim.schedules import steps_per_epoch
@@ -175,23 +176,6 @@ def close_finished_epoch(trainer: L.Trainer) -> None:
         loop.val_loop.batch_progress.total.reset()
 
 
-def open_next_epoch(trainer: L.Trainer) -> None:
-    """Resumed from a checkpoint written at an epoch's last batch end (a stop agreed there), let the next epoch
-    start as every epoch does.
-
-    Lightning 2.6 restores that checkpoint by counting the epoch processed and completed (its training batches
-    are done; the fit loop's reset), but keeps the fit loop's "restarted mid-epoch" stage, so the next epoch is
-    never counted ready and started and skips its ``on_train_epoch_start`` hooks. A checkpoint written in that
-    epoch then reads as "no epoch in progress", and the run resumed from it trained the whole epoch again
-    (issue #43: 26 steps where the limit implies 24). The stage is the one thing wrong: cleared, the fit loop
-    opens the epoch, its counters and hooks as in the uninterrupted run.
-    """
-    fit_loop = trainer.fit_loop
-    loop = fit_loop.epoch_loop
-    if fit_loop.restarted_mid_epoch and loop.restarted_on_train_batch_end and loop.batch_progress.is_last_batch:
-        fit_loop.reset_restart_stage()
-
-
 def _schedule_steps(trainer: L.Trainer) -> list[int | None]:
     """The run length each LR schedule was sized for (``run_steps``: the pack's cosine decays over the run),
     None for a schedule that does not depend on it."""
@@ -300,6 +284,7 @@ class ResumeState(TrainerStateCallback):
             seed_rank(self.seed, trainer.global_rank, step=trainer.global_step if resuming else 0)
         if not resuming:
             return
+        reopen_cut_epoch(trainer)
         reposition_train_loader(trainer)
         close_finished_epoch(trainer)
         open_next_epoch(trainer)

@@ -23,6 +23,7 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.storage import Url, location
 from ddp_recipes.storage.store import write_json_atomic
+from ddp_recipes.train.attempts import ATTEMPTS_DIR, AttemptLog, read_attempts, stop_costs
 from ddp_recipes.train.callbacks import PlannedBatch, ThroughputMeter
 from ddp_recipes.train.checkpoints import refuse_other_runs
 from ddp_recipes.train.perf import (
@@ -112,8 +113,11 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if ckpt_path and checkpoint is None:
         checkpoint = read_checkpoint(ckpt_path)
     debugging = debug_run(trainer_kwargs)
+    started_at = time.time()
     meter = ThroughputMeter(flops_per_sample=lambda example: training_flops_per_sample(build_model, example))
     callbacks = [meter, *(callbacks or [])]
+    if not debugging:  # each launch's record in the run folder: what the stops between them cost
+        callbacks.append(AttemptLog(cfg.output_dir, started_at=started_at))
     if classes is not None:
         callbacks.append(RecordClasses(classes))
         extra = {**classes.record(), **(extra or {})}
@@ -156,6 +160,8 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops)
     if trainer.is_global_zero:
         summary["trackers"] = identities(trainer.loggers)
+        if not debugging:
+            summary["stops"] = stop_costs(read_attempts(location(cfg.output_dir) / ATTEMPTS_DIR), time.time())
         if not debugging:
             write_json_atomic(out / "summary.json", summary)
         shown = {k: summary[k] for k in ("world_size", "global_batch_size", "epochs", "steps", "fit_seconds",

@@ -484,6 +484,17 @@ def test_a_checkpoint_saved_after_fit_continues_with_a_whole_next_epoch(tmp_path
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+def test_a_checkpoint_saved_after_a_fit_cut_inside_an_epoch_continues_that_epoch(tmp_path):
+    """Stopped by max_steps at batch 2 of 4, saved after fit: the continued fit trains batches 2 and 3 of epoch
+    0, then epoch 1. (Lightning 2.6 alone counts epoch 0 done and trains epoch 1 from batch 2; RunPosition
+    stops that run at its first batch.)"""
+    straight, _ = _fit_steps(tmp_path / "straight", max_steps=8)
+    _fit_steps(tmp_path / "split", max_steps=2, save_after=tmp_path / "after.ckpt")
+    resumed, then = _fit_steps(tmp_path / "split", ckpt_path=str(tmp_path / "after.ckpt"), max_steps=8)
+    assert then == [(0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 def test_continuing_into_max_epochs_with_max_steps_set_trains_every_epoch(tmp_path):
     """Both limits set: stopped by max_steps at epoch 0's end, continued with max_epochs=3 (and a large
     max_steps): epochs 1 and 2 both train (Lightning 2.6 alone counts the restored epoch twice and stops after
