@@ -166,3 +166,44 @@ class CodeOnLoad:
 
     def __reduce__(self):
         return open, (self.path, "w")
+
+
+# ---- decoders compared: nvJPEG (gpu-check) and its CPU stand-in ----------------------------------------------
+
+DECODE_LEVEL = 1 / 255 / min(0.229, 0.224, 0.225)  # one uint8 level after normalizing
+
+
+def decode_pipelines() -> dict[str, object]:
+    """The pipelines two correct JPEG decoders are compared through: crops, flips, resizing, erasing and
+    normalizing move a decoder's level or two of rounding by at most as much. No threshold operation
+    (TrivialAugmentWide's Solarize or Posterize turn one level into up to ~134), so a correct decoder cannot
+    break the bound; the policies themselves are compared bit for bit on one decoded input
+    (tests/data/test_device_decode.py)."""
+    from ddp_recipes.data.encoded import EvalPipeline, TrainPipeline
+
+    return {"train": TrainPipeline(32, random_erase=0.5), "eval": EvalPipeline(32)}
+
+
+def decoded_batch(files: list[str], pipeline, device: str, jpeg_decoder=None):
+    """The encoded batch of ``files`` (sample seeds of epoch 0), decoded and augmented on ``device``."""
+    from ddp_recipes.data.device_decode import DeviceDecoder
+    from ddp_recipes.data.encoded import EncodedImageFolder
+    from ddp_recipes.data.seeding import sample_seed, seed_all
+
+    dataset = EncodedImageFolder([(f, 0) for f in files], pipeline)
+    samples = []
+    for i in range(len(files)):
+        seed_all(sample_seed(0, 0, i))
+        samples.append(dataset[i])
+    decoder = DeviceDecoder(channels_last=True, jpeg_decoder=jpeg_decoder)
+    x, y = decoder(dataset.collate(samples).to(device))
+    return x, y, decoder
+
+
+def decoders_agree(x, reference) -> tuple[bool, float, float]:
+    """Whether two decoders' augmented batches agree as two correct JPEG decoders do: mean difference under 1.5
+    levels, none over 48 (another crop, flip or erased patch differs by tens of levels on average). Returns
+    (agree, mean levels, max levels)."""
+    diff = (x.cpu().float() - reference.cpu().float()).abs() / DECODE_LEVEL
+    mean, worst = float(diff.mean()), float(diff.max())
+    return mean < 1.5 and worst < 48, mean, worst

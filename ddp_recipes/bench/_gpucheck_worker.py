@@ -1,13 +1,15 @@
 """gpu-check's in-process checks, each run in a fresh process by ``ddp_recipes.bench.gpucheck``.
 
-    python -m ddp_recipes.bench._gpucheck_worker sync-debug --out FILE [--steps 6] [--warmup-steps 3]
+    python -m ddp_recipes.bench._gpucheck_worker sync-debug --out FILE [--steps 12] [--warmup-steps 3]
     python -m ddp_recipes.bench._gpucheck_worker decode-gpu --out FILE [--steps 16] [--batch-size 128]
 
 ``sync-debug``: the pack's training path (``build_trainer``, the recipe's ResNet-50 LightningModule,
 bf16-mixed, channels-last, one GPU) with ``torch.cuda.set_sync_debug_mode("warn")`` switched on for the
-steady-state steps only (warm-up has one-off syncs: cuDNN set-up, the allocator). Every "synchronizing CUDA
-operation" warning is counted with the Python frames that caused it; FILE gets ``{"syncs", "steps",
-"sites"}``. bf16, not 16-mixed: a GradScaler reads found-inf on the host each step by design.
+steady-state steps only (warm-up has one-off syncs: cuDNN set-up, the allocator), a CSV logger writing every 5
+steps so log steps fall inside the window. Every "synchronizing CUDA operation" warning is counted with the
+Python frames that caused it and the batch it came in; FILE gets :func:`sync_report`'s record: ``syncs`` in
+the steps that do not log (must be 0) and, per log step, the syncs against the values the logger wrote.
+bf16, not 16-mixed: a GradScaler reads found-inf on the host each step by design.
 
 ``decode-gpu``: the ResNet-50 recipe (``python -m recipes.resnet``, bf16-mixed, channels-last, one device, the
 recipe's default loader workers) on one folder of real-size synthetic JPEGs
@@ -30,21 +32,38 @@ SYNC_MESSAGE = "synchronizing CUDA operation"
 
 
 class SyncCounter:
-    """Records each sync-debug warning's caller frames while :meth:`active` is set."""
+    """Records each sync-debug warning's caller frames, and the batch it came in, while :meth:`active` is set."""
 
     def __init__(self) -> None:
         self.active = False
-        self.sites: list[str] = []
+        self.batch = -1
+        self.sites: list[tuple[int, str]] = []
 
     def showwarning(self, message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
         if self.active and SYNC_MESSAGE in str(message):
             frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename][-3:]
-            self.sites.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)))
+            self.sites.append((self.batch, " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                                       for f in reversed(frames))))
 
 
-def sync_debug(steps: int, warmup: int, batch: int) -> dict[str, Any]:
+def sync_report(sites: list[tuple[int, str]], logged: dict[int, int], first: int, last: int) -> dict[str, Any]:
+    """sync.json: the host syncs of batches ``first``..``last`` split by whether the logger wrote in that batch
+    (``logged``: batch -> values written). A step that does not log must make none; a log step may read what the
+    logger writes, one value each."""
+    log_batches = sorted(b for b in logged if first <= b <= last)
+    plain = [(b, site) for b, site in sites if b not in logged]
+    at_log = {b: sum(1 for s, _ in sites if s == b) for b in log_batches}
+    over = {b: n for b, n in at_log.items() if n > logged[b]}
+    return {"syncs": len(plain), "steps": last - first + 1, "sites": sorted({site for _, site in plain})[:20],
+            "log_steps": log_batches, "log_step_syncs": at_log, "logged_values": {b: logged[b] for b in log_batches},
+            "log_steps_over": over,
+            "log_step_sites": sorted({site for b, site in sites if b in over})[:20]}
+
+
+def sync_debug(steps: int, warmup: int, batch: int, out: Path, log_every: int = 5) -> dict[str, Any]:
     import torch
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader
 
     from ddp_recipes.bench.workload import Workload, build_dataset, build_module
@@ -53,10 +72,13 @@ def sync_debug(steps: int, warmup: int, batch: int) -> dict[str, Any]:
 
     counter = SyncCounter()
     total = warmup + steps
+    logged: dict[int, int] = {}
 
     class Window(Callback):
-        # The mode is global (not per thread), and backward's warnings are replayed on this thread.
+        # The mode is global (not per thread), and backward's warnings are replayed on this thread. The window
+        # spans log steps (every log_every): a log step's reads must be the logger's values, no more.
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            counter.batch = batch_idx
             if batch_idx == warmup:
                 torch.cuda.synchronize()
                 counter.active = True
@@ -67,19 +89,26 @@ def sync_debug(steps: int, warmup: int, batch: int) -> dict[str, Any]:
                 torch.cuda.set_sync_debug_mode("default")
                 counter.active = False
 
+    class CountingCSV(CSVLogger):
+        def log_metrics(self, metrics, step=None) -> None:
+            if counter.active:
+                logged[counter.batch] = logged.get(counter.batch, 0) + len(metrics)
+            super().log_metrics(metrics, step)
+
     w = Workload(recipe="resnet", arch="resnet50", image_size=224, batch_size=batch, steps=steps,
                  warmup_steps=warmup, precision="bf16-mixed", accelerator="cuda", channels_last=1)
     trainer = build_trainer(devices=1, accelerator="cuda", precision="bf16-mixed", seed=0, max_steps=total,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Window()])
+                            logger=CountingCSV(out.parent / "sync-logs"), log_every_n_steps=log_every,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, callbacks=[Window()])
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # every occurrence, not once per call site
         warnings.showwarning = counter.showwarning
         trainer.fit(build_module(w), DataLoader(build_dataset(w), batch_size=batch, shuffle=True,
                                                 collate_fn=keep_batch))
     torch.cuda.set_sync_debug_mode("default")
-    return {"syncs": len(counter.sites), "steps": steps, "sites": sorted(set(counter.sites))[:20],
-            "precision": "bf16-mixed", "batch_size": batch}
+    return {**sync_report(counter.sites, logged, warmup, total - 1), "precision": "bf16-mixed",
+            "batch_size": batch, "log_every_n_steps": log_every}
 
 
 def decode_gpu(out: Path, steps: int, batch: int, accelerator: str, arch: str, image_size: int,
@@ -121,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ddp_recipes.bench._gpucheck_worker")
     p.add_argument("check", choices=["sync-debug", "decode-gpu"])
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=None, help="default: 6 (sync-debug), 16 (decode-gpu)")
+    p.add_argument("--steps", type=int, default=None, help="default: 12 (sync-debug: log steps 5 and 10 among "
+                   "them), 16 (decode-gpu)")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=None, help="default: 32 (sync-debug), 128 (decode-gpu)")
     # decode-gpu only: the CPU test runs the same command small, on the CPU.
@@ -131,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", default="bf16-mixed")
     args = p.parse_args(argv)
     if args.check == "sync-debug":
-        result = sync_debug(args.steps or 6, args.warmup_steps, args.batch_size or 32)
+        result = sync_debug(args.steps or 12, args.warmup_steps, args.batch_size or 32, Path(args.out))
     else:
         result = decode_gpu(Path(args.out), args.steps or 16, args.batch_size or 128, args.accelerator, args.arch,
                             args.image_size, args.precision)

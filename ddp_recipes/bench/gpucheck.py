@@ -6,8 +6,9 @@ Runs from the checkout as it is (no install, nothing fetched). In order of value
 with its own timeout (a hang is a failure and cannot eat the slot), all inside one budget (what the budget
 cuts is ``incomplete``, never ``fail``):
 
-1. ``sync-debug``: pack training steps under ``torch.cuda.set_sync_debug_mode("warn")``; any host sync
-   in the steady-state steps fails it (``ddp_recipes.bench._gpucheck_worker``).
+1. ``sync-debug``: pack training steps under ``torch.cuda.set_sync_debug_mode("warn")``, log steps among
+   them; any host sync in a steady-state step that does not log fails it, and so does a log step that reads
+   more than the values the logger writes (``ddp_recipes.bench._gpucheck_worker``).
 2. ``resnet50-pack``, ``resnet50-raw``, then ``pack-vs-raw`` (derived): ResNet-50, 224 px, bf16-mixed,
    channels-last, synthetic data, eager, the pack and the raw PyTorch loop, with MFU; the pack's images/s
    at least ``PACK_VS_RAW_MIN`` of the raw loop's. The headline figure.
@@ -113,10 +114,21 @@ def sync_judge(rc: int, work: Path, tail: str) -> Result:
     if rc != 0:
         return verdict("fail", exit_text(rc, tail))
     found = json.loads((work / "sync.json").read_text())
-    n, steps = found["syncs"], found["steps"]
+    n, steps, logs = found["syncs"], found["steps"], found.get("log_steps", [])
     if n:
-        return verdict("fail", f"{n} host sync(s) in {steps} steady-state steps, first at {found['sites'][0]}", **found)
-    return verdict("pass", f"no host sync in {steps} steady-state steps", **found)
+        return verdict("fail", f"{n} host sync(s) in the {steps - len(logs)} steady-state steps that do not log, "
+                       f"first at {found['sites'][0]}", **found)
+    over = found.get("log_steps_over") or {}
+    if over:
+        step, syncs = next(iter(over.items()))
+        return verdict("fail", f"log step {step} made {syncs} host sync(s) for the "
+                       f"{found['logged_values'].get(step, '?')} value(s) the logger wrote, first at "
+                       f"{found['log_step_sites'][0]}", **found)
+    if not logs:
+        return verdict("fail", f"no log step among the {steps} steady-state steps: the window must span one", **found)
+    reads = sum(found["log_step_syncs"].values())
+    return verdict("pass", f"no host sync in the {steps - len(logs)} steps that do not log; {len(logs)} log steps "
+                   f"read {reads} value(s), what the logger wrote", **found)
 
 
 def _percent(fraction: float | None) -> str:

@@ -158,6 +158,36 @@ def compile_problem(include_dir: str | None = None) -> str | None:
     return None
 
 
+def triton_runtime_problem() -> str | None:
+    """Why Triton's compiled kernels cannot load or be cached on this GPU machine, or None: Triton finds
+    ``libcuda.so.1`` its own way (``TRITON_LIBCUDA_PATH``, else ``ldconfig -p``, else ``LD_LIBRARY_PATH``), which
+    a container without a linker cache entry fails where the driver itself loads; and Triton and inductor write
+    their caches (``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``, or their defaults) on first use."""
+    import getpass
+
+    caches = (("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"),
+              ("TORCHINDUCTOR_CACHE_DIR", Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"))
+    for env, default in caches:
+        folder = Path(os.environ.get(env) or default)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder):
+                pass
+        except OSError as err:
+            return f"{folder} ({env}) is not writable ({type(err).__name__}): Triton and inductor cache kernels there"
+    try:
+        from triton.backends.nvidia.driver import libcuda_dirs
+
+        libcuda_dirs()
+    except ImportError:
+        return None  # no NVIDIA backend to load: compile_problem names a missing Triton
+    except Exception as err:  # its assert, ldconfig missing or failing
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return (f"Triton cannot find libcuda.so.1 ({first}); set TRITON_LIBCUDA_PATH to the folder that holds it "
+                "(where the driver's library is, e.g. /usr/lib/x86_64-linux-gnu)")
+    return None
+
+
 def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -194,4 +224,5 @@ def inspect_machine(check_compile: bool = True) -> Machine:
                    cudnn=torch.backends.cudnn.version() if gpus else None, torch_error=torch_error,
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), driver=read_driver(),
                    versions=versions, python=platform.python_version(),
-                   compile_problem=compile_problem() if check_compile and gpus else None)
+                   compile_problem=(compile_problem() or triton_runtime_problem()) if check_compile and gpus
+                   else None)

@@ -34,7 +34,7 @@ from ddp_recipes.checkpointing.checkpoint import TrainerStateCallback
 # ---- two restores Lightning 2.6 gets wrong, put right at the training boundary (ResumeState) ----------
 
 
-def open_next_epoch(trainer: L.Trainer) -> None:
+def open_next_epoch(trainer: L.Trainer) -> bool:
     """Resumed from a checkpoint written at an epoch's last batch end (a stop agreed there), let the next epoch
     start as every epoch does.
 
@@ -42,13 +42,24 @@ def open_next_epoch(trainer: L.Trainer) -> None:
     are done; the fit loop's reset), but keeps the fit loop's "restarted mid-epoch" stage, so the next epoch is
     never counted ready and started and skips its ``on_train_epoch_start`` hooks. A checkpoint written in that
     epoch then reads as "no epoch in progress", and the run resumed from it trained the whole epoch again
-    (issue #43: 26 steps where the limit implies 24). The stage is the one thing wrong: cleared, the fit loop
-    opens the epoch, its counters and hooks as in the uninterrupted run.
+    (issue #43: 26 steps where the limit implies 24). Cleared, the fit loop opens the epoch, its counters and
+    hooks as in the uninterrupted run. The epoch loop's batch counters start the new epoch here too: Lightning
+    resets them only when the restored count reaches this run's epoch length, so a longer epoch (another batch
+    size or world size) or an unsized loader went on numbering from the old epoch's last batch and trained the
+    new epoch short. Returns whether it opened the epoch (the loader's iterator then belongs to the new epoch).
     """
     fit_loop = trainer.fit_loop
     loop = fit_loop.epoch_loop
-    if fit_loop.restarted_mid_epoch and loop.restarted_on_train_batch_end and loop.batch_progress.is_last_batch:
-        fit_loop.reset_restart_stage()
+    if not (fit_loop.restarted_mid_epoch and loop.restarted_on_train_batch_end and loop.batch_progress.is_last_batch):
+        return False
+    fit_loop.reset_restart_stage()
+    loop.batch_progress.increment_completed()  # what the epoch loop's restart would count before resetting
+    loop.batch_progress.reset_on_run()
+    loop.scheduler_progress.reset_on_run()
+    loop.automatic_optimization.optim_progress.reset_on_run()
+    loop.val_loop.batch_progress.total.reset()
+    loop.reset_restart_stage()  # still restarting: _batches_that_stepped gets the step the checkpoint preceded
+    return True
 
 
 def reopen_cut_epoch(trainer: L.Trainer) -> None:

@@ -111,7 +111,7 @@ def completed_epochs(trainer: L.Trainer) -> int:
     return trainer.current_epoch - int(state is not None and state.epoch_cut_short)
 
 
-def reposition_train_loader(trainer: L.Trainer) -> None:
+def reposition_train_loader(trainer: L.Trainer, new_epoch: bool = False) -> None:
     """Load the checkpoint's loader states Lightning skipped, set the resumed epoch, rebuild the iterator.
 
     Uses three FitLoop internals of Lightning 2.6 (pinned by the exact-resume tests): the pending loader
@@ -130,9 +130,11 @@ def reposition_train_loader(trainer: L.Trainer) -> None:
     stream = torch.get_rng_state()
     iter(fetcher)  # a fresh iterator: workers start at the restored position and epoch
     # Building it draws the workers' base seed from the global stream for a loader without a generator of its
-    # own (the pack's loaders have one). The uninterrupted run drew it at the epoch's start, before the
-    # checkpoint saved the streams: the restored stream must not pay for it a second time.
-    torch.set_rng_state(stream)
+    # own (the pack's loaders have one). The uninterrupted run drew it at the epoch's start: before the
+    # checkpoint saved the streams when this continues an epoch (the restored stream must not pay for it a second
+    # time), after it when this starts a new one (the draw is the new epoch's, as in that run).
+    if not new_epoch:
+        torch.set_rng_state(stream)
 
 
 def close_finished_epoch(trainer: L.Trainer) -> None:
@@ -285,9 +287,9 @@ class ResumeState(TrainerStateCallback):
         if not resuming:
             return
         reopen_cut_epoch(trainer)
-        reposition_train_loader(trainer)
+        opened = open_next_epoch(trainer)
+        reposition_train_loader(trainer, new_epoch=opened)
         close_finished_epoch(trainer)
-        open_next_epoch(trainer)
         _warn_unresumable_loader(trainer)
         lr_change = self._reapply_lrs(trainer, pending or {})
         _warn_resized_schedule(trainer, (pending or {}).get("schedule_steps"), self._schedule)

@@ -659,3 +659,24 @@ def test_the_slot_runs_nothing_twice_and_compiled_runs_are_short():
     assert steps("resnet50-pack") == (args.warmup_steps, args.steps)
     assert steps("resnet50-pack-compiled") == steps("resnet50-raw-compiled") == (gc.COMPILED_WARMUP, gc.COMPILED_STEPS)
     assert sum(steps("resnet50-pack-compiled")) < sum(steps("resnet50-pack"))
+
+
+# ---- sync-debug spans log steps (issue #39.4) -----------------------------------------------------------------
+
+def test_sync_debug_passes_the_loggers_reads_at_log_steps_and_fails_any_other(tmp_path):
+    """A step that does not log may make no host sync; a log step may read the values the logger wrote, one
+    each, no more; a window with no log step cannot pass."""
+    from ddp_recipes.bench._gpucheck_worker import sync_report
+
+    def judged(sites, logged):
+        (tmp_path / "sync.json").write_text(json.dumps(sync_report(sites, logged, 3, 14)))
+        return gc.sync_judge(0, tmp_path, "")
+
+    loss_read = "logger_connector.py:120 metrics_to_scalars"
+    ok = judged([(4, loss_read), (9, loss_read), (9, loss_read)], {4: 2, 9: 2})
+    assert ok["verdict"] == "pass" and "2 log steps read 3 value(s)" in ok["reason"], ok["reason"]
+    plain = judged([(4, loss_read), (6, "step.py:10 item")], {4: 2, 9: 2})
+    assert plain["verdict"] == "fail" and "do not log" in plain["reason"] and "step.py:10" in plain["reason"]
+    greedy = judged([(4, loss_read)] * 3, {4: 2, 9: 2})
+    assert greedy["verdict"] == "fail" and "log step 4 made 3 host sync(s) for the 2 value(s)" in greedy["reason"]
+    assert judged([], {})["verdict"] == "fail"  # the window missed every log step

@@ -380,10 +380,10 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _loader() -> DataLoader:
+def _loader(batch_size: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(1)
     return DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)),
-                      batch_size=8, shuffle=True)
+                      batch_size=batch_size, shuffle=True)
 
 
 def _fit(root: Path, model_first: bool) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -493,6 +493,48 @@ def test_a_checkpoint_saved_after_a_fit_cut_inside_an_epoch_continues_that_epoch
     resumed, then = _fit_steps(tmp_path / "split", ckpt_path=str(tmp_path / "after.ckpt"), max_steps=8)
     assert then == [(0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+class SaveAndDie(L.Callback):
+    """Saves ``path`` at the end of step ``step``'s batch and stops the process's fit there, as a stop agreed at that
+    boundary does (its checkpoint is written in on_train_batch_end)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            raise Died(f"after step {self.step}")
+
+
+class Died(Exception):
+    """The process a test's fit "died" in."""
+
+
+@pytest.mark.parametrize(("stream", "batch_size"), [(False, 8), (False, 4), (True, 8)],
+                         ids=["same-epoch", "longer-epoch", "stream"])  # a stream's batches are fixed at 8
+def test_a_stop_at_an_epochs_last_batch_resumes_with_the_whole_next_epoch(tmp_path, stream, batch_size):
+    """Saved at epoch 1's last batch end (step 8), resumed to max_epochs=3: epoch 2 is trained from its first batch
+    to its last, with the straight run's weights at the same batch size. Lightning 2.6 alone left the next epoch
+    unopened (issue #43), numbered a stream's batches on from 4, and at a longer epoch (batch 4: 8 batches) started
+    it at batch 4; a stream's resumed epoch also missed the loader's base-seed draw of the new epoch."""
+    straight, _ = _fit_steps(tmp_path / "straight", max_epochs=3, stream=stream)
+    trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path / "split"), max_epochs=3,
+                            callbacks=[SaveAndDie(8, tmp_path / "stop.ckpt")], **QUIET)
+    data = DataLoader(Batches(), batch_size=None) if stream else _loader()
+    with pytest.raises(Died):
+        trainer.fit(Net(), data)
+    assert trainer.global_step == 8 and (tmp_path / "stop.ckpt").exists()
+    steps = Steps()
+    trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path / "split"), max_epochs=3,
+                            callbacks=[steps], **QUIET)
+    model = Net()
+    data = DataLoader(Batches(), batch_size=None) if stream else _loader(batch_size=batch_size)
+    trainer.fit(model, data, ckpt_path=str(tmp_path / "stop.ckpt"))
+    assert steps.seen == [(2, b) for b in range(32 // batch_size)]
+    if batch_size == 8:
+        assert all(torch.equal(straight[k], model.state_dict()[k]) for k in straight)
 
 
 def test_continuing_into_max_epochs_with_max_steps_set_trains_every_epoch(tmp_path):

@@ -25,7 +25,14 @@ from ddp_recipes.data.images import ImageFolderDataModule
 from ddp_recipes.data.resumable import ResumableDataLoader, resumable_loader
 from ddp_recipes.data.seeding import sample_seed, seed_all
 from ddp_recipes.modules.resnet import ResNetClassifier
-from tests.helpers import raises_cli, write_jpeg_tree, write_odd_images
+from tests.helpers import (
+    decode_pipelines,
+    decoded_batch,
+    decoders_agree,
+    raises_cli,
+    write_jpeg_tree,
+    write_odd_images,
+)
 from tests.launch import run, saved_step, start
 
 # One uint8 level after normalizing by the smallest ImageNet std. PIL's antialiased resize and torch's differ by
@@ -261,3 +268,38 @@ def test_sigterm_mid_epoch_then_resume_auto_at_two_ranks_is_exact(tmp_path):
     run([*argv, "--resume", "auto"], timeout=600, check=True)
     assert saved_step(last) == 12
     assert_same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", last)
+
+
+def _decoder(noise_levels: int = 0, shift: int = 0, seed: int = 0):
+    """libjpeg-turbo, then every pixel moved by a random ``+-noise_levels`` (a decoder that rounds its IDCT and
+    chroma upsampling otherwise, as nvJPEG does by a level or two) and by ``shift`` (a wrong decoder)."""
+    from torchvision.io import decode_jpeg
+
+    g = torch.Generator().manual_seed(seed)
+
+    def moved(image: torch.Tensor) -> torch.Tensor:
+        noise = torch.randint(-noise_levels, noise_levels + 1, image.shape, generator=g)
+        return (image.to(torch.int16) + noise + shift).clamp(0, 255).to(torch.uint8)
+
+    def decode(data, device, mode):
+        images = decode_jpeg(data, device="cpu", mode=mode)
+        return [moved(i) for i in images] if isinstance(images, list) else moved(images)
+
+    return decode
+
+
+@pytest.mark.parametrize("name", sorted(decode_pipelines()))
+def test_a_correct_decoder_passes_the_gpu_checks_decode_comparison(tree, name):
+    """The CPU twin of tests/gpu/test_gpu_decode.py's comparison: a decoder that differs by +-1 level everywhere
+    (20 draws) agrees with libjpeg-turbo through the compared pipelines, and one that shifts every pixel by 30
+    levels does not. (Through TrivialAugmentWide, whose Solarize and Posterize are thresholds, +-1 level broke
+    the bound in every draw: why the comparison leaves the policy out.)"""
+    pipeline = decode_pipelines()[name]
+    files = sorted(str(p) for p in (tree / "train").rglob("*.jpg"))[:16]
+    reference, _, _ = decoded_batch(files, pipeline, "cpu")
+    for seed in range(20):
+        x, _, _ = decoded_batch(files, pipeline, "cpu", jpeg_decoder=_decoder(noise_levels=1, seed=seed))
+        agree, mean, worst = decoders_agree(x, reference)
+        assert agree, (seed, mean, worst)
+    wrong, _, _ = decoded_batch(files, pipeline, "cpu", jpeg_decoder=_decoder(shift=30))
+    assert not decoders_agree(wrong, reference)[0]

@@ -315,14 +315,21 @@ def _kill_resume_matches_straight(tmp_path, argv: list[str], steps: int, kill_fr
     run([*recipe, "--output-dir", tmp_path / "straight"], timeout=600, check=True)
     last = tmp_path / "split" / "checkpoints" / "last.ckpt"
     split = [*recipe, "--output-dir", tmp_path / "split", "--checkpoint-every-n-steps", "1"]
+    # The kill step is drawn (the moment varies run to run), printed and replayable: GPU_KILL_STEP=N.
+    seed = int(os.environ.get("GPU_KILL_SEED", os.getpid()))
+    target = int(os.environ.get("GPU_KILL_STEP") or random.Random(seed).randint(kill_from, steps - 2))
+    moment = f"kill at the first checkpoint of step >= {target} (GPU_KILL_SEED={seed}; replay: GPU_KILL_STEP={target})"
+    print(moment, flush=True)
     proc = start(split)
-    seen = proc.wait_for_step(last, random.Random(os.getpid()).randint(kill_from, steps - 2),
-                              timeout=CAPTURED_STEP_LIMIT_S)
+    seen = proc.wait_for_step(last, target, timeout=CAPTURED_STEP_LIMIT_S)
     proc.kill()  # no grace: the ranks and the loader workers
-    assert seen < steps, "the run finished before it could be killed"
+    assert seen < steps, f"the run finished before it could be killed; {moment}"
     run([*split, "--resume", "auto"], timeout=600, check=True)
-    assert saved_step(last) == steps
-    assert_same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", last)
+    assert saved_step(last) == steps, moment
+    try:
+        assert_same_weights(tmp_path / "straight" / "checkpoints" / "last.ckpt", last)
+    except AssertionError as err:
+        raise AssertionError(f"{err}; killed after step {seen}: {moment}") from None
     return last
 
 
