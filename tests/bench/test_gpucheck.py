@@ -276,7 +276,9 @@ def test_the_default_budget_is_seven_minutes_and_each_timeout_fits_in_it():
     assert gc.TOTAL_BUDGET_S == 420
     checks = [c for c in gc.plan_checks(plan_args(), gpus=8) if isinstance(c, runner.Check)]
     assert all(c.timeout_s <= gc.TOTAL_BUDGET_S for c in checks)
-    assert next(c for c in checks if c.name == "decode-gpu").timeout_s <= 60  # two short runs in a tight budget
+    # decode-gpu: a JPEG folder and two cold recipe processes (~45 s each, gpucheck's comment): a 60 s limit cut
+    # a sound run and called it a failure (issue #39.4)
+    assert next(c for c in checks if c.name == "decode-gpu").timeout_s >= 100
 
 
 def test_unknown_only_name_is_refused(capsys):
