@@ -180,7 +180,13 @@ class RunPosition(TrainerStateCallback):
                       == trainer.accumulate_grad_batches and saved.get("epoch_batches") == _batches(trainer))
         finished = bool(saved.get("last_batch")) or saved["batches"] >= (saved.get("epoch_batches") or math.inf)
         # Epochs of another length before (a resume at another world size): no one length implies the total.
+        # This run's own length counts from now on, whether or not it reaches an epoch end: a run resumed at
+        # another shape and stopped by max_steps mid-epoch must not be held to the old epochs' length alone.
         self._epoch_lengths = set(saved.get("epoch_lengths") or [])
+        if not same_shape:
+            old = _epoch_steps(saved.get("epoch_batches"), saved.get("accumulate") or 1)
+            new = _epoch_steps(_batches(trainer), trainer.accumulate_grad_batches)
+            self._epoch_lengths |= {_UNKNOWN if length is None else length for length in (old, new)}
         self._expect = {**saved, "finished": finished, "same_shape": same_shape}
         if not finished:  # the resumed fit continues this epoch: its first step carries over
             self._epoch, self._first_step = saved["epoch"], saved["first_step"]

@@ -784,3 +784,16 @@ def test_two_ranks_continuing_past_max_steps_with_workers_and_augmentation_is_ex
     run([*RESNET, *args(images, 2, "--max-epochs", "2", *common), "--output-dir", split, "--resume", "auto"],
         timeout=600, check=True)
     assert_same_weights(last(split), last(straight))
+
+
+def test_a_run_resumed_with_another_epoch_length_is_held_to_its_own_limit(tmp_path):
+    """Epoch 0 at batch 8 (4 steps), continued at batch 2 (16 steps an epoch) to max_epochs=2, max_steps=10: the
+    run ends at step 10 with no RunPositionError (the checkpoint's 4-step epochs alone would imply 8)."""
+    trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path), max_epochs=1, **QUIET)
+    trainer.fit(Net(), _loader())
+    trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
+    steps = Steps()
+    trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path), max_epochs=2, max_steps=10,
+                            callbacks=[steps], **QUIET)
+    trainer.fit(Net(), _loader(batch_size=2), ckpt_path=str(tmp_path / "epoch0.ckpt"))
+    assert trainer.global_step == 10 and steps.seen == [(1, b) for b in range(6)]
