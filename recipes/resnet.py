@@ -36,6 +36,7 @@ from ddp_recipes.config.cli import fail, opt, parse_config
 from ddp_recipes.config.run_config import RunConfig, build_from, changed_fields
 from ddp_recipes.data.augment import AugmentArgs
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
+from ddp_recipes.data.unreadable import describe as describe_unreadable
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.modules import preflight
 from ddp_recipes.modules.pretrained import FineTuning, FineTuningRecord, PretrainedWeights, resolve_weights
@@ -382,17 +383,10 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
         discard_unused_output_dirs()  # nothing written: not even the empty version_N of a default output dir
         fail(err, PROG)
     except OSError as err:
-        if not is_image_error(err):
+        name = describe_unreadable(err)  # "train/c1/x.jpg (why)", from any decoder, in a worker or not
+        if name is None:
             raise
-        last = str(err).strip().splitlines()[-1]  # a DataLoader worker's error carries its traceback first
-        fail(f"--data-dir {cfg.data_dir} holds an image that cannot be decoded ({last}); remove or replace it", PROG)
-
-
-def is_image_error(err: OSError) -> bool:
-    """PIL's "cannot identify image file" / "image file is truncated": a corrupt file in the dataset."""
-    from PIL import UnidentifiedImageError
-
-    return isinstance(err, UnidentifiedImageError) or "image file" in str(err)
+        fail(f"--data-dir {cfg.data_dir} holds an image that cannot be decoded: {name}; remove or replace it", PROG)
 
 
 if __name__ == "__main__":

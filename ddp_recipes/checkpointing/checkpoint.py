@@ -109,6 +109,21 @@ def code_refused(err: pickle.UnpicklingError, param: str, name: object, holds: s
                  f"code from the file, so it is refused: {fix}", param)
 
 
+def unreadable_because(local: Any, err: BaseException) -> str:
+    """Why a file torch.load refused is no checkpoint, in a user's words: a checkpoint is a zip archive (what
+    ``trainer.save_checkpoint`` writes), so a file that does not start as one is some other file, and one that
+    does was cut or damaged (a full disk, a broken copy)."""
+    try:
+        with open(local, "rb") as f:
+            head = f.read(4)
+    except (OSError, TypeError):
+        head = b""
+    reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+    if head and head != b"PK\x03\x04":
+        return "is not a checkpoint file (a .ckpt is the zip archive trainer.save_checkpoint writes)"
+    return f"is a cut or damaged checkpoint ({reason})"
+
+
 def read_checkpoint(path: str) -> dict[str, Any]:
     """Load a checkpoint on CPU as plain data, turning any failure into one line naming ``--resume``.
 
@@ -117,6 +132,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     hyper-parameters may add a Namespace, a Path or numpy scalars (:func:`plain_data`). A file with anything
     else is refused before any of it runs. A URL is read from a local copy checked against its manifest.
     """
+    local: Any = path
     try:
         local = files.fetch(path)  # the file itself, or a bucket's object downloaded and checked
         with plain_data():
@@ -129,9 +145,8 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     except StorageError as err:  # the download of a URL checkpoint failed for good
         raise err.renamed(output_dir="resume") from err.__cause__
     except Exception as err:  # truncated zip, pickle garbage, wrong format: all mean "not a checkpoint"
-        raise CheckpointError(f"{{resume}} {lit(path)} is not a readable checkpoint ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); "
-                          "pass another file, or {resume} none to start fresh") from None
+        raise CheckpointError(f"{{resume}} {lit(path)} {unreadable_because(local, err)}; "
+                              "pass another file, or {resume} none to start fresh") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointError(f"{{resume}} {lit(path)} is not a Lightning checkpoint (no state_dict); "
                           "pass a .ckpt written by this recipe")

@@ -129,7 +129,7 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
     words = last.words
     found = _survey(trainer, last, words)
     debugging = bool(trainer.fast_dev_run)
-    step = None
+    step = replaces = None
     if isinstance(request, Continue):
         newest = ownership.newest_of_run(found, words)
         if newest is not None and request.expected is not None and newest.path != request.expected:
@@ -149,6 +149,7 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
         path = ckpt_run = None
         if fitting and not debugging:
             ownership.refuse_new_run(found, words)
+        replaces = ownership.ended_before_its_first_checkpoint(found, words)
         run_id = ownership.new_run_id()
     else:
         path = os.fspath(request)
@@ -163,9 +164,13 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
             ownership.refuse_foreign_checkpoint(found, given, words)
         run_id = given.run_id or found.owner() or ownership.new_run_id()
         step, ckpt_run = given.step, given.run_id
+    if found.unreadable and path is not None and fitting and not debugging:
+        ownership.check_unreadable(found, newest if isinstance(request, Continue) else given, words)
+        ownership.set_aside_unreadable(found)  # before this run's first save could write over the bytes
     # run_id: the run this fit is (and records); ckpt_run: what the checkpoint itself records, which every rank
     # compares with its own read of the file (None for a checkpoint without a run id, plain Lightning's included).
-    return {"path": path, "step": step, "run_id": run_id, "ckpt_run": ckpt_run, "folder": str(last.dirpath)}
+    return {"path": path, "step": step, "run_id": run_id, "ckpt_run": ckpt_run, "folder": str(last.dirpath),
+            "replaces": replaces}
 
 
 def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool) -> str | None:
@@ -204,11 +209,11 @@ def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool)
     last.dirpath = location(decision["folder"])
     last.run_id = decision["run_id"]
     if fitting and not trainer.fast_dev_run:
-        _claim_on_rank_0(trainer, last)
+        _claim_on_rank_0(trainer, last, decision.get("replaces"))
     return decision["path"]
 
 
-def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint) -> None:
+def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint, replaces: str | None = None) -> None:
     """Rank 0 records the run in its folder; its outcome is broadcast, so a refusal there (claimed meanwhile,
     a read-only folder, a denied bucket) stops every rank at once instead of leaving the others waiting in
     DDP's set-up for the collective timeout. Collective (once per fit)."""
@@ -216,7 +221,7 @@ def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint) -> None:
     told: str | None = None
     if trainer.is_global_zero:
         try:
-            ownership.claim(last.dirpath, last.run_id)
+            ownership.claim(last.dirpath, last.run_id, replaces)
         except Exception as err:
             failure, told = err, f"{type(err).__name__}: {err}"
     told = trainer.strategy.broadcast(("claim", told))[1]

@@ -38,14 +38,14 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_recipes.checkpointing import files
-from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, plain_data, run_of
+from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, plain_data, run_of, unreadable_because
 from ddp_recipes.checkpointing.checkpoint import (
     RUN_KEY as RUN_KEY,  # the checkpoint's entry, set where it is written
 )
 from ddp_recipes.errors import CheckpointError, lit
 from ddp_recipes.storage import Url, location, same_path
 from ddp_recipes.storage.retry import StorageError
-from ddp_recipes.storage.store import check_store, read_bytes, size, write_new
+from ddp_recipes.storage.store import check_store, listing, read_bytes, renames, size, write_new
 
 RUN_FILE = "run.json"
 FORMAT = "ddp-recipes-run/1"
@@ -117,6 +117,7 @@ class Survey:
     folder: Path | Url
     record: dict[str, Any] | None = None
     checkpoints: list[Found] = field(default_factory=list)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (path, why) of checkpoint files that fail
 
     @property
     def recorded_run(self) -> str | None:
@@ -136,14 +137,16 @@ class Survey:
         return ids[0] if len(ids) == 1 else None
 
     def holds_a_run(self) -> bool:
-        return self.record is not None or bool(self.checkpoints)
+        # an unreadable checkpoint is a run's too: a new run would overwrite the bytes someone may yet restore
+        return self.record is not None or bool(self.checkpoints) or bool(self.unreadable)
 
     def describe(self, run_id: str | None = None) -> str:
         """"run 3f2a9c1e7b40 (last.ckpt at step 189, epoch 3)" for ``run_id`` (default: the owner's)."""
         run_id = run_id or self.owner()
         mine = [c for c in self.checkpoints if c.run_id == run_id] if run_id else list(self.checkpoints)
         newest = max(mine, key=_newest_key, default=None)
-        where = newest.describe() if newest is not None else "no checkpoint yet"
+        where = (newest.describe() if newest is not None else
+                 f"an unreadable {_name(self.unreadable[0][0])}" if self.unreadable else "no checkpoint yet")
         if run_id is None:
             return f"a run of an earlier ddp-recipes, which recorded no run id ({where})"
         started = (self.record or {}).get("started") if run_id == self.recorded_run else None
@@ -163,10 +166,60 @@ def survey(folder: str | os.PathLike, extra: list[Path] | None = None, asked: st
             continue
         try:
             found.checkpoints.append(facts(path))
-        except Exception as err:  # truncated zip, garbage, not a checkpoint: skip it, keep looking
-            reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-            rank_zero_warn(f"{asked}: skipping {path}: not a readable checkpoint ({reason})")
+        except Exception as err:  # truncated zip, garbage, not a checkpoint: never taken, never overwritten
+            found.unreadable.append((os.fspath(path), unreadable_because(path, err).removeprefix("is ")))
     return found
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _said_once(message: str) -> None:
+    """A warning of the folder's state, once per process: the recipe reads the folder before the ranks start
+    and rank 0 reads it again once the process group is up; the user is told once."""
+    if message not in _SAID:
+        _SAID.add(message)
+        rank_zero_warn(message)
+
+
+_SAID: set[str] = set()
+
+
+def check_unreadable(found: Survey, newest: Found | None, words: Words = RECIPE) -> None:
+    """Continuing a folder that holds an unreadable checkpoint file (cut by a full disk or a broken copy): with
+    a readable checkpoint of the run to continue from, say which and that the unreadable file is set aside
+    (:func:`set_aside_unreadable`), never overwritten; with none, refuse in one line naming the file and the ways
+    on, instead of starting from step 0 over it."""
+    if not found.unreadable:
+        return
+    path, why = found.unreadable[0]
+    more = f" (and {len(found.unreadable) - 1} more)" if len(found.unreadable) > 1 else ""
+    if newest is None:
+        raise CheckpointError(f"{lit(path)}{more} is {why} and the run in "
+                              f"{_folder_text(found, words)} has no other; nothing was changed: restore it from a "
+                              f"copy, continue from another checkpoint with {words.resume_path}, or start a new run "
+                              f"with another {words.another}", "output_dir" if words.parent else None)
+    if not renames(path):
+        raise CheckpointError(f"{lit(path)}{more} is {why}; nothing was changed: restore "
+                              f"it, or continue from {newest.name} with {words.resume_path}")
+    _said_once(f"{words.asked}: {path}{more} is {why}; continuing from "
+               f"{newest.describe()}; the unreadable file is kept as {_name(path)}{UNREADABLE}")
+
+
+UNREADABLE = ".unreadable"  # the suffix an unreadable checkpoint is kept under (never a *.ckpt, never taken)
+
+
+def set_aside_unreadable(found: Survey) -> None:
+    """Rank 0, once continuing from another checkpoint is decided: each unreadable local checkpoint file gets
+    a name no save writes (``last.ckpt.unreadable``, ``.unreadable-2``, ...), so its bytes stay for whoever
+    may restore them."""
+    for path, _ in found.unreadable:
+        target, n = Path(path + UNREADABLE), 1
+        while target.exists():
+            n += 1
+            target = Path(f"{path}{UNREADABLE}-{n}")
+        os.replace(path, target)
 
 
 def _newest_key(found: Found) -> tuple[int, int, tuple[int, int, str]]:
@@ -204,14 +257,38 @@ def newest_of_run(found: Survey, words: Words = RECIPE) -> Found | None:
         for other in found.checkpoints:
             if other.run_id != owner:
                 whose = f"run {other.run_id}" if other.run_id else "a run of an earlier ddp-recipes (no run id)"
-                rank_zero_warn(f"{words.asked}: skipping {other.path} ({other.describe()}): it belongs to {whose}, "
-                               f"not to this folder's run {owner}")
-    return max(mine, key=_newest_key, default=None)
+                _said_once(f"{words.asked}: skipping {other.path} ({other.describe()}): it belongs to {whose}, "
+                           f"not to this folder's run {owner}")
+    newest = max(mine, key=_newest_key, default=None)
+    check_unreadable(found, newest, words)
+    return newest
+
+
+def ended_before_its_first_checkpoint(found: Survey, words: Words = RECIPE) -> str | None:
+    """The recorded run's id when it never saved a checkpoint and every launch of it has ended (a recipe's
+    ``attempts/`` records, each with its run id: a bad image, a crash, Ctrl+C): a new run may take the folder,
+    since nothing there can be continued. None otherwise, and always for a run still going or killed (no
+    record of its end: it may be training yet) or outside a recipe's output folder (no attempt records)."""
+    run_id = found.recorded_run
+    if not run_id or found.checkpoints or found.unreadable or not words.parent:
+        return None
+    attempts = found.folder.parent / ATTEMPTS_DIR
+    try:
+        names = [n for n in map(str, listing(attempts)) if n.endswith(".json")]
+        records = [json.loads(read_bytes(attempts / n).decode()) for n in names]
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    mine = [r for r in records if isinstance(r, dict) and r.get("run_id") == run_id]
+    return run_id if mine and all(r.get("ended") for r in mine) else None
+
+
+ATTEMPTS_DIR = "attempts"  # a recipe's attempt records (train/attempts.py), beside its checkpoint folder
 
 
 def refuse_new_run(found: Survey, words: Words = RECIPE) -> None:
-    """A new run must not start in a folder that holds a run: raise naming the run found and the ways on."""
-    if found.holds_a_run():
+    """A new run must not start in a folder that holds a run: raise naming the run found and the ways on. A
+    run that ended before its first checkpoint holds nothing to protect (:func:`ended_before_its_first_checkpoint`)."""
+    if found.holds_a_run() and not ended_before_its_first_checkpoint(found, words):
         raise CheckpointError(f"{_folder_text(found, words)} holds {found.describe()}: a new run there would overwrite "
                               f"its checkpoints; continue it with {words.resume}, or pass another {words.another}",
                               "output_dir" if words.parent else None)
@@ -284,20 +361,21 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else {"format": "unreadable"}
 
 
-def claim(folder: str | os.PathLike, run_id: str) -> None:
+def claim(folder: str | os.PathLike, run_id: str, replaces: str | None = None) -> None:
     """Record ``run_id`` as the folder's run (rank 0, once training starts there). A folder another run
-    recorded meanwhile (two runs started into one folder at the same moment) is an error, never overwritten."""
+    recorded meanwhile (two runs started into one folder at the same moment) is an error, never overwritten;
+    ``replaces``: the id of a run that ended before its first checkpoint, whose record this one takes over."""
     where = location(folder)
     record = read_record(where)
     if record is not None and record.get("run_id") == run_id:
         return
-    if record is not None and record.get("format") != "unreadable":
+    if record is not None and record.get("format") != "unreadable" and record.get("run_id") != (replaces or object()):
         raise CheckpointError(f"{lit(where)} was claimed by run {record.get('run_id')} while this run started; "
                               "run it with another output folder")
     payload = (json.dumps({"format": FORMAT, "run_id": run_id,
                            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2) + "\n").encode()
     try:
-        write_new(where / RUN_FILE, payload, replace=record is not None)  # an unreadable record is replaced
+        write_new(where / RUN_FILE, payload, replace=record is not None)  # unreadable, or a run with nothing saved
     except FileExistsError:
         raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
                               "another output folder") from None

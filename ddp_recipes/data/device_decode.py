@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ddp_recipes.data.encoded import Draws, EncodedBatch, EvalPipeline, TrainPipeline
-from ddp_recipes.errors import DataError, lit
+from ddp_recipes.data.unreadable import unreadable
 
 JpegDecoder = Callable[..., Any]
 
@@ -56,7 +56,7 @@ def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: Jpe
                name: str | None = None) -> tuple[torch.Tensor, bool]:
     """One file's bytes as an RGB uint8 ``[3, H, W]`` image on ``device``, and whether it needed the CPU fallback:
     ``jpeg_decoder`` (default ``decode_jpeg``) first; a file it refuses is decoded by ``decode_image`` on the CPU.
-    A file neither decodes is a :class:`~ddp_recipes.errors.DataError` naming it (``name``)."""
+    A file neither decodes is an :class:`~ddp_recipes.data.unreadable.UnreadableImage` naming it (``name``)."""
     from torchvision.io import decode_image, decode_jpeg
 
     device = torch.device(device)
@@ -67,9 +67,7 @@ def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: Jpe
     try:
         image = decode_image(data, mode=_rgb())
     except (RuntimeError, ValueError) as err:
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise DataError(f"{{data_dir}} holds an image that cannot be decoded: {lit(name or '(unnamed)')} "
-                        f"({lit(reason)}); remove or replace it", "data_dir") from None
+        raise unreadable(name or "(unnamed)", None, err) from None
     return _to_device(image, device), True
 
 

@@ -33,6 +33,7 @@ from torchvision.transforms import v2
 
 from ddp_recipes.config.choices import INTERPOLATIONS, check_choice
 from ddp_recipes.data import augment
+from ddp_recipes.data.unreadable import relative_name, unreadable
 from ddp_recipes.errors import ConfigError
 
 # Auto-augmentation policies whose random draws are separable from their image operation (one recorded
@@ -254,10 +255,12 @@ class EncodedImageFolder(Dataset):
     them) or an :class:`EvalPipeline` (no draws).
     """
 
-    def __init__(self, samples: Sequence[tuple[str, int]], pipeline: TrainPipeline | EvalPipeline) -> None:
+    def __init__(self, samples: Sequence[tuple[str, int]], pipeline: TrainPipeline | EvalPipeline,
+                 root: str | Path | None = None) -> None:
         check_choice("interpolation", pipeline.interpolation, INTERPOLATIONS)
         self.samples = list(samples)
         self.pipeline = pipeline
+        self.root = root  # the data folder: errors name a file relative to it
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -266,9 +269,14 @@ class EncodedImageFolder(Dataset):
         path, label = self.samples[index]
         data = Path(path).read_bytes()
         draws = None
+        name = relative_name(path, self.root)
         if isinstance(self.pipeline, TrainPipeline):
-            draws = draw_train(self.pipeline.steps(), *image_size(data))
-        return data, label, draws, path
+            try:
+                size = image_size(data)
+            except (OSError, SyntaxError, ValueError) as err:  # PIL cannot read its header: no decoder will
+                raise unreadable(path, self.root, err) from None
+            draws = draw_train(self.pipeline.steps(), *size)
+        return data, label, draws, name
 
     def collate(self, samples: list[tuple[bytes, int, Draws | None, str]]) -> EncodedBatch:
         """The loader's ``collate_fn`` (a bound method: it pickles with the dataset into the workers)."""

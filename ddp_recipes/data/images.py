@@ -12,6 +12,7 @@ the plain crop + flip ones described there.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.device_decode import DeviceDecoder
 from ddp_recipes.data.encoded import EncodedBatch, EncodedImageFolder, EvalPipeline, TrainPipeline
 from ddp_recipes.data.samplers import TensorBatchDataset
+from ddp_recipes.data.unreadable import named_loader
 from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
 
 # Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied
@@ -325,15 +327,16 @@ class ImageFolderDataModule(_ImageDataModule):
         gpu = self.decode == "gpu"
         try:
             # With decode "gpu" the folders only list the files: the encoded datasets read them.
-            train = datasets.ImageFolder(os.fspath(self.data_dir / "train"),
+            loader = functools.partial(named_loader, root=os.fspath(self.data_dir))  # a bad file is named
+            train = datasets.ImageFolder(os.fspath(self.data_dir / "train"), loader=loader,
                                          transform=None if gpu else self.train_transform())
-            val = datasets.ImageFolder(os.fspath(self.data_dir / "val"),
+            val = datasets.ImageFolder(os.fspath(self.data_dir / "val"), loader=loader,
                                        transform=None if gpu else self.val_transform())
         except FileNotFoundError as err:  # torchvision: a class folder without a single image file
             raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
         if gpu:
-            train = EncodedImageFolder(train.samples, self.train_pipeline())
-            val = EncodedImageFolder(val.samples, self.eval_pipeline())
+            train = EncodedImageFolder(train.samples, self.train_pipeline(), root=self.data_dir)
+            val = EncodedImageFolder(val.samples, self.eval_pipeline(), root=self.data_dir)
             others = train.not_jpeg() + val.not_jpeg()
             if others:
                 rank_zero_warn(f"decode gpu: {others} of {len(train) + len(val)} files under {self.data_dir} are not "

@@ -28,11 +28,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from ddp_recipes.checkpointing.ownership import ATTEMPTS_DIR as ATTEMPTS_DIR  # the folder's one name
 from ddp_recipes.checkpointing.preemption import Preempted
 from ddp_recipes.storage import location
 from ddp_recipes.storage.store import listing, read_bytes, write_json_atomic
 
-ATTEMPTS_DIR = "attempts"
 HEARTBEAT_S = 2.0  # a local folder: one small atomic write when the step changed
 BUCKET_HEARTBEAT_S = 10.0  # object storage: a PUT each
 
@@ -50,14 +50,25 @@ class AttemptLog(Callback):
         self._warned = False
 
     @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After the checkpoint is agreed (the run's id is known) and before the sanity check: an attempt that
+        # fails there (a corrupt image) still leaves its end, so the same command may start afresh.
         if not trainer.is_global_zero:
             self.on_train_batch_end = None  # type: ignore[assignment]  # only rank 0 records
             return
         self._trainer = trainer
-        self.record.update(attempt=_next_number(self.folder), train_started_at=time.time(),
-                           start_step=trainer.global_step, last_step=trainer.global_step,
-                           last_step_at=time.time(), world_size=trainer.world_size)
+        # Lightning restores the loops (global_step) after on_fit_start: the step is the loaded checkpoint's.
+        loaded = getattr(trainer._checkpoint_connector, "_loaded_checkpoint", None) or {}
+        step = int(loaded.get("global_step", trainer.global_step))
+        self.record.update(attempt=_next_number(self.folder), run_id=trainer_run_id(trainer), start_step=step,
+                           last_step=step, last_step_at=time.time(), world_size=trainer.world_size)
+        self._write()
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._trainer is None:
+            return
+        self.record["train_started_at"] = time.time()
         self._write()
         interval = BUCKET_HEARTBEAT_S if "://" in str(self.folder) else HEARTBEAT_S
         self._thread = threading.Thread(target=self._beat, args=(interval,), name="ddp-recipes-attempt-log",
@@ -124,6 +135,13 @@ class AttemptLog(Callback):
                                    "will not count this attempt's stops")
 
 
+def trainer_run_id(trainer: L.Trainer) -> str | None:
+    """The run this attempt continues or starts (the id its checkpoints and ``run.json`` carry)."""
+    from ddp_recipes.checkpointing.last import LastCheckpoint
+
+    return next((c.run_id for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+
+
 def _next_number(folder: Any) -> int:
     """One past the highest record number in ``folder`` (an unreadable record keeps its number taken)."""
     try:
@@ -134,8 +152,9 @@ def _next_number(folder: Any) -> int:
     return max(numbers, default=0) + 1
 
 
-def read_attempts(folder: Any) -> list[dict[str, Any]]:
-    """The attempt records in ``folder`` (an ``attempts`` folder), by attempt number; unreadable ones skipped."""
+def read_attempts(folder: Any, run_id: str | None = None) -> list[dict[str, Any]]:
+    """The attempt records in ``folder`` (an ``attempts`` folder), by attempt number; unreadable ones skipped;
+    with ``run_id``, only that run's (a run that ended before its first checkpoint left others there)."""
     records = []
     try:
         names = listing(folder)
@@ -148,7 +167,8 @@ def read_attempts(folder: Any) -> list[dict[str, Any]]:
             record = json.loads(read_bytes(location(folder) / name))
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("attempt"), int):
+        if isinstance(record, dict) and isinstance(record.get("attempt"), int) and (
+                run_id is None or record.get("run_id") == run_id):
             records.append(record)
     return sorted(records, key=lambda r: r["attempt"])
 

@@ -23,7 +23,7 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.storage import Url, location
 from ddp_recipes.storage.store import write_json_atomic
-from ddp_recipes.train.attempts import ATTEMPTS_DIR, AttemptLog, read_attempts, stop_costs
+from ddp_recipes.train.attempts import ATTEMPTS_DIR, AttemptLog, read_attempts, stop_costs, trainer_run_id
 from ddp_recipes.train.callbacks import PlannedBatch, ThroughputMeter
 from ddp_recipes.train.checkpoints import refuse_other_runs
 from ddp_recipes.train.perf import (
@@ -161,7 +161,8 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if trainer.is_global_zero:
         summary["trackers"] = identities(trainer.loggers)
         if not debugging:
-            summary["stops"] = stop_costs(read_attempts(location(cfg.output_dir) / ATTEMPTS_DIR), time.time())
+            attempts = read_attempts(location(cfg.output_dir) / ATTEMPTS_DIR, trainer_run_id(trainer))
+            summary["stops"] = stop_costs(attempts, time.time())
         if not debugging:
             write_json_atomic(out / "summary.json", summary)
         shown = {k: summary[k] for k in ("world_size", "global_batch_size", "epochs", "steps", "fit_seconds",

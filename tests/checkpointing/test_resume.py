@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import stat
 from pathlib import Path
@@ -236,8 +237,51 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path, capsys):
     whole = (tmp_path / "hpc_ckpt_1.ckpt").read_bytes()
     (tmp_path / "hpc_ckpt_2.ckpt").write_bytes(whole[: len(whole) // 2])  # a save cut short (not ours: Lightning's)
     (folder / ".last.ckpt.tmp-1").write_bytes(whole)  # an unfinished atomic save is never a candidate
-    with pytest.warns(UserWarning, match=r"--resume auto: skipping .*hpc_ckpt_2\.ckpt: not a readable checkpoint"):
+    with pytest.warns(UserWarning, match=r"--resume auto: .*hpc_ckpt_2\.ckpt is a cut or damaged checkpoint .*; "
+                                          r"continuing from hpc_ckpt_1\.ckpt at step 10"):
         assert newest_checkpoint(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
+
+
+def _cut(path: Path) -> bytes:
+    """``path`` cut in half, as a full disk or a broken copy leaves it; returns the bytes kept."""
+    kept = path.read_bytes()[: path.stat().st_size // 2]
+    path.write_bytes(kept)
+    return kept
+
+
+def test_a_cut_last_ckpt_with_nothing_else_is_refused_and_kept(tmp_path, capsys):
+    """--resume auto on a last.ckpt cut in half, the run's only checkpoint: one line naming the file and the ways
+    on, exit 2, and the file and summary.json untouched (it was a start from step 0 over both)."""
+    from recipes import resnet
+
+    resnet.main([*TINY, "--max-steps", "2", "--output-dir", str(tmp_path)])
+    last, summary = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "summary.json"
+    kept, said = _cut(last), summary.read_bytes()
+    for resume in (["--resume", "auto"], []):  # continuing, and a new run over it
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exc:
+            resnet.main([*TINY, "--max-steps", "4", "--output-dir", str(tmp_path), *resume])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert last.read_bytes() == kept and summary.read_bytes() == said
+        assert "last.ckpt" in err and "--output-dir" in err
+    assert "is a cut or damaged checkpoint" in err or "holds" in err
+
+
+def test_a_cut_last_ckpt_continues_from_the_runs_newest_readable_one_and_keeps_the_bytes(tmp_path):
+    """A cut last.ckpt beside a readable checkpoint of the same run: --resume auto says which one it continues
+    from, keeps the cut bytes as last.ckpt.unreadable, and ends where an uncut continuation from that one does."""
+    from recipes import resnet
+
+    resnet.main([*TINY, "--max-steps", "4", "--checkpoint-every-n-steps", "2", "--output-dir", str(tmp_path)])
+    folder = tmp_path / "checkpoints"
+    shutil.copy(folder / "last.ckpt", folder / "step4.ckpt")  # a copy the user kept, readable
+    kept = _cut(folder / "last.ckpt")
+    with pytest.warns(UserWarning, match=r"last\.ckpt is a cut or damaged checkpoint .*continuing from step4\.ckpt at "
+                                         r"step 4.*kept as last\.ckpt\.unreadable"):
+        resnet.main([*TINY, "--max-steps", "6", "--output-dir", str(tmp_path), "--resume", "auto"])
+    assert (folder / "last.ckpt.unreadable").read_bytes() == kept
+    assert saved_step(folder / "last.ckpt") == 6
 
 
 # ---- random streams: the rank's own CUDA generator only, and no CUDA at all on a CPU run ---------------

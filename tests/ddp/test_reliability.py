@@ -372,7 +372,7 @@ BAD_INPUT = [
      ["--data-dir", "cannot be decoded", "bad.png", "remove or replace"]),
     ("resume-missing", "resnet", "--resume {missing}/last.ckpt", ["--resume", "no such checkpoint file"]),
     ("resume-directory", "resnet", "--resume {empty}", ["--resume", "no such checkpoint file"]),
-    ("resume-corrupt", "resnet", "--resume {corrupt_ckpt}", ["--resume", "not a readable checkpoint"]),
+    ("resume-corrupt", "resnet", "--resume {corrupt_ckpt}", ["--resume", "cut or damaged checkpoint"]),
     ("resume-not-lightning", "resnet", "--resume {plain_ckpt}", ["--resume", "no state_dict"]),
     ("resume-other-arch", "resnet", "--resume auto --arch resnet34", ["--arch resnet18", "--arch resnet34"]),
     ("resume-other-classes", "resnet", "--resume auto --num-classes 5", ["--num-classes 10", "--num-classes 5"]),

@@ -97,7 +97,7 @@ def test_corrupted_checkpoint(tmp_path, existing_run, capsys):
     broken = tmp_path / "broken.ckpt"
     broken.write_bytes((existing_run / "checkpoints" / "last.ckpt").read_bytes()[:5000])
     line = _bad(tmp_path, existing_run, capsys, "--resume", str(broken))
-    assert "--resume" in line and "not a readable checkpoint" in line
+    assert "--resume" in line and "cut or damaged checkpoint" in line
 
 
 def test_checkpoint_of_another_architecture(tmp_path, existing_run, capsys):
