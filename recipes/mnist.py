@@ -23,6 +23,7 @@ from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.config.choices import MNISTArch
 from ddp_recipes.config.cli import fail, opt, parse_config
 from ddp_recipes.config.run_config import RunConfig, changed_fields
+from ddp_recipes.data.base import known_train_size
 from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
         own_data = classes.datamodule is None
         if own_data:
             datamodule.check_split(cfg.plan.world_size)  # before any process starts
+        cfg.check_batch_fits(known_train_size(datamodule))
         has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")
         how = "hold some out with {val_size} N" if own_data else f"give {type(datamodule).__name__} a val_dataloader"
         trainer_kwargs = without_validation(run.user.trainer_kwargs, has_val, how)

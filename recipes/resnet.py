@@ -35,6 +35,7 @@ from ddp_recipes.config.choices import (
 from ddp_recipes.config.cli import fail, opt, parse_config
 from ddp_recipes.config.run_config import RunConfig, build_from, changed_fields
 from ddp_recipes.data.augment import AugmentArgs
+from ddp_recipes.data.base import known_train_size
 from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
 from ddp_recipes.data.unreadable import describe as describe_unreadable
 from ddp_recipes.errors import ConfigError, lit
@@ -47,6 +48,7 @@ from ddp_recipes.optim.schedules import ReferenceSchedule, ScheduleArgs
 from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs
 from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
 from ddp_recipes.train.start import RunStart, open_run
+from ddp_recipes.train.summary import RankCounts
 from ddp_recipes.train.surface import without_validation
 from ddp_recipes.train.userclass import construct_datamodule, model_kwargs
 
@@ -304,6 +306,8 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
     this run's, a weights file against the network, the module's arguments, the flags a subclass ignores, and
     what ``--test-only`` needs."""
     model_class, resume, checkpoint = run.classes.model_class, run.resume, run.checkpoint
+    if not cfg.test_only:
+        cfg.check_batch_fits(known_train_size(datamodule))
     data_size = getattr(datamodule, "image_size", cfg.image_size)
     if isinstance(data_size, int) and data_size != cfg.image_size:
         # The stem (--cifar-stem's default) and the input check follow --image-size: it must be the data's.
@@ -342,7 +346,7 @@ def train_and_test(cfg: ResNetConfig, run: RunStart, model: Any, datamodule: L.L
         callbacks.append(ema_callback(cfg))
     extra = {"arch": cfg.arch, "data": cfg.data if own_data else None, "resumed_from": run.resume}
     if cfg.decode == "gpu" and isinstance(getattr(datamodule, "decode_record", None), dict):
-        extra["decode"] = datamodule.decode_record  # filled during the run (rank 0's own counts)
+        extra["decode"] = RankCounts(datamodule.decode_record)  # filled during the run, summed over ranks
     if cfg.fine_tuning.fine_tunes:
         record = FineTuningRecord()  # fills its dict during the fit; summary.json is written after it
         callbacks.append(record)

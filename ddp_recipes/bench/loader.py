@@ -90,7 +90,10 @@ def build_loader(root: Path, decode: str, workers: int, batch_size: int, image_s
         dataset = _TensorFolder(folder.samples, train_transform(image_size))
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate,
                       pin_memory=pin_memory, persistent_workers=False, drop_last=True,
-                      generator=torch.Generator().manual_seed(0))
+                      prefetch_factor=PREFETCH if workers else None, generator=torch.Generator().manual_seed(0))
+
+
+PREFETCH = 2  # batches in flight per worker (torch's default), skipped untimed by measure()
 
 
 class GpuDecoder:
@@ -121,6 +124,7 @@ def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = N
     flight; the clock starts only after those, so the rate is what the pipeline sustains, not a head start.
     """
     in_flight = (loader.prefetch_factor or 0) * loader.num_workers if loader.num_workers else 0
+    # (validate sized the folder for this: PREFETCH is the loader's prefetch_factor)
     began = time.perf_counter()
     it = iter(loader)
     images, first, start = 0, None, None
@@ -138,7 +142,9 @@ def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = N
         if start is not None:
             images += len(x)
     seconds = time.perf_counter() - start if start is not None else 0.0
-    return (images / seconds if images and seconds > 0 else 0.0), (first or began) - began
+    if not images or seconds <= 0:  # never a 0 reported as a rate
+        raise RuntimeError(f"bench loader timed no batch (the loader gave {i + 1} of {1 + in_flight + batches})")
+    return images / seconds, (first or began) - began
 
 
 def gpu_device(args: argparse.Namespace) -> torch.device:
@@ -259,19 +265,25 @@ def validate(args: argparse.Namespace) -> None:
     if (args.data_dir is None) == (not args.synthetic):
         fail("give --data-dir DIR (an ImageFolder tree) or --synthetic N (real-size JPEGs the bench writes), "
              "one of them", PROG)
+    # One epoch must hold every batch the clock skips (the first, and what the workers have in flight then)
+    # and every timed one: fewer, and the rate would be of a short tail, or 0.
+    skipped = 1 + PREFETCH * max(args.workers)
+    needed = (skipped + args.batches) * args.batch_size
+    why = (f"{skipped} untimed batch(es) (the first, and {PREFETCH} in flight per worker at --workers "
+           f"{max(args.workers)}) and --batches {args.batches} timed ones of --batch-size {args.batch_size}: "
+           f"{needed} images; pass fewer --batches, a smaller --batch-size or fewer --workers")
     if args.synthetic:
-        if args.synthetic < args.batch_size * 2:
-            fail(f"--synthetic {args.synthetic} is too few images: it needs at least 2 x --batch-size "
-                 f"({2 * args.batch_size})", PROG)
+        if args.synthetic < needed:
+            fail(f"--synthetic {args.synthetic} is too few images: one epoch must hold {why}", PROG)
         return
     root = Path(args.data_dir)
     if not root.is_dir():
         fail(f"--data-dir {root} is not a folder; pass an ImageFolder tree (<dir>/<class>/<image>)", PROG)
     classes = [d for d in root.iterdir() if d.is_dir()]
     found = sum(1 for c in classes for f in c.iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS)
-    if not classes or found < args.batch_size * 2:
-        fail(f"--data-dir {root} holds {found} image(s) in {len(classes)} class folder(s); it needs class folders "
-             f"with at least 2 x --batch-size ({2 * args.batch_size}) images", PROG)
+    if not classes or found < needed:
+        fail(f"--data-dir {root} holds {found} image(s) in {len(classes)} class folder(s); one epoch must hold "
+             f"{why}", PROG)
 
 
 def run_command(args: argparse.Namespace) -> int:

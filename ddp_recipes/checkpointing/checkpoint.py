@@ -109,17 +109,27 @@ def code_refused(err: pickle.UnpicklingError, param: str, name: object, holds: s
                  f"code from the file, so it is refused: {fix}", param)
 
 
-def unreadable_because(local: Any, err: BaseException) -> str:
-    """Why a file torch.load refused is no checkpoint, in a user's words: a checkpoint is a zip archive (what
-    ``trainer.save_checkpoint`` writes), so a file that does not start as one is some other file, and one that
-    does was cut or damaged (a full disk, a broken copy)."""
+def _starts_as_checkpoint(local: Any) -> bool:
+    """Whether the file starts as torch.save writes: a zip archive, or a legacy pickle (protocol 2+)."""
     try:
         with open(local, "rb") as f:
             head = f.read(4)
     except (OSError, TypeError):
-        head = b""
+        return True  # not a local file: let the loader's own error speak
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
+
+
+def unreadable_because(local: Any, err: BaseException) -> str:
+    """Why a file torch.load refused is no checkpoint, in a user's words: a checkpoint is a zip archive (what
+    ``trainer.save_checkpoint`` writes), so a file that does not start as one is some other file, and one that
+    does was cut or damaged (a full disk, a broken copy)."""
     reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
-    if head and head != b"PK\x03\x04":
+    try:
+        if os.path.getsize(local) == 0:
+            return "is empty (0 bytes: a save that never wrote, or a full disk)"
+    except (OSError, TypeError):
+        pass
+    if not _starts_as_checkpoint(local):
         return "is not a checkpoint file (a .ckpt is the zip archive trainer.save_checkpoint writes)"
     return f"is a cut or damaged checkpoint ({reason})"
 
@@ -138,6 +148,9 @@ def read_checkpoint(path: str) -> dict[str, Any]:
         with plain_data():
             checkpoint = torch.load(local, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        if not _starts_as_checkpoint(local):  # torch reads any other file as a legacy pickle and fails so
+            raise CheckpointError(f"{{resume}} {lit(path)} {unreadable_because(local, err)}; "
+                                  "pass another file, or {resume} none to start fresh") from None
         raise code_refused(err, "resume", path, "tensors and plain data",
                            "pass a checkpoint written by this pack, or {resume} none", CheckpointError) from None
     except CheckpointError:

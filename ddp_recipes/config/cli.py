@@ -15,7 +15,7 @@ import sys
 import typing
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
 from ddp_recipes.config.choices import literal_choices
 from ddp_recipes.config.trainer_settings import split_setting
@@ -52,13 +52,29 @@ def _cli_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
 
 
+class _FlagParser(argparse.ArgumentParser):
+    """argparse, with the flag an unknown one most likely means (``--learning-rate``: ``--lr``)."""
+
+    names: dict[str, str] = {}
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            unknown = [a for a in message.removeprefix("unrecognized arguments: ").split() if a.startswith("--")]
+            meant = [closest_name(a.split("=", 1)[0].lstrip("-"), self.names) for a in unknown]
+            hints = [f"{a.split('=', 1)[0]}: did you mean {flag(m.replace('-', '_'))}?"
+                     for a, m in zip(unknown, meant, strict=True) if m]
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
+        super().error(message)
+
+
 def build_parser(cls: type, prog: str | None = None, description: str | None = None,
                  config_flags: bool = False) -> argparse.ArgumentParser:
     """An argparse parser with one flat kebab-case flag per field of the config dataclass (plus the field's
     ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``); ``config_flags`` adds ``--config`` and
     ``--print-config`` (what :func:`parse_config` reads)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _FlagParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.names = _key_names(cls)
     hints = typing.get_type_hints(cls)
     for f in _cli_fields(cls):
         kind, _ = _base_type(hints[f.name])
@@ -222,14 +238,39 @@ def load_config_file(cls: type, path: str) -> dict[str, Any]:
     for key, value in data.items():
         field = names.get(str(key))
         if field is None:
-            close = difflib.get_close_matches(str(key), list(names), n=1)
-            hint = f"did you mean {close[0]}?" if close else "see --help for the flags"
+            close = closest_name(str(key), names)
+            hint = f"did you mean {close}?" if close else "see --help for the flags"
             raise ConfigError(f"{{config}} {lit(path)}: unknown key {lit(repr(key))}; {hint}", "config")
         if field in values:
             raise ConfigError(f"{{config}} {lit(path)}: {lit(repr(key))} sets {field} a second time; keep one",
                               "config")
         values[field] = _coerce(value, hints[field], str(key), path)
     return values
+
+
+#: What other trainers call a setting (PyTorch scripts, Lightning's Trainer, HF TrainingArguments), by the field
+#: of ours it means: spelling alone would not find them (``learning_rate`` is far from ``lr`` as text).
+OTHER_NAMES = {
+    "learning_rate": "lr", "learningrate": "lr", "base_lr": "lr", "epochs": "max_epochs",
+    "num_epochs": "max_epochs", "num_train_epochs": "max_epochs", "steps": "max_steps", "max_iters": "max_steps",
+    "batch": "batch_size", "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "accumulate_grad_batches", "gpus": "devices", "nodes": "num_nodes",
+    "workers": "num_workers", "dataloader_num_workers": "num_workers", "output": "output_dir",
+    "output_path": "output_dir", "data_path": "data_dir", "data_root": "data_dir", "resume_from_checkpoint": "resume",
+}
+
+
+def closest_name(key: str, names: dict[str, str]) -> str | None:
+    """The flag a mistyped or foreign config key most likely means: another trainer's name for one of ours
+    (:data:`OTHER_NAMES`), else the closest spelling; None when nothing is close."""
+    normal = key.strip().lower().replace("-", "_")
+    meant = OTHER_NAMES.get(normal)
+    if meant is not None:
+        named = [name for name, field in names.items() if field == meant]
+        if named:
+            return min(named, key=len)
+    close = difflib.get_close_matches(key, list(names), n=1)
+    return close[0] if close else None
 
 
 def dump_config(config: Any, prog: str | None = None) -> str:

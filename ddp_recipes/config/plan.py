@@ -173,6 +173,21 @@ class BatchPlan:
     def astuple(self) -> tuple[int, int, int]:
         return self.per_device, self.accumulation, self.global_batch
 
+    def check_fits(self, samples: int, world: int, flag: str = "{batch_size}") -> None:
+        """Refuse a per-device batch larger than a rank's share of ``samples`` training samples: every step would
+        train on that share, not on the batch the LR, the printed plan and summary.json are computed for.
+        ``flag``: what the user set (``{global_batch_size}`` when given, or a library's loader argument)."""
+        share = math.ceil(samples / max(1, world))  # the sampler's per-rank share (padded to equal)
+        if samples < 1 or self.per_device <= share:
+            return
+        given = self.global_batch if "global" in flag else self.per_device
+        most = share * world * self.accumulation if "global" in flag else share
+        per = f" ({self.per_device} per device)" if given != self.per_device else " per device"
+        raise ConfigError(f"{flag} {given}{per} is larger than the {share} training "
+                          f"samples each of the {world} rank(s) gets ({samples} in all), so every step would train "
+                          f"on fewer samples than planned, with the LR scaled for the larger batch; pass {flag} "
+                          f"{most} or less")
+
 
 @dataclass(frozen=True)
 class RunPlan:

@@ -197,6 +197,17 @@ class RunConfig:
         return self.__dict__["_plan"]
 
     @property
+    def batch_flag(self) -> str:
+        """The batch flag the user set, as messages name it (``--global-batch-size`` when given)."""
+        return "{global_batch_size}" if self.global_batch_size is not None else "{batch_size}"
+
+    def check_batch_fits(self, train_samples: int | None) -> None:
+        """The per-device batch against the training data's size (None: not known before the ranks start; the
+        trainer's :class:`~ddp_recipes.train.callbacks.BatchFitsData` checks it there)."""
+        if train_samples is not None:
+            self.plan.batch.check_fits(train_samples, self.plan.world_size, self.batch_flag)
+
+    @property
     def trackers(self) -> tuple[str, ...]:
         """``--logger`` as tracker names, in the order given (empty: ``--logger none``)."""
         return parse_trackers(self.logger)

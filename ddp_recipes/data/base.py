@@ -68,3 +68,14 @@ class SplitDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError(f"call setup({stage!r}) before asking for this dataloader")
         return dataset
+
+
+def known_train_size(datamodule: L.LightningDataModule) -> int | None:
+    """The training samples a DataModule can tell before ``setup`` (its ``train_size``), or None: a user's
+    DataModule without one, or data still to be downloaded."""
+    try:
+        size = getattr(datamodule, "train_size", None)
+    except (OSError, DataError):  # files not there yet (a download in prepare_data): checked in the ranks
+        return None
+    return size if isinstance(size, int) else None
+

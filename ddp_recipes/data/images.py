@@ -102,6 +102,11 @@ class SyntheticImageDataModule(_ImageDataModule):
     def num_classes(self) -> int:
         return self._num_classes
 
+    @property
+    def train_size(self) -> int:
+        """Training samples (known before ``setup``: the recipe checks the batch against them)."""
+        return self.num_samples
+
     @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -233,6 +238,7 @@ class ImageFolderDataModule(_ImageDataModule):
         self.val_crop_size = image_size if val_crop_size is None else val_crop_size
         self.val_resize_size = val_resize_size
         self._classes: list[str] | None = None
+        self._train_size: int | None = None
         self._record: dict = {"device": None, "images": 0, "cpu_fallbacks": 0} if decode == "gpu" else {}
         # A bad option fails here, once, not in setup on every rank.
         self.train_transform()
@@ -245,6 +251,18 @@ class ImageFolderDataModule(_ImageDataModule):
     def num_classes(self) -> int:
         """Class folders under ``train/`` (lists the directory on first use, never in ``__init__``)."""
         return len(self._train_classes())
+
+    @property
+    def train_size(self) -> int:
+        """Image files under ``train/`` (ImageFolder's own listing; known before ``setup``: the recipe checks the
+        batch against it before any rank starts)."""
+        if self.train_set is not None:
+            return len(self.train_set)
+        if self._train_size is None:
+            classes = {name: i for i, name in enumerate(self._train_classes())}
+            self._train_size = len(datasets.folder.make_dataset(os.fspath(self.data_dir / "train"), classes,
+                                                                 extensions=datasets.folder.IMG_EXTENSIONS))
+        return self._train_size
 
     def _train_classes(self) -> list[str]:
         if self._classes is None:

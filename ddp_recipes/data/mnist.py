@@ -8,6 +8,7 @@ Reads torchvision's layout: ``<data_dir>/MNIST/raw/{train,t10k}-{images-idx3,lab
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -134,10 +135,15 @@ class MNISTDataModule(SplitDataModule):
                 raise
         previous_timeout = socket.getdefaulttimeout()
         socket.setdefaulttimeout(_DOWNLOAD_TIMEOUT_S)
+        # The folders a failed download leaves are removed again: a mistyped --data-dir creates nothing.
+        made = [p for p in (Path(self.data_dir), Path(self.data_dir) / "MNIST", _raw_dir(self.data_dir))
+                if not p.exists()]
         try:
             for train in (True, False):
                 MNIST(root=os.fspath(self.data_dir), train=train, download=True)
         except Exception as e:  # torchvision raises RuntimeError after every mirror failed (offline)
+            if made:
+                shutil.rmtree(made[0], ignore_errors=True)  # the outermost new folder: all of it is this attempt's
             raise MissingDataError(
                 f"MNIST not found under {_raw_dir(self.data_dir)} and it could not be downloaded "
                 f"({type(e).__name__}; offline?): pass {{data_dir}} pointing at a folder holding "

@@ -40,6 +40,10 @@ class ThroughputMeter(Callback):
     ``train/input_wait_fraction``, ``train/lr`` (:func:`learning_rates`), and where the device's peak is known
     ``train/device/flops_per_sec`` and ``train/device/mfu``. On CUDA an interval the device has not reached
     yet goes into the next report. Every other step costs one integer compare; no report reads the device.
+    A report is handed to the loggers without saving them: Lightning's own log of that step saves every logger
+    a moment later, so a logger's file is written once per log step, as with plain Lightning (the pack's CSV
+    writes its whole file each time); what a step without Lightning's log leaves unsaved is saved at the next
+    batch start, validation, epoch end or train end.
     """
 
     def __init__(self, warmup_steps: int = 5,
@@ -61,6 +65,7 @@ class ThroughputMeter(Callback):
         self._last: Any = None
         self._first_start: Any = None
         self._lrs: dict[str, float] | None = None  # the report's learning rates, read at its step's start
+        self._unsaved = False  # a report the loggers hold that Lightning's own log may not have saved
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -78,12 +83,30 @@ class ThroughputMeter(Callback):
         self._last = None  # do not count the gap across validation and the epoch boundary
 
     @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(trainer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(trainer)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._save(trainer)
+
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last = None  # validation inside an epoch (val_check_interval) is not step time either
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self._unsaved:
+            self._save(trainer)
         if self._first_start is None:
             self._first_start = self._clock(trainer).mark()
             first = batch[0] if isinstance(batch, list | tuple) and batch else batch
@@ -133,8 +156,15 @@ class ThroughputMeter(Callback):
                 metrics["train/device/flops_per_sec"] = device_flops
                 metrics["train/device/mfu"] = device_flops / self._peak
         if metrics:
-            # Lightning's own path (ThroughputMonitor's): every logger, at the step of this step's train_loss.
-            trainer._logger_connector.log_metrics(metrics)
+            log_unsaved(trainer, metrics)
+            self._unsaved = True
+
+    def _save(self, trainer: L.Trainer) -> None:
+        """Save every logger once after a report (a no-op for the CSV writers once Lightning has saved them)."""
+        if self._unsaved:
+            self._unsaved = False
+            for logger in trainer.loggers:
+                logger.save()
 
     def _clock(self, trainer: L.Trainer) -> StepClock:
         if self.clock is None:  # a batch hook before on_train_start (a subclass, or a test driving hooks)
@@ -190,6 +220,18 @@ class ThroughputMeter(Callback):
 
 
 
+def log_unsaved(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Lightning's ``_LoggerConnector.log_metrics`` (ThroughputMonitor's path: ``trainer.logged_metrics``, every
+    logger, at the step of this step's train_loss, with the epoch), less its ``logger.save()`` per call."""
+    connector = trainer._logger_connector
+    connector._logged_metrics.update(metrics)
+    scalars: dict[str, float] = {**metrics}
+    scalars.setdefault("epoch", trainer.current_epoch)
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics=scalars, step=step)
+
+
 def learning_rates(trainer: L.Trainer) -> dict[str, float]:
     """The first optimizer's LRs: ``train/lr`` is the first group's, or, in a fine-tuning split (groups named
     ``backbone`` / ``head``), the first head group's (the run's ``--lr``; the backbone's is a multiple of it);
@@ -224,3 +266,30 @@ class PlannedBatch(Callback):
             raise ConfigError(f"{{datamodule_class}} {self.source}: its training loader has batch_size {batch} but "
                               f"the run plans {self.per_device} per device; build the loader with the batch_size given "
                               "to __init__")
+
+
+class BatchFitsData(Callback):
+    """Fails every rank before the first step when the per-device batch is larger than a rank's share of the
+    training data (:meth:`~ddp_recipes.config.plan.BatchPlan.check_fits`): each epoch would be one short batch,
+    while the LR and the reported global batch assume the full one. A loader without a length (a stream) or
+    with its own batch sampler is not checked. ``flag``: how the message names the batch setting."""
+
+    def __init__(self, flag: str = "the training DataLoader's batch_size") -> None:
+        self.flag = flag
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from ddp_recipes.config.plan import BatchPlan
+
+        loader = trainer.train_dataloader
+        batch, sampler = loader_batch_size(loader), getattr(loader, "sampler", None)
+        try:
+            share = len(sampler) if sampler is not None else None
+        except TypeError:  # an iterable dataset's sampler has no length
+            share = None
+        if batch is None or not share:
+            return
+        world = trainer.world_size
+        plan = BatchPlan(batch, trainer.accumulate_grad_batches, batch * world * trainer.accumulate_grad_batches)
+        plan.check_fits(share * world, world, self.flag)
+

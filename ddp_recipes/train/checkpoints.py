@@ -95,6 +95,11 @@ def refuse_other_runs(cfg: RunConfig, resume: str | None, checkpoint: dict[str, 
 _MADE: list[Path] = []  # version_N folders this process made (settle_output_dir), for discard_unused_output_dirs
 
 
+def note_made(folder: Path) -> None:
+    """``folder`` was made by this process for its run: :func:`discard_unused_output_dirs` removes it if empty."""
+    _MADE.append(folder)
+
+
 def discard_unused_output_dirs() -> None:
     """A run refused before it wrote anything (bad input: one line, exit 2) leaves no empty ``version_N``
     behind it: each folder this process made and nothing wrote into is removed again."""

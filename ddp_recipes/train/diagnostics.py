@@ -15,7 +15,7 @@ ends with the fix (:data:`FIXES`). Codes, what each measures, and when:
 * ``lr-not-scaled``: global batch != reference batch, ``--lr-scaling none``, no warm-up (first batch).
 * ``memory-imbalance``: CUDA peak memory, max > 1.5 x min and > 1 GiB apart (epoch end).
 * ``accum-remainder``: batches per epoch not a multiple of the accumulation (first batch).
-* ``input-bound``: on the rank that waited most, the loop waited for its next batch > 20% of the steady
+* ``input-bound``: on the rank that waited most, the loop waited for its next batch > 20% (and > 2 ms) of the steady
   step time, summed over the fit (timed by :class:`~ddp_recipes.train.perf.InputWaitProfiler`, which
   ``build_trainer`` installs; in the epoch-end gather).
 
@@ -69,6 +69,9 @@ COINCIDENCE_LIMIT = 1e-6
 # Input-bound: more than this share of the step spent waiting for data, over at least INPUT_MIN_STEPS steps
 # after the first INPUT_WARMUP_STEPS of an epoch (workers starting, first prefetch).
 INPUT_BOUND_FRACTION = 0.2
+# ... and more than this many seconds per step: below it the loader costs less than a launch overhead, and a
+# toy model's sub-millisecond step makes any fetch a large share (a 676-parameter MLP "input-bound" at 0.6 ms).
+INPUT_MIN_WAIT_S = 0.002
 INPUT_MIN_STEPS, INPUT_WARMUP_STEPS = 10, 5  # timed steps needed; intervals skipped at the start of the fit
 
 # The troubleshooting table's fix for each finding, appended to its message. A setting is written {name}:
@@ -312,7 +315,7 @@ class DDPDiagnostics(Callback):
             return
         self.checked.add("input-bound")
         fraction, rank, (waited, _, steps) = max(ready)
-        if fraction > INPUT_BOUND_FRACTION:
+        if fraction > INPUT_BOUND_FRACTION and waited / steps > INPUT_MIN_WAIT_S:
             self.report("input-bound", (
                 f"the training loop waited for its next batch {fraction:.0%} of the step time on rank {rank} "
                 f"({1000 * waited / steps:.1f} ms per step over {steps:.0f} steps): the devices idle while the "

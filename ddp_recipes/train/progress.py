@@ -10,10 +10,11 @@ once, with its cost and the fix.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -92,3 +93,24 @@ def name_per_step_bar_metrics(trainer: L.Trainer) -> bool:
                        "Fix: log it with prog_bar=False; the logger still writes it, and "
                        "ddp_recipes.train.progress.LoggedMetricsBar(keys=...) shows what the logger wrote.")
     return bool(names)
+
+
+class ModelTable(ModelSummary):
+    """Lightning's model summary without its "0 Total Flops" line: Lightning counts FLOPs only through a
+    module's ``example_input_array``, so for the pack's modules its 0 means "not counted", while the run
+    measures ``flops_per_sample`` itself (``summary.json``, and MFU from it)."""
+
+    @staticmethod
+    @override
+    def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
+                  model_size: float, total_training_modes: dict[str, int], total_flops: int,
+                  **summarize_kwargs: Any) -> None:
+        from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+
+        if not total_flops:  # the column of zeros too
+            summary_data = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
+                                      total_flops, *summary_data)
+        if not total_flops:
+            table = table.rsplit("\n", 1)[0]
+        logging.getLogger("lightning.pytorch.callbacks.model_summary").info("\n" + table)

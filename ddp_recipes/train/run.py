@@ -18,14 +18,16 @@ from ddp_recipes.checkpointing.checkpoint import (
     read_checkpoint,
 )
 from ddp_recipes.checkpointing.connector import Continue
+from ddp_recipes.checkpointing.ownership import ATTEMPTS_DIR
 from ddp_recipes.config.cli import writable_dir
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
-from ddp_recipes.storage import Url, location
+from ddp_recipes.storage import Url, is_url, location
 from ddp_recipes.storage.store import write_json_atomic
-from ddp_recipes.train.attempts import ATTEMPTS_DIR, AttemptLog, read_attempts, stop_costs, trainer_run_id
-from ddp_recipes.train.callbacks import PlannedBatch, ThroughputMeter
-from ddp_recipes.train.checkpoints import refuse_other_runs
+from ddp_recipes.train.attempts import AttemptLog, read_attempts, stop_costs, trainer_run_id
+from ddp_recipes.train.callbacks import BatchFitsData, PlannedBatch, ThroughputMeter
+from ddp_recipes.train.checkpoints import note_made, refuse_other_runs
+from ddp_recipes.train.console import LogCadence
 from ddp_recipes.train.perf import (
     flops_summary,
     peak_flops,
@@ -72,7 +74,11 @@ def output_folder(cfg: RunConfig) -> Path | Url:
     writable (a URL: its store). The other ranks write nothing there, and take rank 0's folder once the process
     group is up."""
     if will_be_global_zero():
-        return writable_dir(cfg.output_dir, "output_dir")
+        fresh = not is_url(cfg.output_dir) and not Path(cfg.output_dir).exists()
+        folder = writable_dir(cfg.output_dir, "output_dir")
+        if fresh:  # a run that fails before writing anything leaves no empty folder behind
+            note_made(Path(cfg.output_dir))
+        return folder
     return location(cfg.output_dir)
 
 
@@ -115,7 +121,7 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     debugging = debug_run(trainer_kwargs)
     started_at = time.time()
     meter = ThroughputMeter(flops_per_sample=lambda example: training_flops_per_sample(build_model, example))
-    callbacks = [meter, *(callbacks or [])]
+    callbacks = [meter, *(callbacks or []), BatchFitsData(cfg.batch_flag), LogCadence()]
     if not debugging:  # each launch's record in the run folder: what the stops between them cost
         callbacks.append(AttemptLog(cfg.output_dir, started_at=started_at))
     if classes is not None:

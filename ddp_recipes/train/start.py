@@ -10,6 +10,7 @@ import lightning as L
 
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.train.checkpoints import open_resume
+from ddp_recipes.train.console import quiet_recipe_console
 from ddp_recipes.train.surface import UserSurface, open_surface
 from ddp_recipes.train.userclass import RecipeClasses, follow_checkpoint, resolve_classes
 
@@ -31,6 +32,7 @@ def open_run(cfg: RunConfig, base: type[L.LightningModule], model_cls: type | No
     """Open a recipe's run before any process starts: the classes (``base`` or the user's subclass), the
     user's callbacks, logger and Trainer settings, and ``--resume``'s checkpoint, whose recorded classes the
     run then follows. ``training`` False (``--test-only``) only reads the output folder."""
+    quiet_recipe_console()
     classes = resolve_classes(base, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
     user = open_surface(cfg, callbacks, logger, trainer_kwargs)
     resume, checkpoint = open_resume(cfg, training=training)

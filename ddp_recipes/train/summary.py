@@ -50,8 +50,27 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         "config": cfg.to_dict(),
         "torch_version": torch.__version__,
         "lightning_version": L.__version__,
-        **(extra or {}),
+        **{k: (v.total(trainer) if isinstance(v, RankCounts) else v) for k, v in (extra or {}).items()},
     }
+
+
+class RankCounts:
+    """A process's counters (a dict its owner fills during the run, e.g. the device decoder's images and CPU
+    fallbacks), summed over the ranks when summary.json is made: a PNG in rank 1's shard counts too.
+    Non-numeric values are rank 0's."""
+
+    def __init__(self, source: dict[str, Any]) -> None:
+        self.source = source
+
+    def total(self, trainer: L.Trainer) -> dict[str, Any]:
+        """Every rank calls it (one collective)."""
+        keys = sorted(k for k, v in self.source.items() if isinstance(v, int | float) and not isinstance(v, bool))
+        local = torch.tensor([float(self.source[k]) for k in keys] or [0.0], dtype=torch.float64,
+                             device=trainer.strategy.root_device)
+        summed = trainer.strategy.reduce(local, reduce_op="sum").tolist() if trainer.world_size > 1 else local.tolist()
+        out = dict(self.source)
+        out.update({k: (int(v) if isinstance(self.source[k], int) else v) for k, v in zip(keys, summed, strict=False)})
+        return out
 
 
 

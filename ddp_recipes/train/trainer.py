@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpointIO
@@ -27,9 +31,10 @@ from ddp_recipes.data.adopt import adopt_user_loaders
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage import location
+from ddp_recipes.train.callbacks import BatchFitsData
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.perf import BF16Check, InputWaitProfiler, TF32Setting, configure_tf32
-from ddp_recipes.train.progress import LoggedMetricsBar
+from ddp_recipes.train.progress import LoggedMetricsBar, ModelTable
 
 
 def build_trainer(
@@ -159,10 +164,18 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         # would be a device read per step; this one shows the logger's value, every 20 steps. A user's own
         # bar replaces it: Lightning refuses two.
         callbacks.insert(0, LoggedMetricsBar(refresh_rate=20))
+    if trainer_kwargs.get("enable_model_summary", True) is not False and not any(isinstance(c, ModelSummary)
+                                                                                  for c in callbacks):
+        # Lightning's table without its "0 Total Flops" (not counted); Lightning's own default is then off, or
+        # it would say at every start that it skipped it.
+        callbacks.append(ModelTable())
+        trainer_kwargs["enable_model_summary"] = False
     if not any(isinstance(c, ResumeState) for c in callbacks):
         # Per-rank streams from seed + rank once training starts; a resumed run gets the checkpoint's
         # streams, loader position and comm-hook state back instead (and this run's LRs).
         callbacks.append(ResumeState(seed=plan.seed, prebuilt=lifecycle.prebuilt if lifecycle is not None else None))
+    if not any(isinstance(c, BatchFitsData) for c in callbacks):
+        callbacks.append(BatchFitsData())
     if not any(isinstance(c, RunPosition) for c in callbacks):
         # After ResumeState (which repositions the loader): a resumed run that would repeat, skip or overrun
         # batches fails at once instead of ending with more steps than its limit.
@@ -181,18 +194,22 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
                                "--sync-batchnorm have nothing to do.")
             trainer_kwargs["strategy"] = "auto"
     trainer_kwargs.setdefault("devices", plan.devices)
-    trainer = L.Trainer(
-        accelerator="gpu" if plan.accelerator == "cuda" else "cpu",
-        num_nodes=plan.num_nodes,
-        precision=plan.precision,
-        sync_batchnorm=ddp.sync_batchnorm and plan.distributed,
-        accumulate_grad_batches=plan.accumulation,
-        max_epochs=plan.max_epochs,
-        max_steps=plan.max_steps,
-        plugins=plugins,
-        callbacks=callbacks,
-        **trainer_kwargs,
-    )
+    with without_adverts():
+        trainer = L.Trainer(
+            accelerator="gpu" if plan.accelerator == "cuda" else "cpu",
+            num_nodes=plan.num_nodes,
+            precision=plan.precision,
+            sync_batchnorm=ddp.sync_batchnorm and plan.distributed,
+            accumulate_grad_batches=plan.accumulation,
+            max_epochs=plan.max_epochs,
+            max_steps=plan.max_steps,
+            plugins=plugins,
+            callbacks=callbacks,
+            **trainer_kwargs,
+        )
+    # the same advert for Lightning's model registry, held until fit (only set with its default checkpoint)
+    if getattr(trainer._callback_connector, "_pending_litmodels_tip", None):
+        trainer._callback_connector._pending_litmodels_tip = False
     if last is not None and last.dirpath is None:
         last.dirpath = location(trainer.default_root_dir) / CHECKPOINT_DIR
     if last is not None:
@@ -202,6 +219,27 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         adopt_user_loaders(trainer)
         find_last_checkpoint(trainer)
     return trainer
+
+
+class _NoAdverts(logging.Filter):
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+@contextmanager
+def without_adverts() -> Iterator[None]:
+    """Lightning's "💡 Tip: ... try installing litlogger" lines, which it prints when a Trainer is made, left out
+    while build_trainer makes one (and only then: the logger's filters are as they were afterwards)."""
+    from lightning_utilities.core import rank_zero
+
+    logger = rank_zero.log  # where every rank_zero_info of Lightning goes
+    quiet = _NoAdverts()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 class Lifecycle:

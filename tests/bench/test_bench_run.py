@@ -168,7 +168,10 @@ def test_loader_bench_writes_real_size_synthetic_jpegs(tmp_path, capsys):
 @pytest.mark.parametrize(("args", "needle"), [
     (["--decode", "pil,jpegturbo"], "--decode"),
     (["--workers", "two"], "--workers"),
-    (["--batch-size", "64"], "at least 2 x --batch-size"),
+    (["--batch-size", "64"], "one epoch must hold"),
+    # 40 images: 5 batches of 8, but 1 + 2 x 2 are skipped before the clock starts (it reported 0.0 images/s)
+    (["--workers", "2", "--batch-size", "8", "--batches", "1"], "holds 40 image(s) in 2 class folder(s); one epoch "
+                                                                "must hold 5 untimed batch(es)"),
     (["--synthetic", "64"], "--data-dir DIR (an ImageFolder tree) or --synthetic N"),
     (["--gpu-decode", "--device", "cpu"], "--gpu-decode" if torch.cuda.is_available() else "needs a CUDA GPU"),
 ])

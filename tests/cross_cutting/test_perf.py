@@ -281,6 +281,13 @@ def test_input_bound_names_the_rank_that_waited():
     assert "80% of the step time on rank 1" in message
 
 
+def test_a_toy_steps_sub_millisecond_wait_is_not_input_bound():
+    """A large share of a tiny step (0.6 ms of 2.7 ms) is below INPUT_MIN_WAIT_S: nothing a user should fix."""
+    diag = DDPDiagnostics()
+    diag._check_input_wait(None, torch.tensor([[0.012, 0.054, 20]], dtype=torch.float64))  # 22%, 0.6 ms/step
+    assert "input-bound" in diag.checked and not diag.findings
+
+
 class _ValidatingTiny(Tiny):
     def validation_step(self, batch, batch_idx):
         time.sleep(0.01)

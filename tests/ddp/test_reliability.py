@@ -373,6 +373,7 @@ BAD_INPUT = [
     ("resume-missing", "resnet", "--resume {missing}/last.ckpt", ["--resume", "no such checkpoint file"]),
     ("resume-directory", "resnet", "--resume {empty}", ["--resume", "no such checkpoint file"]),
     ("resume-corrupt", "resnet", "--resume {corrupt_ckpt}", ["--resume", "cut or damaged checkpoint"]),
+    ("resume-text-file", "resnet", "--resume {notes}", ["--resume", "is not a checkpoint file"]),
     ("resume-not-lightning", "resnet", "--resume {plain_ckpt}", ["--resume", "no state_dict"]),
     ("resume-other-arch", "resnet", "--resume auto --arch resnet34", ["--arch resnet18", "--arch resnet34"]),
     ("resume-other-classes", "resnet", "--resume auto --num-classes 5", ["--num-classes 10", "--num-classes 5"]),
@@ -433,8 +434,9 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     torch.save(real, base / "resnet18.ckpt")
     (base / "corrupt.ckpt").write_bytes((base / "resnet18.ckpt").read_bytes()[:300])
     torch.save({"w": torch.zeros(3)}, base / "plain.ckpt")
+    (base / "notes.txt").write_text("what I tried today\n" * 20)
     paths.update(resnet18_ckpt=base / "resnet18.ckpt", corrupt_ckpt=base / "corrupt.ckpt",
-                 plain_ckpt=base / "plain.ckpt")
+                 plain_ckpt=base / "plain.ckpt", notes=base / "notes.txt")
     return {k: str(v) for k, v in paths.items()}
 
 

@@ -165,6 +165,8 @@ def test_print_config_round_trips(recipe, config_cls, argv, tmp_path, capsys):
 
 @pytest.mark.parametrize("text, message", [
     ("sead: 3\n", "--config {p}: unknown key 'sead'; did you mean seed?"),
+    ("learning_rate: 0.1\n", "--config {p}: unknown key 'learning_rate'; did you mean lr?"),  # another trainer's name
+    ("epochs: 3\n", "--config {p}: unknown key 'epochs'; did you mean max"),
     ("seed: three\n", "--config {p}: seed must be an integer (got 'three')"),
     ("- 1\n- 2\n", "--config {p} must hold a mapping of flag names to values (got a list)"),
     ("seed: [\n", "--config {p} is not valid YAML"),
@@ -178,6 +180,14 @@ def test_bad_config_files_fail_in_one_line(text, message, tmp_path, capsys):
     assert info.value.code == 2
     assert message.format(p=path) in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_flag_names_the_one_it_most_likely_means(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        resnet.main(["--learning-rate", "0.1", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and err.endswith("unrecognized arguments: --learning-rate 0.1 (--learning-rate: did "
+                                                 "you mean --lr?)")
 
 
 def test_yaml_numbers_and_kebab_keys_are_read(tmp_path):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ddp_recipes.train.attempts import ATTEMPTS_DIR, read_attempts, stop_costs
+from ddp_recipes.checkpointing.ownership import ATTEMPTS_DIR
+from ddp_recipes.train.attempts import read_attempts, stop_costs
 from recipes import resnet
 
 TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",

@@ -1,0 +1,78 @@
+"""A per-device batch larger than a rank's share of the training data is refused, naming the flag the user set
+and the data's size per rank: before any rank starts in the recipes, at the first step through build_trainer
+(issue #40.1). It used to train one short batch per epoch with the LR scaled for the planned one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_recipes.config.plan import BatchPlan
+from ddp_recipes.errors import ConfigError
+from tests.helpers import SHARED_DATA
+from tests.marks import needs_mnist
+
+RESNET = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
+          "--max-steps", "1"]
+
+
+@needs_mnist
+def test_mnist_refuses_a_batch_larger_than_a_ranks_data_before_any_rank_starts(tmp_path, capsys):
+    from recipes import mnist
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        mnist.main(["--devices", "2", "--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download",
+                    "--val-size", "1000", "--batch-size", "100000", "--max-steps", "3", "--output-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and not out.exists()
+    assert ("--batch-size 100000 per device is larger than the 3500 training samples each of the 2 rank(s) gets "
+            "(7000 in all)") in err and err.endswith("pass --batch-size 3500 or less")
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    ([], "--batch-size 128 per device is larger than the 64 training samples each of the 1 rank(s)"),
+    (["--global-batch-size", "256", "--devices", "2"],
+     "--global-batch-size 256 (128 per device) is larger than the 32 training samples each of the 2 rank(s)"),
+])
+def test_resnet_names_the_flag_the_user_set(tmp_path, capsys, flags, said):
+    from recipes import resnet
+
+    with pytest.raises(SystemExit) as exc:
+        resnet.main([*RESNET, *flags, "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and said in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_that_fits_passes():
+    BatchPlan(32, 1, 64).check_fits(64, 2)  # exactly a rank's share
+    BatchPlan(32, 1, 64).check_fits(63, 2)  # the padded share is 32
+    with pytest.raises(ConfigError, match="pass global_batch_size 128 or less"):
+        BatchPlan(33, 2, 132).check_fits(64, 2, "{global_batch_size}")
+
+
+def test_build_trainer_refuses_it_at_the_first_step(tmp_path):
+    import lightning as L
+
+    from ddp_recipes import build_trainer
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+    trainer = build_trainer(accelerator="cpu", max_steps=2, default_root_dir=str(tmp_path), logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ConfigError, match=r"the training DataLoader's batch_size 64 per device is larger than the 40 "
+                                          r"training samples"):
+        trainer.fit(Net(), DataLoader(data, batch_size=64))
+    assert trainer.global_step == 0
