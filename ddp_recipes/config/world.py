@@ -44,6 +44,16 @@ def will_be_global_zero() -> bool:
     return rank_zero_only.rank == 0 and (node == "0" or "RANK" in os.environ or "SLURM_PROCID" in os.environ)
 
 
+def will_be_local_zero() -> bool:
+    """Whether this process will be its node's first (local rank 0), known before the process group exists:
+    torchrun's and Lightning's LOCAL_RANK, SLURM_LOCALID; a process without either is the one that launches
+    the node's others (Lightning's launcher, a pod). Where a node's ``prepare_data`` runs."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if name in os.environ:
+            return os.environ[name] == "0"
+    return True
+
+
 def launch_environment(env: Mapping[str, str] | None = None) -> str:
     """One line on who started this process and what it was told (the doctor prints it)."""
     env = os.environ if env is None else env

@@ -17,6 +17,7 @@ from torch.utils.data import TensorDataset
 from torchvision.datasets import MNIST
 from typing_extensions import override
 
+from ddp_recipes.config.world import will_be_local_zero
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset, _world
 from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
@@ -167,14 +168,18 @@ class MNISTDataModule(SplitDataModule):
             self.test_set = TensorBatchDataset(*load_split(self.data_dir, train=False))
 
     def check_split(self, world_size: int) -> None:
-        """``val_size`` against the files and the ranks, before any process starts (when the files are there:
-        a download in ``prepare_data`` is checked in ``setup``, on every rank)."""
+        """``val_size`` against the files and the ranks, before any process starts. Missing files are
+        downloaded here first (``prepare_data``, on the node's first process only: the others find them in
+        ``setup``), so a failed download is one line before any rank starts, not one per rank after."""
         try:
             train = check_mnist(self.data_dir)["train"]
         except FileNotFoundError:
-            if self.download:
-                return
-            raise
+            if not self.download:
+                raise
+            if not will_be_local_zero():
+                return  # the node's first process downloads; this one checks in setup
+            self.prepare_data()
+            train = check_mnist(self.data_dir)["train"]
         self._check_hold_out(train, world_size)
 
     def _check_hold_out(self, train: int, world_size: int) -> None:

@@ -109,6 +109,25 @@ def test_missing_data_dir_without_download(tmp_path, stage):
     _assert_one_line_error(excinfo)
 
 
+def test_a_missing_data_dir_is_one_line_before_any_rank_starts_and_creates_nothing(tmp_path, monkeypatch, capsys):
+    """--devices 2 with a mistyped --data-dir on a machine that cannot download: the download is tried on the
+    launching process before any rank starts, fails in one line, and leaves neither the data folder it would
+    have made nor the output folder (issue #40.7)."""
+    from recipes import mnist
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network (simulated)")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(SystemExit) as stopped:
+        mnist.main(["--devices", "2", "--accelerator", "cpu", "--data-dir", str(tmp_path / "nope"),
+                    "--output-dir", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert stopped.value.code == 2 and "Initializing distributed" not in captured.out + captured.err
+    assert "could not be downloaded" in captured.err.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_missing_data_dir_offline_download(tmp_path, monkeypatch):
     calls = []
 
