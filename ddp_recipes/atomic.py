@@ -3,7 +3,9 @@ write: :func:`ddp_recipes.storage.store.write_atomic`, behind checkpoints, summa
 
 The bytes go to a temp file in the target's own folder (``os.replace`` is atomic only within one
 filesystem), are flushed and fsynced, renamed over the target, and the folder is fsynced so the rename
-survives a power cut. The temp file a killed writer leaves behind is removed by the next write once no
+survives a power cut. A file that need only be whole (``durable=False``: a log rewritten at every log step,
+which plain Lightning appends to without either) skips both fsyncs: a killed process still leaves the old
+file or the new one. The temp file a killed writer leaves behind is removed by the next write once no
 process has its pid.
 """
 
@@ -15,8 +17,9 @@ from pathlib import Path
 from typing import IO
 
 
-def replace_file(target: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write`` with a binary file object; the result replaces the local file ``target`` in one rename."""
+def replace_file(target: str | os.PathLike, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:
+    """Call ``write`` with a binary file object; the result replaces the local file ``target`` in one rename
+    (with ``durable``, one that survives a power cut)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -24,12 +27,14 @@ def replace_file(target: str | os.PathLike, write: Callable[[IO[bytes]], None]) 
     try:
         with open(tmp, "wb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(target.parent)
+    if durable:
+        _fsync_dir(target.parent)
 
 
 def _remove_stale_temps(target: Path) -> None:

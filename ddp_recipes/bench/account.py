@@ -10,7 +10,9 @@ recipe's Trainer) and the pack with each of its parts switched off alone (``--wi
 reversed every other round. What a part costs is the paired difference pack - pack without it, per round;
 Lightning's own loop is plain - raw; the gap is pack - raw. Beside them: the host time inside each part's
 hooks (exact, from the same runs) and the CPU time of threads other than the training thread. The load
-average before and after every run is recorded: a figure taken on a loaded host says so.
+average before and after every run is recorded: a figure taken on a loaded host says so. After its timed
+steps, each raw, plain and pack run counts ``--count-steps`` more whole loop iterations
+(:mod:`ddp_recipes.bench.step_counts`): host reads and collectives per step, on every rank.
 
 Writes ``--out``/account.json and account.md; ``--doc FILE`` replaces the block between
 ``<!-- bench-account:begin -->`` and ``<!-- bench-account:end -->`` in FILE with the tables.
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_recipes.bench import speedup
-from ddp_recipes.bench.components import PACK_COMPONENTS
+from ddp_recipes.bench.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
 from ddp_recipes.errors import ConfigError
 
 PROG = "python -m ddp_recipes.bench account"
@@ -57,7 +59,8 @@ def measure(settings: dict[str, Any], components: list[str], rounds: int, out: P
     rows = []
     for i, (round_no, label, n) in enumerate(schedule, 1):
         impl = label if label in BASELINES else "pack"
-        run_settings = {**settings, "without": label.removeprefix("pack-without-") if impl != label else ""}
+        run_settings = {**settings, "without": label.removeprefix("pack-without-") if impl != label else "",
+                        "count_steps": settings.get("count_steps", 0) if impl == label else 0}
         before, start = _load(), time.perf_counter()
         try:
             run = speedup.run_worker(impl, n, run_settings, out, tag=f"-{label}-round{round_no + 1}")
@@ -67,7 +70,8 @@ def measure(settings: dict[str, Any], components: list[str], rounds: int, out: P
             continue
         row = {"round": round_no, "label": label, "devices": n, "step_ms": run["step_ms_median"],
                "samples_per_s": run["global_samples_per_s"], "threads": run.get("threads_per_rank"),
-               "hooks": run.get("hook_ms_per_step_per_rank"), "load_before": before, "load_after": _load(),
+               "hooks": run.get("hook_ms_per_step_per_rank"), "counts": run.get("step_counts_per_rank"),
+               "load_before": before, "load_after": _load(),
                "wall_s": round(time.perf_counter() - start, 1)}
         rows.append(row)
         progress(f"[{i}/{len(schedule)}] round {round_no + 1} {label} N={n}: {row['step_ms']:.1f} ms/step, "
@@ -118,6 +122,29 @@ def _threads(rows: list[dict[str, Any]], label: str, n: int) -> dict[str, Any] |
             "other_cpu_ms": _stats([max(t["other_threads_cpu_ms_per_step"] for t in run) for run in runs])}
 
 
+COUNTED = ("reads", "python", "issued")  # bench.step_counts.per_step's per-step means
+
+
+def _counts(rows: list[dict[str, Any]], label: str, n: int) -> list[dict[str, Any]] | None:
+    """Per rank, for steps that do not log (``quiet``) and log steps (``log``): each count's least and most
+    per-step mean over the rounds, the iterations counted and the Python collectives' names."""
+    runs = [r["counts"] for r in rows if r["label"] == label and r["devices"] == n and r.get("counts")]
+    if not runs:
+        return None
+    out = []
+    for rank in range(n):
+        per_rank: dict[str, Any] = {}
+        for kind in ("quiet", "log"):
+            cells = [run[rank][kind] for run in runs if rank < len(run) and run[rank] and run[rank].get(kind)]
+            per_rank[kind] = {
+                **{key: None if any(c[key] is None for c in cells) else
+                   {"min": min(c[key] for c in cells), "max": max(c[key] for c in cells)} for key in COUNTED},
+                "iterations": sum(c["iterations"] for c in cells),
+                "names": sorted({name for c in cells for name in c["python_names"]})} if cells else None
+        out.append(per_rank)
+    return out
+
+
 def summarize(rows: list[dict[str, Any]], devices: list[int], components: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in devices:
@@ -138,6 +165,7 @@ def summarize(rows: list[dict[str, Any]], devices: list[int], components: list[s
             "pack_over_plain": paired(rows, "pack", "plain", n, "samples_per_s", ratio=True),
             "plain_over_raw": paired(rows, "plain", "raw", n, "samples_per_s", ratio=True),
             "threads": {label: _threads(rows, label, n) for label in BASELINES},
+            "counts": {label: _counts(rows, label, n) for label in BASELINES},
         }
     loads = [r[k] for r in rows for k in ("load_before", "load_after") if r.get(k) is not None]
     out["load"] = _stats(loads)
@@ -150,6 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run, after the warm-up")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps before timing starts")
+    p.add_argument("--count-steps", type=int, default=LOG_EVERY_N_STEPS,
+                   help="whole loop iterations counted after the timed steps of each raw, plain and pack run "
+                        "(host reads, collectives; the default holds exactly one log step; 0: none)")
     p.add_argument("--components", default="all", help=f"pack parts to switch off, comma list of "
                                                          f"{', '.join(PACK_COMPONENTS)} (or all, or none)")
     p.add_argument("--arch", default="auto", help="network (auto: make bench's: resnet18 on CPU, resnet50 on CUDA)")
@@ -194,8 +225,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     try:
         components = _components(args.components)
-        if args.rounds < 1 or args.steps < 2 or args.warmup_steps < 1:
-            raise ConfigError("{rounds} must be >= 1, {steps} >= 2 and {warmup_steps} >= 1")
+        if args.rounds < 1 or args.steps < 2 or args.warmup_steps < 1 or args.count_steps < 0:
+            raise ConfigError("{rounds} must be >= 1, {steps} >= 2, {warmup_steps} >= 1 and {count_steps} >= 0")
         if args.doc and not Path(args.doc).is_file():
             raise ConfigError(f"{{doc}} {args.doc!r} is not a file")
         if args.source:
@@ -204,6 +235,7 @@ def run_command(args: argparse.Namespace) -> int:
             settings = speedup.BenchConfig(devices=args.devices, steps=args.steps, warmup_steps=args.warmup_steps,
                                    arch=args.arch, batch_size=args.batch_size, accelerator=args.accelerator,
                                    threads_per_rank=args.threads_per_rank).resolve()
+            settings["count_steps"] = args.count_steps
     except (ConfigError, OSError, ValueError) as err:
         fail(err.cli() if isinstance(err, ConfigError) else str(err), PROG)
     if not args.source:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_recipes.bench.components import PACK_COMPONENTS
+from ddp_recipes.bench.step_counts import DDP_OWN
 
 BEGIN, END = "<!-- bench-account:begin -->", "<!-- bench-account:end -->"
 CONTENDED_LOAD = 0.5  # 1-minute load average above which other work shared the cores (beyond the runs' own)
@@ -35,7 +36,56 @@ def _workload(result: dict[str, Any]) -> str:
     threads = f"{s['threads']} torch thread(s) per rank" if s.get("threads") else "torch's default threads"
     size = f" {s['image_size']} px" if s.get("recipe") == "resnet" else ""
     return (f"{s['recipe']} {s['arch']}{size}, batch {s['batch_size']} per device, {s['precision']}, {threads}, "
-            f"{s['warmup_steps']} warm-up + {s['steps']} timed steps per run, {result['rounds']} interleaved rounds")
+            f"{s['warmup_steps']} warm-up + {s['steps']} timed steps per run"
+            + (f" (then {s['count_steps']} counted, untimed)" if s.get("count_steps") else "")
+            + f", {result['rounds']} interleaved rounds")
+
+
+def _count(cell: dict[str, Any] | None, key: str) -> str:
+    """One rank's per-step count: its value, or its least-most over rounds that differ."""
+    if not cell or not cell.get(key):
+        return "-"
+
+    def num(v: float) -> str:
+        return f"{v:.2f}".rstrip("0").rstrip(".")
+    low, high = cell[key]["min"], cell[key]["max"]
+    text = num(low) if low == high else f"{num(low)}-{num(high)}"
+    names = [n for n in cell.get("names", []) if n not in DDP_OWN]
+    return f"{text} ({', '.join(names)})" if key == "python" and high > 0 and names else text
+
+
+RUNS = {"raw": "raw DDP loop", "plain": "plain Lightning", "pack": "pack"}
+
+
+def counts_table(result: dict[str, Any]) -> list[str]:
+    """Host reads and collectives per step, per rank, of the raw loop, plain Lightning and the pack at each N."""
+    summary, devices = result["summary"], [int(n) for n in result["settings"]["devices"]]
+    counted = result["settings"].get("count_steps")
+    if not counted or not any(summary[str(n)].get("counts", {}).get(label) for n in devices for label in RUNS):
+        return []
+    lines = [f"Host reads and collectives per step, per rank (rank 0 / rank 1 / ...), over the {counted} whole loop "
+             "iterations after each run's timed steps (`bench/step_counts.py`, batch start to the next batch start; "
+             "a range where rounds differ):", "",
+             "| run | N | host reads, step without logging | host reads, log step | Python collectives beyond DDP's "
+             "own, step without logging | the same, log step | collectives issued per step without logging, DDP's "
+             "included |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n in devices:
+        for label, name in RUNS.items():
+            ranks = summary[str(n)].get("counts", {}).get(label)
+            if not ranks:
+                continue
+
+            def cells(kind: str, key: str, ranks: list[dict[str, Any]] = ranks) -> str:
+                return " / ".join(_count(rank[kind], key) for rank in ranks)
+            lines.append(f"| {name} | {n} | {cells('quiet', 'reads')} | {cells('log', 'reads')} | "
+                         f"{cells('quiet', 'python')} | {cells('log', 'python')} | {cells('quiet', 'issued')} |")
+    lines += ["", "A host read is an op that reads a tensor's value on the host (`.item()`, `float(t)`, `bool(t)`): on "
+                  "CUDA a stream stall. A Python collective is a `torch.distributed` function called from Python; "
+                  "DDP's own buffer broadcast (`_broadcast_coalesced`, every forward at N > 1, raw, plain and pack "
+                  "alike) is left out. Collectives issued count every process group's sequence number (DDP's C++ "
+                  "gradient all-reduces included; `-`: no process group at N=1). The raw loop logs nothing, so it "
+                  "has no log step."]
+    return lines
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -84,6 +134,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"N={n}: pack/raw {_ratio(summary[str(n)]['pack_over_raw'])}, "
         f"pack/plain {_ratio(summary[str(n)]['pack_over_plain'])}, "
         f"plain/raw {_ratio(summary[str(n)]['plain_over_raw'])}" for n in devices) + ".")
+    counts = counts_table(result)
+    if counts:
+        lines += ["", *counts]
     lines += ["", "Host threads per rank (most in any run) and CPU ms per step of threads other than the training "
                   "thread (slowest rank; gloo's loop threads, the progress bar's monitor, the store watcher): "
                   + "; ".join(f"N={n}: " + ", ".join(f"{label} {t['threads']} threads, {_ms(t['other_cpu_ms'])} ms"

@@ -22,6 +22,7 @@ from ddp_recipes.bench.measure import (
     step_stats,
     sync_point,
 )
+from ddp_recipes.bench.step_counts import PythonCollectives, WholeIterations, per_step
 from ddp_recipes.bench.workload import (
     Workload,
     build_dataset,
@@ -113,17 +114,25 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
         sampler.set_epoch(0)
     timer = StepEnds(device, w.warmup_steps, w.total_steps)
     ends, start = timer.ends, timer.start
-    for step, (x, y) in enumerate(loader):
-        if step >= w.total_steps:
-            break
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if w.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)  # the module's weights are NHWC already
-        with autocast:
-            loss = nn.functional.cross_entropy(wrapped(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        backward_and_step(loss, optimizer, scaler)
-        timer.step_end()
+    with PythonCollectives() as calls:
+        # Its iterations counted as Lightning's are (bench.step_counts): from the batch on the device to the
+        # next one on the device; it logs nothing, so it has no log step.
+        counted = WholeIterations(calls, after=w.total_steps, count=w.count_steps)
+        for step, (x, y) in enumerate(loader):
+            if step >= w.run_steps:
+                break
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if w.count_steps:
+                counted.mark(step, step=step + 1, logs=False)
+            if w.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)  # the module's weights are NHWC already
+            with autocast:
+                loss = nn.functional.cross_entropy(wrapped(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            backward_and_step(loss, optimizer, scaler)
+            timer.step_end()
+        counted.close("fit_end")
+    counts = gather(per_step(counted.rows) if w.count_steps else None)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     allreduce = measure_allreduce(numel, device, w.allreduce_iters) if distributed else None
     peaks = gather(round(peak_memory_mb(device), 1))
@@ -133,6 +142,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
                      "workload": asdict(w), "params": numel, "first_step_s": ends[0] - start if ends else None,
                      "grad_bytes": numel * 4, "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": peaks, "allreduce": allreduce, "threads_per_rank": threads,
+                     "step_counts_per_rank": counts if w.count_steps else None,
                      "cudnn_benchmark": torch.backends.cudnn.benchmark, **data_facts(data),
                      **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
     if distributed:

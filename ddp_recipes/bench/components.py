@@ -12,7 +12,8 @@ that ``--without`` switches off, and what both runs time and write.
   ``DistributedSampler``), the same CSV logger, log cadence and progress bar.
 
 Both are timed by :class:`~ddp_recipes.bench.measure.StepEnds` at every training batch end, as the raw loop
-is after every step.
+is after every step; after the timed steps, ``count_steps`` whole loop iterations are counted
+(:class:`~ddp_recipes.bench.step_counts.StepCounts`: host reads and collectives per step, per rank).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from ddp_recipes.bench.measure import HookClock, StepEnds, gather, peak_memory_mb, step_stats, wait_fraction
+from ddp_recipes.bench.step_counts import StepCounts, compact, per_step
 
 LOG_EVERY_N_STEPS = 10  # the recipes' default (RunConfig.log_every_n_steps)
 PROGRESS_REFRESH = 20  # make_trainer's progress bar
@@ -70,17 +72,25 @@ def step_timer(w: Any):
             self.hooks = HookClock()
 
         def on_train_start(self, trainer, pl_module) -> None:
-            # Every other callback's hooks timed (the pack's parts, plain Lightning's bar), this one's not.
-            self.hooks.attach(trainer.callbacks, skip=(Timer,))
+            # Every other callback's hooks timed (the pack's parts, plain Lightning's bar), not the bench's own.
+            self.hooks.attach(trainer.callbacks, skip=(Timer, StepCounts))
             self.steps = StepEnds(trainer.strategy.root_device, w.warmup_steps, w.total_steps, self.hooks)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             from ddp_recipes.train.perf import input_wait
 
+            if len(self.steps.ends) >= w.total_steps:  # the counted iterations after the timed steps
+                return
             self.steps.step_end()
             self.waits.append(input_wait(trainer) or 0.0)
 
     return Timer()
+
+
+def step_counter(w: Any) -> StepCounts | None:
+    """The Lightning side's count of the ``w.count_steps`` whole loop iterations after the timed steps (None:
+    the workload counts none)."""
+    return StepCounts(after=w.total_steps, count=w.count_steps) if w.count_steps else None
 
 
 def switch_off(trainer: Any, names: list[str]) -> None:
@@ -118,10 +128,14 @@ def switch_off(trainer: Any, names: list[str]) -> None:
         trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] = not chosen
 
 
-def finish(w: Any, out: str, name: str, trainer: Any, timer: Any, facts: dict[str, Any]) -> None:
-    """Rank 0 writes the run's JSON (every rank's peak memory and thread CPU gathered), then removes the scratch."""
+def finish(w: Any, out: str, name: str, trainer: Any, timer: Any, facts: dict[str, Any],
+           counter: StepCounts | None = None) -> None:
+    """Rank 0 writes the run's JSON (every rank's peak memory, thread CPU and step counts gathered), then removes
+    the scratch."""
     device = trainer.strategy.root_device
     peaks = gather(round(peak_memory_mb(device), 1))
+    counts = gather(per_step(counter.rows) if counter else None)
+    count_rows = gather(compact(counter.rows) if counter else None)
     threads = gather(timer.steps.threads if timer.steps else None)
     hooks = gather(timer.hooks.ms_per_step(timer.steps.timed_steps) if timer.steps else None)
     if trainer.is_global_zero:
@@ -132,6 +146,8 @@ def finish(w: Any, out: str, name: str, trainer: Any, timer: Any, facts: dict[st
                    "precision_used": str(trainer.precision), "strategy": type(trainer.strategy).__name__,
                    "torch_threads": torch.get_num_threads(), "peak_mem_mb_per_rank": peaks,
                    "threads_per_rank": threads, "hook_ms_per_step_per_rank": hooks, "steps_run": len(ends),
+                   "step_counts_per_rank": counts if counter else None,
+                   "step_count_rows_per_rank": count_rows if counter else None,
                    "cudnn_benchmark": torch.backends.cudnn.benchmark, **facts,
                    **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)}
         Path(out).write_text(json.dumps(payload, indent=2) + "\n")

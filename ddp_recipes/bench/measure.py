@@ -138,6 +138,8 @@ class StepEnds:
         return self.total_steps - max(self.warmup_steps, 1)
 
     def step_end(self) -> None:
+        if len(self.ends) >= self.total_steps:  # steps after the timed ones (the bench's counted iterations)
+            return
         self.ends.append(sync_point(self.device))
         if len(self.ends) == max(self.warmup_steps, 1):  # the first timed interval starts here (step_stats)
             self._cpu_before = thread_cpu()

@@ -11,10 +11,14 @@ resumable loader over in-memory tensors, diagnostics, CSV logs, progress bar) an
 fetch as the pack's does, at the per-hook cost of Lightning's default profiler). Both are timed by the
 same callback (host clock between consecutive training batch ends, epoch boundaries and validation
 excluded, the first ``--warmup-steps`` dropped). The pack's own ``summary.json`` figures
-(``train_samples_per_sec``, ``input_wait_fraction``) are recorded beside it.
+(``train_samples_per_sec``, ``input_wait_fraction``) are recorded beside it. Each round then fits both once
+more, untimed, for the ``--count-steps`` whole loop iterations after the warm-up, under
+:class:`~ddp_recipes.bench.step_counts.StepCounts` (counting sends every op through Python, so it is never
+timed): host reads and Python ``torch.distributed`` calls per step, for steps that do not log and for log
+steps apart.
 
-Writes ``--out`` (JSON: every round, medians, the spread of the per-round pack/plain ratio) and prints one
-line: ``overhead pack/plain <median> (<min>-<max>) ...``.
+Writes ``--out`` (JSON: every round, medians, the spread of the per-round pack/plain ratio, the counts) and
+prints one line: ``overhead pack/plain <median> (<min>-<max>) ...; host reads per step ...``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from lightning.pytorch.profilers import Profiler
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from ddp_recipes.bench.step_counts import StepCounts, per_step
 from ddp_recipes.config.choices import MNIST_ARCHS
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.base import SplitDataModule
@@ -133,39 +138,59 @@ def load_data(data_dir: str, val_size: int, samples: int, seed: int) -> tuple[Te
     return TensorBatchDataset(images[train], labels[train]), TensorBatchDataset(images[val], labels[val])
 
 
-def run_pack(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBatchDataset, out: Path) -> dict:
-    """The MNIST recipe's fit (recipes.mnist.main without the flag parsing and the test pass)."""
+def _length(args: argparse.Namespace, counter: StepCounts | None) -> int:
+    """Steps of a timed fit, or of a counting fit (the warm-up, the counted iterations and the step whose
+    start closes the last of them)."""
+    return args.warmup_steps + (args.count_steps + 1 if counter else args.steps)
+
+
+def _counting(args: argparse.Namespace, count: bool) -> StepCounts | None:
+    return StepCounts(after=args.warmup_steps, count=args.count_steps) if count else None
+
+
+def run_pack(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBatchDataset, out: Path,
+             count: bool = False) -> dict:
+    """The MNIST recipe's fit (recipes.mnist.main without the flag parsing and the test pass); with ``count``,
+    the counting fit instead (its counts only)."""
     from ddp_recipes.modules.mnist import MNISTClassifier
     from ddp_recipes.train.checkpoints import checkpoint_callbacks
     from ddp_recipes.train.run import run_fit_test
 
-    cfg = RunConfig(devices=1, accelerator=args.accelerator, max_steps=args.steps + args.warmup_steps,
+    counter = _counting(args, count)
+    cfg = RunConfig(devices=1, accelerator=args.accelerator, max_steps=_length(args, counter),
                     batch_size=args.batch_size, seed=args.seed, output_dir=str(out), num_workers=0)
     timer = StepTimer()
     data = _Tensors(train, val, args.batch_size, args.seed)
     summary = run_fit_test(cfg, lambda: MNISTClassifier(arch=args.arch, lr=cfg.plan.lr), data,
-                           callbacks=[*checkpoint_callbacks(cfg, len(val) > 0, MNISTClassifier), timer],
+                           callbacks=[*checkpoint_callbacks(cfg, len(val) > 0, MNISTClassifier), timer,
+                                      *([counter] if counter else [])],
                            test=False, save_final=False)
+    if counter:
+        return per_step(counter.rows)
     return {**timer.figures(args.batch_size, args.warmup_steps),
             "summary_samples_per_sec": summary.get("train_samples_per_sec"),
             "summary_input_wait_fraction": summary.get("input_wait_fraction")}
 
 
-def run_plain(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBatchDataset, out: Path) -> dict:
-    """A plain ``lightning.Trainer`` on the same module and tensors, logging and drawing as the pack does."""
+def run_plain(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBatchDataset, out: Path,
+              count: bool = False) -> dict:
+    """A plain ``lightning.Trainer`` on the same module and tensors, logging and drawing as the pack does;
+    with ``count``, the counting fit instead (its counts only)."""
     from ddp_recipes.modules.mnist import MNISTClassifier
 
     L.seed_everything(args.seed, verbose=False)
+    counter = _counting(args, count)
     timer = StepTimer()
-    trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_steps=args.steps + args.warmup_steps,
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_steps=_length(args, counter),
                         logger=CSVLogger(out, name="logs"), log_every_n_steps=LOG_EVERY_N_STEPS,
                         default_root_dir=out, profiler=PlainProfiler(),
-                        callbacks=[TQDMProgressBar(refresh_rate=PROGRESS_REFRESH), timer])
+                        callbacks=[TQDMProgressBar(refresh_rate=PROGRESS_REFRESH), timer,
+                                   *([counter] if counter else [])])
     module = MNISTClassifier(arch=args.arch, lr=0.01)
     val_loader = DataLoader(val, batch_size=args.batch_size, collate_fn=keep_batch) if len(val) else None
     trainer.fit(module, DataLoader(train, batch_size=args.batch_size, shuffle=True, collate_fn=keep_batch),
                 val_loader)
-    return timer.figures(args.batch_size, args.warmup_steps)
+    return per_step(counter.rows) if counter else timer.figures(args.batch_size, args.warmup_steps)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -181,6 +206,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for impl in order:
                 out = Path(scratch) / f"{impl}-{r}"
                 row[impl] = (run_pack if impl == "pack" else run_plain)(args, train, val, out)
+            if args.count_steps:
+                for impl in order:
+                    out = Path(scratch) / f"{impl}-{r}-counted"
+                    row[impl]["counts"] = (run_pack if impl == "pack" else run_plain)(args, train, val, out,
+                                                                                       count=True)
             a, b = row["pack"]["samples_per_sec"], row["plain"]["samples_per_sec"]
             row["pack_over_plain"] = round(a / b, 4) if a and b else None
             a2, b2 = (row[k]["samples_per_sec_with_epoch_starts"] for k in ("pack", "plain"))
@@ -188,7 +218,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rounds.append(row)
             print(json.dumps({"round": r, "pack": a, "plain": b, "ratio": row["pack_over_plain"],
                               "pack_input_wait": row["pack"]["input_wait_fraction"]}), flush=True)
-    return {"config": vars(args), "torch_version": torch.__version__, "lightning_version": L.__version__,
+    config = {k: v for k, v in vars(args).items() if not callable(v)}  # the CLI's handler is no setting
+    return {"config": config, "torch_version": torch.__version__, "lightning_version": L.__version__,
             "torch_threads": torch.get_num_threads(), "rounds": rounds, "summary": summarize(rounds)}
 
 
@@ -206,7 +237,40 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "plain_samples_per_sec": _stats([r["plain"]["samples_per_sec"] for r in rounds]),
             "pack_input_wait_fraction": _stats([r["pack"]["input_wait_fraction"] for r in rounds]),
             "plain_input_wait_fraction": _stats([r["plain"]["input_wait_fraction"] for r in rounds]),
-            "pack_summary_input_wait_fraction": _stats([r["pack"]["summary_input_wait_fraction"] for r in rounds])}
+            "pack_summary_input_wait_fraction": _stats([r["pack"]["summary_input_wait_fraction"] for r in rounds]),
+            "counts": {impl: _counts([r[impl].get("counts") for r in rounds]) for impl in ("pack", "plain")}}
+
+
+def _counts(rounds: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Host reads and Python collectives (beyond DDP's own) per step over the rounds, for steps that do not log
+    (``quiet``) and log steps (``log``): each the spread of the per-round means, the most in one iteration, and
+    the iterations counted in all."""
+    counted = [c for c in rounds if c]
+    if not counted:
+        return None
+    out: dict[str, Any] = {}
+    for kind in ("quiet", "log"):
+        cells = [c[kind] for c in counted if c.get(kind)]
+        out[kind] = {"iterations": sum(c["iterations"] for c in cells),
+                     "reads": _stats([c["reads"] for c in cells]),
+                     "reads_max": max(c["reads_max"] for c in cells),
+                     "python": _stats([c["python"] for c in cells]),
+                     "python_names": sorted({n for c in cells for n in c["python_names"]})} if cells else None
+    return out
+
+
+def _count_text(counts: dict[str, Any] | None, key: str) -> str:
+    """``<steps without logging> (log steps <log steps>)``, each a median, with its range when rounds differ."""
+    if not counts:
+        return "not counted"
+
+    def one(kind: str) -> str:
+        cell = counts.get(kind)
+        if not cell:
+            return "-"
+        s = cell[key]
+        return f"{s['median']:g}" if s["min"] == s["max"] else f"{s['median']:g} ({s['min']:g}-{s['max']:g})"
+    return f"{one('quiet')} (log steps {one('log')})"
 
 
 def summary_line(result: dict[str, Any]) -> str:
@@ -216,7 +280,11 @@ def summary_line(result: dict[str, Any]) -> str:
     return (f"overhead pack/plain {ratio['median']} ({ratio['min']}-{ratio['max']}) over {len(result['rounds'])} "
             f"rounds ({whole['median']} ({whole['min']}-{whole['max']}) with epoch starts); "
             f"samples/s pack {s['pack_samples_per_sec']['median']} plain {s['plain_samples_per_sec']['median']}; "
-            f"pack input wait {wait['median']} ({wait['min']}-{wait['max']}) of step time")
+            f"pack input wait {wait['median']} ({wait['min']}-{wait['max']}) of step time; "
+            f"host reads per step pack {_count_text(s['counts']['pack'], 'reads')} "
+            f"plain {_count_text(s['counts']['plain'], 'reads')}; "
+            f"Python collectives per step pack {_count_text(s['counts']['pack'], 'python')} "
+            f"plain {_count_text(s['counts']['plain'], 'python')}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -230,6 +298,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=400, help="timed steps per fit, after the warm-up")
     p.add_argument("--warmup-steps", type=int, default=20, help="step intervals dropped at the start of each fit")
     p.add_argument("--rounds", type=int, default=3, help="rounds of pack and plain, interleaved")
+    p.add_argument("--count-steps", type=int, default=2 * LOG_EVERY_N_STEPS,
+                   help="whole loop iterations after the warm-up counted per round in an untimed fit of each "
+                        "(host reads, Python collectives; 0: none)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"), help="the device of both fits")
     p.add_argument("--seed", type=int, default=42, help="seed of the data split, the model and the order")
@@ -240,7 +311,7 @@ def validate(args: argparse.Namespace) -> None:
     for name in ("batch_size", "steps", "rounds"):
         if getattr(args, name) < 1:
             raise ConfigError(f"{{{name}}} must be >= 1 (got {getattr(args, name)})")
-    for name in ("val_size", "warmup_steps", "threads"):
+    for name in ("val_size", "warmup_steps", "threads", "count_steps"):
         if getattr(args, name) < 0:
             raise ConfigError(f"{{{name}}} must be >= 0 (got {getattr(args, name)})")
     if args.data_dir and not (Path(args.data_dir) / "MNIST" / "raw").is_dir():

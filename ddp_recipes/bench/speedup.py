@@ -144,6 +144,8 @@ def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path, tag: 
     args = {k: settings[k] for k in ("recipe", "arch", "image_size", "batch_size", "steps", "warmup_steps",
                                      "precision", "accelerator", "threads", "seed", "data_dir")}
     args["channels_last"] = int(settings.get("channels_last", 0))
+    if settings.get("count_steps"):
+        args["count_steps"] = int(settings["count_steps"])
     if settings.get("without"):
         args["without"] = settings["without"]
     cmd = [sys.executable, "-m", "ddp_recipes.bench.workers", impl, "--out", str(out), "--devices", str(n)]

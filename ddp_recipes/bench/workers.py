@@ -35,6 +35,7 @@ def run_pack(w: Workload, out: str) -> None:
         finish,
         parse_without,
         scratch_dir,
+        step_counter,
         step_timer,
         switch_off,
     )
@@ -44,13 +45,13 @@ def run_pack(w: Workload, out: str) -> None:
 
     without = parse_without(w.without)
     scratch = scratch_dir(out)
-    cfg = RunConfig(devices=w.devices, accelerator=w.accelerator, precision=w.precision, max_steps=w.total_steps,
+    cfg = RunConfig(devices=w.devices, accelerator=w.accelerator, precision=w.precision, max_steps=w.run_steps,
                     batch_size=w.batch_size, seed=w.seed, output_dir=str(scratch), num_workers=0,
                     log_every_n_steps=LOG_EVERY_N_STEPS, diagnostics=True)
-    timer = step_timer(w)
+    timer, counter = step_timer(w), step_counter(w)
     # No FLOP count in the meter: it runs once at the first live report, inside the timed window (the
     # recipes count at that moment too; here it would be one step's outlier, not a per-step cost).
-    trainer = make_trainer(cfg, callbacks=[ThroughputMeter(), timer],
+    trainer = make_trainer(cfg, callbacks=[ThroughputMeter(), timer, *([counter] if counter else [])],
                            benchmark=True,  # cudnn.benchmark on, as the raw and dp loops set it
                            enable_model_summary=False, num_sanity_val_steps=0)
     switch_off(trainer, without)
@@ -68,7 +69,7 @@ def run_pack(w: Workload, out: str) -> None:
         data = build_dataset(w)
         trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch))
     name = "pack" + (f"-without-{'+'.join(without)}" if without else "") + ("-compiled" if w.compile else "")
-    finish(w, out, name, trainer, timer, data_facts(data))
+    finish(w, out, name, trainer, timer, data_facts(data), counter)
 
 
 def run_plain(w: Workload, out: str) -> None:
@@ -82,23 +83,25 @@ def run_plain(w: Workload, out: str) -> None:
         PROGRESS_REFRESH,
         finish,
         scratch_dir,
+        step_counter,
         step_timer,
     )
 
     L.seed_everything(w.seed, verbose=False)
-    timer = step_timer(w)
+    timer, counter = step_timer(w), step_counter(w)
     trainer = L.Trainer(accelerator="gpu" if w.accelerator == "cuda" else "cpu", devices=w.devices,
                         strategy="ddp" if w.devices > 1 else "auto", precision=w.precision,
-                        max_steps=w.total_steps, benchmark=True, default_root_dir=scratch_dir(out),
+                        max_steps=w.run_steps, benchmark=True, default_root_dir=scratch_dir(out),
                         logger=CSVLogger(scratch_dir(out), name="logs"), log_every_n_steps=LOG_EVERY_N_STEPS,
-                        callbacks=[TQDMProgressBar(refresh_rate=PROGRESS_REFRESH), timer],
+                        callbacks=[TQDMProgressBar(refresh_rate=PROGRESS_REFRESH), timer,
+                                   *([counter] if counter else [])],
                         enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0)
     module = build_module(w)
     if w.compile:
         module = torch.compile(module)
     data = build_dataset(w)
     trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch))
-    finish(w, out, "plain" + ("-compiled" if w.compile else ""), trainer, timer, data_facts(data))
+    finish(w, out, "plain" + ("-compiled" if w.compile else ""), trainer, timer, data_facts(data), counter)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,10 +35,18 @@ class Workload:
     without: str = ""  # pack: parts switched off, comma list of bench.components.PACK_COMPONENTS
     compile: int = 0  # torch.compile the model (pack: as --compile does; raw: the DDP-wrapped module)
     channels_last: int = 0  # resnet: NHWC weights and inputs (tensor-core convolutions under AMP)
+    count_steps: int = 0  # whole loop iterations counted after the timed steps (bench.step_counts; 0: none)
 
     @property
     def total_steps(self) -> int:
+        """The warm-up and timed steps."""
         return self.warmup_steps + self.steps
+
+    @property
+    def run_steps(self) -> int:
+        """Every step a run makes: after the timed ones, the counted iterations and the step whose start closes
+        the last of them (counting sends every op through Python: never inside the timed steps)."""
+        return self.total_steps + (self.count_steps + 1 if self.count_steps else 0)
 
 
 def build_module(w: Workload):
@@ -62,7 +70,7 @@ def build_dataset(w: Workload) -> TensorDataset | RankShard:
 
         return TensorBatchDataset(*load_split(w.data_dir, train=True))
     shape = (1, 28, 28) if w.recipe == "mnist" else (3, w.image_size, w.image_size)
-    return RankShard((w.total_steps + 1) * w.batch_size * w.devices, shape, w.seed, device=w.accelerator)
+    return RankShard((w.run_steps + 1) * w.batch_size * w.devices, shape, w.seed, device=w.accelerator)
 
 
 def module_optimizer(module: Any) -> torch.optim.Optimizer:

@@ -59,8 +59,8 @@ class LocalStore:
     def remove(self, path: str) -> None:
         _local(path).unlink(missing_ok=True)
 
-    def write_atomic(self, path: str, write: Callable[[IO[bytes]], None]) -> None:
-        replace_file(_local(path), write)
+    def write_atomic(self, path: str, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:
+        replace_file(_local(path), write, durable)
 
     def write_new(self, path: str, data: bytes, replace: bool) -> None:
         target = _local(path)
@@ -155,8 +155,8 @@ class BucketStore:
 
         retrying(f"delete of {url}", rm)
 
-    def write_atomic(self, url: str, write: Callable[[IO[bytes]], None]) -> None:
-        buffer = io.BytesIO()
+    def write_atomic(self, url: str, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:
+        buffer = io.BytesIO()  # one upload: stored whole once it is acknowledged, durable or not
         write(buffer)
         self.put_bytes(url, buffer.getvalue())
 
@@ -227,15 +227,16 @@ def remove(path: str | os.PathLike) -> None:
     store_of(path).remove(os.fspath(path))
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:
     """Call ``write`` with a binary file object; a reader sees the old file or the whole new one (one rename
-    on a local file system, one upload request on a bucket)."""
-    store_of(path).write_atomic(os.fspath(path), write)
+    on a local file system, one upload request on a bucket). ``durable=False``: whole, but not fsynced (a
+    power cut may bring back the old file; see :func:`ddp_recipes.atomic.replace_file`)."""
+    store_of(path).write_atomic(os.fspath(path), write, durable)
 
 
-def put_bytes(path: str | os.PathLike, data: bytes) -> None:
+def put_bytes(path: str | os.PathLike, data: bytes, durable: bool = True) -> None:
     """Write ``data`` as the file ``path`` through :func:`write_atomic`."""
-    write_atomic(path, lambda f: f.write(data))
+    write_atomic(path, lambda f: f.write(data), durable)
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any, indent: int | None = 2) -> None:

@@ -42,11 +42,16 @@ class _ContinuedWriter(ExperimentWriter):
     """Lightning's writer, continuing a version's ``metrics.csv`` from ``resume_step`` (None: a fresh one).
 
     Each flush writes the whole file through the run's storage, whole or not at all (on a bucket one upload
-    under the pack's retries: an append retried after a 503 could repeat rows)."""
+    under the pack's retries: an append retried after a 503 could repeat rows). Not fsynced: it is flushed at
+    every log step, and a log must be whole, not power-cut durable (plain Lightning appends without a sync):
+    after a power cut it may lack its last rows, while the checkpoint a run resumes from is durable."""
 
     def __init__(self, log_dir: str, resume_step: int | None) -> None:
         self.resume_step = resume_step
         self._rows: list[dict[str, Any]] = []  # every row the file holds
+        # The file's text under the header ``_text_keys``: a flush formats only its new rows (formatting every
+        # row at every log step would cost a long run more per step the longer it runs).
+        self._text, self._text_keys = "", []
         super().__init__(log_dir)
 
     @override
@@ -60,17 +65,16 @@ class _ContinuedWriter(ExperimentWriter):
             reader = csv.DictReader(file)
             keys = list(reader.fieldnames or [])
             rows = [row for row in reader if _row_step(row) <= self.resume_step]
-        self.metrics_keys, self._rows = keys, rows
-        self._write(rows)
+        self.metrics_keys = keys
+        self._write(rows, [])
 
     @override
     def save(self) -> None:
         if not self.metrics:
             return
         self._record_new_keys()
-        rows = [*self._rows, *self.metrics]
-        self._write(rows)
-        self._rows, self.metrics = rows, []
+        self._write(self._rows, self.metrics)
+        self.metrics = []
 
     @override
     def log_hparams(self, params: dict[str, Any]) -> None:
@@ -78,12 +82,23 @@ class _ContinuedWriter(ExperimentWriter):
         where = os.path.join(self.log_dir, self.NAME_HPARAMS_FILE)
         attempt(where, f"upload of {where}", lambda: save_hparams_to_yaml(where, self.hparams))  # a whole file
 
-    def _write(self, rows: list[dict[str, Any]]) -> None:
-        text = io.StringIO(newline="")
-        writer = csv.DictWriter(text, fieldnames=self.metrics_keys)
+    def _write(self, rows: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
+        """The file as ``rows`` then ``new`` (kept as the file's rows once written)."""
+        if self._text_keys == self.metrics_keys and rows is self._rows:
+            text = self._text + _csv(self.metrics_keys, new, header=False)
+        else:  # a new column (or the rows a resumed run keeps): every row under the new header
+            text = _csv(self.metrics_keys, [*rows, *new], header=True)
+        put_bytes(self.metrics_file_path, text.encode(), durable=False)
+        self._rows, self._text, self._text_keys = [*rows, *new], text, list(self.metrics_keys)
+
+
+def _csv(keys: list[str], rows: list[dict[str, Any]], header: bool) -> str:
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=keys)
+    if header:
         writer.writeheader()
-        writer.writerows(rows)
-        put_bytes(self.metrics_file_path, text.getvalue().encode())
+    writer.writerows(rows)
+    return text.getvalue()
 
 
 def _row_step(row: dict[str, str]) -> float:

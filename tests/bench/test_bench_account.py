@@ -15,11 +15,23 @@ from ddp_recipes.bench.components import PACK_COMPONENTS, parse_without
 COST = {"vote": 0.0, "diagnostics": 0.2, "bucket-view": -3.0}  # ms a part adds to the pack's step at N=2
 
 
-def fake_worker(calls):
+def _counts(impl: str, round_no: int) -> dict:
+    """One rank's bench.step_counts.per_step: plain Lightning's flag broadcast and read; a read more in round 3."""
+    def cell(reads: float, python: int, names: list[str]) -> dict:
+        return {"iterations": 9, "reads": reads, "reads_max": reads, "python": python, "python_max": python,
+                "python_names": names, "issued": 4 + python}
+    python, names = (1, ["_broadcast_coalesced", "broadcast"]) if impl == "plain" else (0, ["_broadcast_coalesced"])
+    reads = (1.0 if impl == "plain" else 0.0) + (1 if round_no == 2 and impl == "pack" else 0)
+    return {"quiet": cell(reads, python, names), "log": None if impl == "raw" else cell(reads + 2, python, names)}
+
+
+def fake_worker(calls, counted=None):
     def run(impl, n, settings, out_dir, tag=""):
         label = impl if not settings.get("without") else f"pack-without-{settings['without']}"
         round_no = int(tag.rsplit("round", 1)[1]) - 1
         calls.append((round_no, label, n))
+        if counted is not None:
+            counted.append((label, settings.get("count_steps")))
         slow = 1.5 if round_no == 1 else 1.0  # a burst of host load for the whole of round 2
         base = {"raw": 1000.0, "plain": 1010.0}.get(impl, 1030.0) * (1 if n == 1 else 1.2)
         if label.startswith("pack-without-") and n == 2:
@@ -29,7 +41,8 @@ def fake_worker(calls):
                 "threads_per_rank": [{"threads": 5, "main_cpu_ms_per_step": ms, "other_threads_cpu_ms_per_step": 40.0,
                                       "other_threads_by_name": {}}] * n,
                 "hook_ms_per_step_per_rank": [{"DDPDiagnostics": 0.2, "LastCheckpoint": 0.01}] * n
-                if impl == "pack" else None}
+                if impl == "pack" else None,
+                "step_counts_per_rank": [_counts(impl, round_no)] * n if settings.get("count_steps") else None}
     return run
 
 
@@ -89,7 +102,8 @@ def test_a_doc_without_the_markers_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "flag"), [(["--components", "nope"], "--components"),
-                                            (["--rounds", "0"], "--rounds"), (["--doc", "missing.md"], "--doc")])
+                                            (["--rounds", "0"], "--rounds"), (["--doc", "missing.md"], "--doc"),
+                                            (["--count-steps", "-1"], "--count-steps")])
 def test_bad_input_is_one_line_naming_the_flag(argv, flag, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(["account", *argv, "--out", str(tmp_path / "o")])
@@ -138,3 +152,33 @@ def test_thread_cpu_sees_a_busy_thread_and_hook_clock_times_only_the_window():
     hooks.on_train_batch_end()
     clock.active = False
     assert 0.01 <= clock.seconds["Hooks"] < 0.02 * 5 and clock.ms_per_step(1)["Hooks"] >= 10
+
+
+def test_the_counts_per_step_are_tabled_per_rank_for_raw_plain_and_pack(tmp_path, monkeypatch):
+    calls: list = []
+    counted: list = []
+    monkeypatch.setattr(speedup, "run_worker", fake_worker(calls, counted))
+    assert bench.main(["account", "--rounds", "3", "--components", "vote", "--accelerator", "cpu",
+                       "--count-steps", "10", "--out", str(tmp_path / "acc")]) == 0
+    # Only the raw, plain and pack runs count (after their timed steps); a part's switch-off does not.
+    assert {label: steps for label, steps in counted} == {"raw": 10, "plain": 10, "pack": 10,
+                                                          "pack-without-vote": 0}
+    data = json.loads((tmp_path / "acc" / "account.json").read_text())
+    plain = data["summary"]["2"]["counts"]["plain"]
+    assert len(plain) == 2 and plain[1]["quiet"]["reads"] == {"min": 1.0, "max": 1.0}
+    text = (tmp_path / "acc" / "account.md").read_text()
+    assert "over the 10 whole loop iterations after each run's timed steps" in text
+    assert "| plain Lightning | 2 | 1 / 1 | 3 / 3 | 1 (broadcast) / 1 (broadcast) | 1 (broadcast) / 1 (broadcast) " \
+           "| 5 / 5 |" in text
+    assert "| pack | 2 | 0-1 / 0-1 | 2-3 / 2-3 | 0 / 0 | 0 / 0 | 4 / 4 |" in text  # rounds that differ: the range
+    assert "| raw DDP loop | 1 | 0 | - | 0 | - | 4 |" in text  # no log step: it logs nothing
+
+
+def test_the_account_counts_by_default_and_not_with_count_steps_0(result, tmp_path, monkeypatch):
+    data, _, doc = result
+    assert data["settings"]["count_steps"] == 10  # the default: exactly one log step among them
+    assert "| host reads, step without logging |" in doc.read_text()
+    monkeypatch.setattr(speedup, "run_worker", fake_worker([]))
+    assert bench.main(["account", "--rounds", "1", "--components", "none", "--accelerator", "cpu",
+                       "--count-steps", "0", "--out", str(tmp_path / "none")]) == 0
+    assert "host reads" not in (tmp_path / "none" / "account.md").read_text()

@@ -5,22 +5,22 @@ and ``aten.is_nonzero`` (``bool(t)``, ``if t:``) over whole loop iterations, fro
 to the next one's: every hook of every callback, Lightning's own batch-end work (its logger connector, the
 progress bar), the optimizer step and the next batch's fetch and transfer. Each iteration is counted on its
 own, for the MNIST recipe's path (``run_fit_test`` with the recipe's callbacks, ``build_trainer``, resumable
-loader, diagnostics). On CPU these reads cost little, but each is a stream stall on CUDA. The same count at
-2 ranks is tests/cross_cutting/test_step_collectives.py's.
+loader, diagnostics), by the bench's own counter (``ddp_recipes/bench/step_counts.py`` ``StepCounts``, what
+``bench overhead`` and ``bench account`` report). On CPU these reads cost little, but each is a stream stall on
+CUDA. The same count at 2 ranks is tests/cross_cutting/test_step_collectives.py's.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddp_recipes.bench.overhead import _Tensors
+from ddp_recipes.bench.step_counts import HOST_READS, OpCounts, StepCounts
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.samplers import TensorBatchDataset
 from ddp_recipes.modules.logging import SyncFreeMean
@@ -28,63 +28,7 @@ from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.train.checkpoints import checkpoint_callbacks
 from ddp_recipes.train.run import make_trainer, run_fit_test
 
-HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero")
-BATCH, START, WINDOW = 16, 12, 24  # steps 12..36 of a 200-step epoch: no epoch end, no first-step work
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class HostReadCounter(Callback):
-    """Counts every aten op of each whole loop iteration from batch ``start``'s start to batch
-    ``start + window``'s start: one row per iteration (its batch index, whether the logger wrote at it, the
-    values the logger was handed, its reads), and ``ops``, all of them together."""
-
-    def __init__(self, start: int = START, window: int = WINDOW) -> None:
-        self.start, self.window = start, window
-        self.mode: _CountOps | None = None
-        self.ops: Counter[str] = Counter()
-        self.rows: list[dict[str, Any]] = []
-        self.steps = 0
-        self._row: dict[str, Any] = {}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.loggers:  # what the logger is handed: the values a log step may read
-            logger, original = trainer.loggers[0], trainer.loggers[0].log_metrics
-
-            def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
-                self._row["written"] = self._row.get("written", 0) + len(set(metrics) - {"epoch"})
-                original(metrics, step)
-
-            logger.log_metrics = log_metrics
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        if self.mode is not None:
-            self.mode.__exit__(None, None, None)
-            reads = sum(self.mode.ops[name] for name in HOST_READS)
-            self.rows.append({**self._row, "reads": reads})
-            self.ops.update(self.mode.ops)
-            self.steps, self.mode = self.steps + 1, None
-        if self.start <= batch_idx < self.start + self.window:
-            self._row = {"batch_idx": batch_idx, "step": trainer.global_step + 1, "written": 0}
-            self.mode = _CountOps()
-            self.mode.__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if self.mode is not None:  # Lightning's own test, before its _batches_that_stepped moves on
-            self._row["logs"] = trainer._logger_connector.should_update_logs
-
-    def host_reads(self) -> int:
-        return sum(self.ops[name] for name in HOST_READS)
+BATCH, START, WINDOW = 16, 12, 24  # steps 13..36 of a 200-step epoch: no epoch end, no first-step work
 
 
 def _data() -> tuple[TensorBatchDataset, TensorBatchDataset]:
@@ -94,11 +38,11 @@ def _data() -> tuple[TensorBatchDataset, TensorBatchDataset]:
 
 
 def _pack(tmp_path, extra: list[Callback] = (), module: type[L.LightningModule] = MNISTClassifier,
-          log_every_n_steps: int = 10) -> HostReadCounter:
+          log_every_n_steps: int = 10) -> StepCounts:
     train, val = _data()
     cfg = RunConfig(devices=1, accelerator="cpu", max_steps=START + WINDOW + 2, batch_size=BATCH,
                     output_dir=str(tmp_path / "pack"), num_workers=0, log_every_n_steps=log_every_n_steps)
-    counter = HostReadCounter()
+    counter = StepCounts(after=START, count=WINDOW)  # the bench's count (bench/step_counts.py)
     # The recipe's own callbacks and logging (recipes.mnist.main, without its flag parsing and test pass).
     run_fit_test(cfg, lambda: module(lr=cfg.plan.lr), _Tensors(train, val, BATCH, cfg.seed),
                  callbacks=[*checkpoint_callbacks(cfg, True, module), counter, *extra], test=False,
@@ -106,7 +50,7 @@ def _pack(tmp_path, extra: list[Callback] = (), module: type[L.LightningModule] 
     return counter
 
 
-def reads_outside_log_steps(counter: HostReadCounter) -> list[dict[str, Any]]:
+def reads_outside_log_steps(counter: StepCounts) -> list[dict[str, Any]]:
     return [row for row in counter.rows if not row["logs"] and row["reads"]]
 
 
@@ -124,10 +68,12 @@ class _ReadsLoss(Callback):
 def test_a_pack_step_that_does_not_log_reads_nothing_and_a_log_step_only_what_the_logger_writes(
         tmp_path, log_every_n_steps):
     counter = _pack(tmp_path, log_every_n_steps=log_every_n_steps)
-    assert counter.steps == WINDOW == len(counter.rows)
+    assert len(counter.rows) == WINDOW and {row["spans"] for row in counter.rows} == {"step"}
+    assert [row["step"] for row in counter.rows] == list(range(START + 1, START + WINDOW + 1))
     # The window really saw whole iterations: forward, backward, the optimizer and the next fetch.
-    assert counter.ops["aten::addmm"] >= WINDOW
-    assert counter.ops["aten::_foreach_add_"] + counter.ops["aten::add_"] > 0
+    ops = counter.iterations.ops()
+    assert ops["aten::addmm"] >= WINDOW
+    assert ops["aten::_foreach_add_"] + ops["aten::add_"] > 0
     logged = [row for row in counter.rows if row["logs"]]
     assert len(logged) == len([s for s in range(START + 1, START + WINDOW + 1) if s % log_every_n_steps == 0])
     assert not reads_outside_log_steps(counter), counter.rows
@@ -188,7 +134,7 @@ def test_sync_free_mean_is_the_weighted_mean_and_keeps_nan():
 
 def test_sync_free_mean_update_makes_no_host_read():
     metric = SyncFreeMean()
-    with _CountOps() as mode:
+    with OpCounts() as mode:
         metric.update(torch.tensor(0.5), weight=64)
     assert not any(mode.ops[name] for name in HOST_READS), dict(mode.ops)
 
@@ -205,7 +151,7 @@ def test_the_modules_training_step_makes_no_host_read():
     # aten.is_nonzero per step (``if nans.any()``).
     module = MNISTClassifier()
     batch = (torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,)))
-    with _CountOps() as mode:
+    with OpCounts() as mode:
         module.training_step(batch, 0)
     assert mode.ops["aten::addmm"] == 2  # the step ran inside the mode
     assert not any(mode.ops[name] for name in HOST_READS), {k: mode.ops[k] for k in HOST_READS}
@@ -216,21 +162,25 @@ def test_the_modules_training_step_makes_no_host_read():
 DECODE_START, DECODE_WINDOW = 2, 3
 
 
-class _DecodeCounter(HostReadCounter):
+class _DecodeCounter(StepCounts):
     """Also the images the DataModule's device decoder decoded inside the window (torchvision 0.26's CPU
     decode_jpeg does not go through the dispatcher, so the op count cannot show it on every version)."""
 
     def __init__(self, dm, start: int, window: int) -> None:
-        super().__init__(start, window)
+        super().__init__(after=start, count=window)
         self.dm, self.marks = dm, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx in (self.start, self.start + self.window):
+        if trainer.global_step in (self.iterations.after, self.iterations.after + self.iterations.count):
             self.marks.append(self.dm.decoder.images)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def decoded(self) -> int:
         return self.marks[1] - self.marks[0]
+
+    def host_reads(self) -> dict[str, int]:
+        ops = self.iterations.ops()
+        return {name: ops[name] for name in HOST_READS}
 
 
 def _resnet_steps(tmp_path, root, decode: str) -> _DecodeCounter:
@@ -253,10 +203,10 @@ def test_a_decode_gpu_step_reads_the_device_no_more_than_a_decode_cpu_step(tmp_p
 
     root = write_jpeg_tree(tmp_path / "jpegs", per_class=6, val_per_class=1, side=20)  # 12 steps per epoch
     gpu, cpu = _resnet_steps(tmp_path, root, "gpu"), _resnet_steps(tmp_path, root, "cpu")
-    assert gpu.steps == cpu.steps == DECODE_WINDOW
+    assert len(gpu.rows) == len(cpu.rows) == DECODE_WINDOW
     assert gpu.decoded() == DECODE_WINDOW and cpu.decoded() == 0  # the window's batches were decoded inside it
-    assert gpu.host_reads() <= cpu.host_reads(), (
-        f"decode gpu {dict((k, gpu.ops[k]) for k in HOST_READS)} vs cpu {dict((k, cpu.ops[k]) for k in HOST_READS)}")
+    assert sum(gpu.host_reads().values()) <= sum(cpu.host_reads().values()), (
+        f"decode gpu {gpu.host_reads()} vs cpu {cpu.host_reads()}")
 
 
 def test_decoding_and_augmenting_a_batch_on_the_device_makes_no_host_read(tmp_path):
@@ -283,7 +233,7 @@ def test_decoding_and_augmenting_a_batch_on_the_device_makes_no_host_read(tmp_pa
         batch = dataset.collate(samples).to("cpu")
         decoder(batch)  # the normalisation constants are copied once per device, before the count
         before = decoder.images
-        with _CountOps() as mode:
+        with OpCounts() as mode:
             x, _ = decoder(batch)
         assert x.shape == (len(files), 3, 24, 24) and decoder.images - before == len(files)
         assert mode.ops["aten::div_"] >= 1  # the device augmentation ran inside the mode

@@ -1,6 +1,7 @@
 """A pack training step issues no collective beyond DDP's own and reads nothing on the host (issues #31, #39).
 
-At 2 gloo ranks, ``tests/scenarios/collective_scenario.py`` records, for every whole loop iteration (one training
+At 2 gloo ranks, ``tests/scenarios/collective_scenario.py`` records (with the bench's counter,
+``ddp_recipes/bench/step_counts.py``), for every whole loop iteration (one training
 batch's start to the next one's), the collectives issued on every process group (each group's sequence
 number: DDP's C++ gradient-bucket all-reduces and buffer broadcasts included), the ``torch.distributed``
 functions called from Python, and the host reads of tensor values, for the MNIST recipe's path and for plain
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_recipes.bench.step_counts import DDP_OWN
 from tests.launch import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,15 +33,15 @@ def _counts(out: Path, mode: str) -> list[list[dict]]:
 
 
 def steady(rows: list[dict]) -> list[dict]:
-    """Iterations inside an epoch (an epoch's first batch start closes the iteration that held the epoch end),
-    after the fit's first (DDPDiagnostics' one-time check of the sharding gathers there)."""
-    return [row for row in rows if row["batch_idx"] > 0 and row["step"] > 1]
+    """Iterations inside an epoch (not the one an epoch's end or the fit's end closes), after the fit's first
+    (DDPDiagnostics' one-time check of the sharding gathers there)."""
+    return [row for row in rows if row["spans"] == "step" and row["step"] > 1]
 
 
 def lightnings(row: dict) -> list[str]:
     """The Python collective calls of an iteration beyond DDP's own buffer broadcast (``_broadcast_coalesced``,
     which DDP's forward calls from Python; its gradient all-reduces are C++)."""
-    return [name for name in row["python"] if name != "_broadcast_coalesced"]
+    return [name for name in row["python"] if name not in DDP_OWN]
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +65,19 @@ def test_a_pack_step_issues_only_ddps_collectives_and_no_host_read(plain, tmp_pa
         assert len(ours) == len(theirs) >= 12  # 2 epochs x 7 steady iterations, less the first
         # Every step alike after DDP's bucket rebuild (its second iteration broadcasts the new bucket order),
         # but an epoch's first, whose forward follows validation's and has no buffers to broadcast.
-        per_step = {row["collectives"] for row in theirs if row["step"] > 2 and row["batch_idx"] > 1}
+        per_step = {row["issued"] for row in theirs if row["step"] > 2 and row["batch_idx"] > 0}
         assert len(per_step) == 1 and min(per_step) >= 3, theirs  # bucket all-reduce(s) + buffers + the flag
         python = [(row["step"], row["python"]) for row in ours if lightnings(row)]
         assert not python, f"rank {rank}: (step, collectives the pack's step called from Python): {python}"
-        other = [(a["step"], a["collectives"], b["collectives"])
-                 for a, b in zip(ours, theirs, strict=True) if a["collectives"] != b["collectives"] - 1]
+        other = [(a["step"], a["issued"], b["issued"])
+                 for a, b in zip(ours, theirs, strict=True) if a["issued"] != b["issued"] - 1]
         assert not other, f"rank {rank}: (step, pack's collectives, plain's) beyond DDP's own: {other}"
         reads = [(row["step"], row["reads"]) for row in ours if row["reads"] and not row["logs"]]
         assert not reads, f"rank {rank}: (step, host reads) in steps that do not log: {reads}"
         assert {row["groups"] for row in ours} == {row["groups"] for row in theirs}  # no process group of its own
         # The epoch end is where the pack's own collectives go (vote, diagnostics, checkpoint state).
-        at_epoch_end = [(a["collectives"], b["collectives"]) for a, b in zip(pack[rank], plain[rank], strict=True)
-                        if a["batch_idx"] == 0]
+        at_epoch_end = [(a["issued"], b["issued"]) for a, b in zip(pack[rank], plain[rank], strict=True)
+                        if a["spans"] == "epoch_end"]
         assert at_epoch_end and all(a > b for a, b in at_epoch_end), at_epoch_end
 
 
@@ -84,5 +86,5 @@ def test_the_count_sees_a_per_step_vote_on_a_group_of_its_own(plain, tmp_path):
     voted = _counts(tmp_path, "pack-per-step-vote")
     for rank in range(2):
         ours, theirs = steady(voted[rank]), steady(plain[rank])
-        assert [a["collectives"] - b["collectives"] for a, b in zip(ours, theirs, strict=True)] == [0] * len(ours)
+        assert [a["issued"] - b["issued"] for a, b in zip(ours, theirs, strict=True)] == [0] * len(ours)
         assert all(lightnings(row) == ["all_reduce"] for row in ours)  # its all-reduce for Lightning's broadcast

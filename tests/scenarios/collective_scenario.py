@@ -11,15 +11,16 @@ CPU ranks, with
 * ``pack-per-step-vote``: the pack plus a callback that does what the pack's preemption vote used to do
   (an asynchronous all-reduce of a flag on a gloo group of its own at every step): the count must see it.
 
-Each rank writes ``OUT/MODE-rank<r>.json``: for every whole loop iteration (between consecutive training batch
-starts), the collectives issued on every process group (each group's sequence number, which counts what DDP's
-C++ reducer issues too), the groups that exist, which ``torch.distributed`` functions Python called, the host
-reads of tensor values, and whether the logger wrote at it.
+Each rank writes ``OUT/MODE-rank<r>.json``: one row for every whole loop iteration (one training batch's start to
+the next one's), counted by the bench's own counter (``ddp_recipes/bench/step_counts.py`` ``StepCounts``): the
+collectives issued on every process group (``issued``: each group's sequence number, which counts what DDP's C++
+reducer issues too), the groups that exist, which ``torch.distributed`` functions Python called, the host reads
+of tensor values, whether the logger wrote at it and what closed it (``spans``: a step, an epoch end, the fit's
+end).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -32,95 +33,23 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressBar  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from ddp_recipes.bench.step_counts import StepCounts, compact  # noqa: E402
+
 BATCH, STEPS_PER_EPOCH, EPOCHS = 8, 8, 2
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-               "broadcast_object_list", "barrier", "gather", "gather_object", "scatter", "reduce", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-               "monitored_barrier", "_broadcast_coalesced", "new_group")
-HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero")
 
 
-def issued() -> int:
-    """Collectives issued so far on every process group of this process."""
-    from torch.distributed.distributed_c10d import _world
+class Recorder(StepCounts):
+    """Every iteration of the fit, written to ``OUT/MODE-rank<r>.json`` at its end."""
 
-    return sum(pg._get_sequence_number_for_group() for pg in list(_world.pg_map))
-
-
-def group_count() -> int:
-    from torch.distributed.distributed_c10d import _world
-
-    return len(_world.pg_map)
-
-
-class PythonCalls:
-    """Names of the ``torch.distributed`` functions called from Python (DDP's reducer calls C++ directly:
-    those are only in the sequence numbers)."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if callable(fn):
-                setattr(dist, name, self._wrap(name, fn))
-
-    def _wrap(self, name: str, fn: Any) -> Any:
-        @functools.wraps(fn)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.names.append(name)
-            return fn(*args, **kwargs)
-        return counted
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the ops that read a tensor's value on the host (``.item()``, ``bool(t)``): each a stream stall
-    on CUDA."""
-
-    def __init__(self) -> None:
+    def __init__(self, out: Path, mode: str) -> None:
         super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in HOST_READS:
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
-
-class StepCollectives(Callback):
-    """One row per whole loop iteration, from a training batch's start to the next one's: Lightning's work
-    before the fetch (its SIGTERM broadcast), the step, every batch-end hook and the logger included."""
-
-    def __init__(self, out: Path, mode: str, calls: PythonCalls) -> None:
-        self.out, self.mode, self.calls = out, mode, calls
-        self.rows: list[dict[str, Any]] = []
-        self._last: int | None = None
-        self._reads: HostReads | None = None
-        self._logs = False
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        now = issued()
-        if self._reads is not None:
-            self._reads.__exit__(None, None, None)
-        if self._last is not None:  # the iteration that ends here; batch_idx is the batch that starts now
-            self.rows.append({"epoch": trainer.current_epoch, "batch_idx": batch_idx, "step": trainer.global_step,
-                              "collectives": now - self._last, "groups": group_count(),
-                              "python": list(self.calls.names), "reads": self._reads.reads, "logs": self._logs})
-        self.calls.names.clear()
-        self._reads = HostReads()
-        self._reads.__enter__()
-        self._last = issued()  # this hook's own bookkeeping is not the step's
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._logs = trainer._logger_connector.should_update_logs  # before Lightning's own step counter moves
+        self.out, self.mode = out, mode
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._reads is not None:
-            self._reads.__exit__(None, None, None)
-            self._reads = None
-        (self.out / f"{self.mode}-rank{trainer.global_rank}.json").write_text(json.dumps(self.rows, indent=1))
+        super().on_train_end(trainer, pl_module)
+        (self.out / f"{self.mode}-rank{trainer.global_rank}.json").write_text(json.dumps(compact(self.rows), indent=1))
 
 
 class PerStepVote(Callback):
@@ -152,8 +81,7 @@ def tensors() -> tuple[Any, Any]:
 def main(out: Path, mode: str) -> None:
     from ddp_recipes.modules.mnist import MNISTClassifier
 
-    calls = PythonCalls()
-    counter = StepCollectives(out, mode, calls)
+    counter = Recorder(out, mode)
     train, val = tensors()
     if mode == "plain":
         L.seed_everything(0, verbose=False)
