@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
         model_kwargs(classes.model_class, model_args(cfg))  # before any process starts: one line if not
         datamodule = build_datamodule(cfg, classes.datamodule)
         own_data = classes.datamodule is None
-        if own_data:
-            datamodule.check_split(cfg.plan.world_size)  # before any process starts
-        cfg.check_batch_fits(known_train_size(datamodule))
+        if own_data:  # before any process starts; a DataModule of yours is checked in the ranks
+            datamodule.check_split(cfg.plan.world_size)
+            cfg.check_batch_fits(known_train_size(datamodule))
         has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")
         how = "hold some out with {val_size} N" if own_data else f"give {type(datamodule).__name__} a val_dataloader"
         trainer_kwargs = without_validation(run.user.trainer_kwargs, has_val, how)

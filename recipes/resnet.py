@@ -306,7 +306,7 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
     this run's, a weights file against the network, the module's arguments, the flags a subclass ignores, and
     what ``--test-only`` needs."""
     model_class, resume, checkpoint = run.classes.model_class, run.resume, run.checkpoint
-    if not cfg.test_only:
+    if not cfg.test_only and run.classes.datamodule is None:  # a DataModule of yours: checked in the ranks
         cfg.check_batch_fits(known_train_size(datamodule))
     data_size = getattr(datamodule, "image_size", cfg.image_size)
     if isinstance(data_size, int) and data_size != cfg.image_size:

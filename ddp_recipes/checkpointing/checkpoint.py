@@ -131,6 +131,8 @@ def unreadable_because(local: Any, err: BaseException) -> str:
         pass
     if not _starts_as_checkpoint(local):
         return "is not a checkpoint file (a .ckpt is the zip archive trainer.save_checkpoint writes)"
+    if isinstance(err, pickle.UnpicklingError):  # whole, but a weights-only load refuses what it holds
+        return "holds Python objects beyond tensors and plain data, which a weights-only load refuses"
     return f"is a cut or damaged checkpoint ({reason})"
 
 

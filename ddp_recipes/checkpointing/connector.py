@@ -68,7 +68,11 @@ class RunCheckpointConnector(_CheckpointConnector):
             return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
         if _last_checkpoint(self.trainer) is not None:
             return ckpt_path if isinstance(ckpt_path, Continue) else Continue()  # decided in resume_start
-        found = ownership.newest_of_run(_survey(self.trainer, None, ownership.LIBRARY), ownership.LIBRARY)
+        fitting = state_fn == TrainerFn.FITTING
+        survey = _survey(self.trainer, None, ownership.LIBRARY)
+        found = ownership.newest_of_run(survey, ownership.LIBRARY, keep=fitting)
+        if found is not None and survey.unreadable and fitting and self.trainer.is_global_zero:
+            ownership.set_aside_unreadable(survey)  # before a ModelCheckpoint's save writes over the bytes
         if found is None:
             rank_zero_info('ckpt_path="last": no checkpoint yet; starting from the beginning')
         return found.path if found is not None else None
@@ -131,7 +135,7 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
     debugging = bool(trainer.fast_dev_run)
     step = replaces = None
     if isinstance(request, Continue):
-        newest = ownership.newest_of_run(found, words)
+        newest = ownership.newest_of_run(found, words, keep=fitting and not debugging)
         if newest is not None and request.expected is not None and newest.path != request.expected:
             opened = next((c for c in found.checkpoints if c.path == request.expected), None)
             if opened is None or (opened.step, opened.run_id) != (newest.step, newest.run_id):

@@ -117,7 +117,7 @@ class Survey:
     folder: Path | Url
     record: dict[str, Any] | None = None
     checkpoints: list[Found] = field(default_factory=list)
-    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (path, why) of checkpoint files that fail
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (path, what is wrong) of files that fail
 
     @property
     def recorded_run(self) -> str | None:
@@ -167,7 +167,7 @@ def survey(folder: str | os.PathLike, extra: list[Path] | None = None, asked: st
         try:
             found.checkpoints.append(facts(path))
         except Exception as err:  # truncated zip, garbage, not a checkpoint: never taken, never overwritten
-            found.unreadable.append((os.fspath(path), unreadable_because(path, err).removeprefix("is ")))
+            found.unreadable.append((os.fspath(path), unreadable_because(path, err)))
     return found
 
 
@@ -186,25 +186,25 @@ def _said_once(message: str) -> None:
 _SAID: set[str] = set()
 
 
-def check_unreadable(found: Survey, newest: Found | None, words: Words = RECIPE) -> None:
+def check_unreadable(found: Survey, newest: Found | None, words: Words = RECIPE, keep: bool = True) -> None:
     """Continuing a folder that holds an unreadable checkpoint file (cut by a full disk or a broken copy): with
-    a readable checkpoint of the run to continue from, say which and that the unreadable file is set aside
-    (:func:`set_aside_unreadable`), never overwritten; with none, refuse in one line naming the file and the ways
-    on, instead of starting from step 0 over it."""
+    a readable checkpoint of the run to continue from, say which, and with ``keep`` (a fit: its saves would
+    write over it) that the caller sets the file aside (:func:`set_aside_unreadable`); with none, refuse in one
+    line naming the file and the ways on, instead of starting from step 0 over it."""
     if not found.unreadable:
         return
     path, why = found.unreadable[0]
     more = f" (and {len(found.unreadable) - 1} more)" if len(found.unreadable) > 1 else ""
     if newest is None:
-        raise CheckpointError(f"{lit(path)}{more} is {why} and the run in "
+        raise CheckpointError(f"{lit(path)}{more} {why} and the run in "
                               f"{_folder_text(found, words)} has no other; nothing was changed: restore it from a "
                               f"copy, continue from another checkpoint with {words.resume_path}, or start a new run "
                               f"with another {words.another}", "output_dir" if words.parent else None)
-    if not renames(path):
-        raise CheckpointError(f"{lit(path)}{more} is {why}; nothing was changed: restore "
+    if keep and not renames(path):
+        raise CheckpointError(f"{lit(path)}{more} {why}; nothing was changed: restore "
                               f"it, or continue from {newest.name} with {words.resume_path}")
-    _said_once(f"{words.asked}: {path}{more} is {why}; continuing from "
-               f"{newest.describe()}; the unreadable file is kept as {_name(path)}{UNREADABLE}")
+    kept = f"the file is kept as {_name(path)}{UNREADABLE}" if keep else "the file is left as it is"
+    _said_once(f"{words.asked}: {path}{more} {why}; continuing from {newest.describe()}; {kept}")
 
 
 UNREADABLE = ".unreadable"  # the suffix an unreadable checkpoint is kept under (never a *.ckpt, never taken)
@@ -241,7 +241,7 @@ def _folder_text(found: Survey, words: Words) -> str:
     return f"{words.folder} {lit(shown)}"
 
 
-def newest_of_run(found: Survey, words: Words = RECIPE) -> Found | None:
+def newest_of_run(found: Survey, words: Words = RECIPE, keep: bool = True) -> Found | None:
     """The checkpoint continuing the folder's run takes: the newest of the owner's (see the module
     docstring); None when it has none yet. Skipped checkpoints of other runs are named in one warning each."""
     owner = found.owner()
@@ -260,15 +260,16 @@ def newest_of_run(found: Survey, words: Words = RECIPE) -> Found | None:
                 _said_once(f"{words.asked}: skipping {other.path} ({other.describe()}): it belongs to {whose}, "
                            f"not to this folder's run {owner}")
     newest = max(mine, key=_newest_key, default=None)
-    check_unreadable(found, newest, words)
+    check_unreadable(found, newest, words, keep)
     return newest
 
 
 def ended_before_its_first_checkpoint(found: Survey, words: Words = RECIPE) -> str | None:
-    """The recorded run's id when it never saved a checkpoint and every launch of it has ended (a recipe's
-    ``attempts/`` records, each with its run id: a bad image, a crash, Ctrl+C): a new run may take the folder,
-    since nothing there can be continued. None otherwise, and always for a run still going or killed (no
-    record of its end: it may be training yet) or outside a recipe's output folder (no attempt records)."""
+    """The recorded run's id when every launch of it failed before its first optimizer step and it holds no
+    checkpoint (a recipe's ``attempts/`` records, each with its run id and how it ended: a bad image, a crash in
+    set-up, Ctrl+C): a new run may take the folder, since nothing there can be continued. None otherwise: a run
+    still going or killed (no record of its end: it may be training yet), one that trained or finished (its
+    checkpoints may have been moved, its summary is still there), or no attempt records (outside a recipe)."""
     run_id = found.recorded_run
     if not run_id or found.checkpoints or found.unreadable or not words.parent:
         return None
@@ -279,7 +280,9 @@ def ended_before_its_first_checkpoint(found: Survey, words: Words = RECIPE) -> s
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     mine = [r for r in records if isinstance(r, dict) and r.get("run_id") == run_id]
-    return run_id if mine and all(r.get("ended") for r in mine) else None
+    # failed, and before its first optimizer step: a run that trained (and whose checkpoints are gone) keeps it
+    failed = all(str(r.get("ended") or "").startswith("error") and not r.get("last_step") for r in mine)
+    return run_id if mine and failed else None
 
 
 ATTEMPTS_DIR = "attempts"  # a recipe's attempt records (train/attempts.py), beside its checkpoint folder
@@ -320,17 +323,17 @@ def output_survey(output_dir: str | os.PathLike) -> Survey:
     return survey(out / CHECKPOINT_DIR, extra=files.loose(out, "hpc_ckpt_*.ckpt"))
 
 
-def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
+def newest_checkpoint(output_dir: str | os.PathLike, training: bool = True) -> str | None:
     """The checkpoint ``--resume auto`` takes in a recipe's output folder: the newest complete one of the
     folder's run (:func:`newest_of_run`: by optimizer step, ties to
     last.ckpt, then the newest hpc_ckpt_N; another run's checkpoints, truncated and unreadable files are
     skipped with one warning each); None when there is none. On a URL: from the manifests of complete
     objects, as the name it was saved under."""
-    found = newest_of_run(output_survey(output_dir))
+    found = newest_of_run(output_survey(output_dir), keep=training)
     return found.path if found is not None else None
 
 
-def resolve_resume(resume: str | None, output_dir: str) -> str | None:
+def resolve_resume(resume: str | None, output_dir: str, training: bool = True) -> str | None:
     """A recipe's ``--resume``: the checkpoint to resume from: None (fresh), the newest complete one of the output
     folder's run for "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must
     exist."""
@@ -339,7 +342,7 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     if resume == "auto":
         # A missing bucket or a refused credential fails here, not as "no checkpoint".
         check_store(output_dir, "output_dir")
-        return newest_checkpoint(output_dir)
+        return newest_checkpoint(output_dir, training)
     try:
         files.resolve(resume)  # raises naming --resume when there is nothing there
     except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir

@@ -258,7 +258,8 @@ class RunPosition(TrainerStateCallback):
         step, limits = trainer.global_step, []
         if trainer.max_steps is not None and trainer.max_steps >= 0:
             limits.append((trainer.max_steps, f"max_steps={trainer.max_steps}"))
-        if trainer.max_epochs is not None and trainer.max_epochs >= 0 and len(self._epoch_lengths) == 1:
+        if (trainer.max_epochs is not None and trainer.max_epochs >= 0 and len(self._epoch_lengths) == 1
+                and _UNKNOWN not in self._epoch_lengths):  # "no length known" is no length to multiply
             (length,) = self._epoch_lengths
             limits.append((trainer.max_epochs * length, f"max_epochs={trainer.max_epochs} x {length} steps per "
                                                         "epoch"))

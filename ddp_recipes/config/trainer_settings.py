@@ -136,8 +136,11 @@ def check_trainer_settings(settings: dict[str, Any], owned: dict[str, str],
         if name in owned:
             raise ConfigError(f"{source} {lit(name)} is the recipe's own setting; use {owned[name]} instead")
         if name not in hints:
-            close = difflib.get_close_matches(name, [n for n in hints if n not in owned], n=1)
-            hint = f"did you mean {close[0]}?" if close else "see lightning.Trainer's arguments"
+            close = difflib.get_close_matches(name, list(hints), n=1)
+            if close and close[0] in owned:  # max_epoch: the recipe's --max-epochs, not Trainer's min_epochs
+                hint = f"did you mean {close[0]}? It is the recipe's own setting: use {owned[close[0]]}"
+            else:
+                hint = f"did you mean {close[0]}?" if close else "see lightning.Trainer's arguments"
             raise ConfigError(f"{source} {lit(name)}: lightning.Trainer has no such argument; {hint}")
         readings = _scalar_readings(value) if isinstance(value, str) else [value]
         fitting = next((reading for reading in readings if _matches(reading, hints[name])), _MISSING)

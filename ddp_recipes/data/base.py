@@ -71,11 +71,11 @@ class SplitDataModule(L.LightningDataModule):
 
 
 def known_train_size(datamodule: L.LightningDataModule) -> int | None:
-    """The training samples a DataModule can tell before ``setup`` (its ``train_size``), or None: a user's
-    DataModule without one, or data still to be downloaded."""
+    """The training samples one of the pack's DataModules can tell before ``setup`` (its ``train_size``), or
+    None: data still to be downloaded, or anything that fails (the ranks check the loader itself)."""
     try:
         size = getattr(datamodule, "train_size", None)
-    except (OSError, DataError):  # files not there yet (a download in prepare_data): checked in the ranks
+    except Exception:  # files not there yet (a download in prepare_data): checked in the ranks
         return None
     return size if isinstance(size, int) else None
 

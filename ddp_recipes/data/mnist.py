@@ -137,8 +137,11 @@ class MNISTDataModule(SplitDataModule):
         previous_timeout = socket.getdefaulttimeout()
         socket.setdefaulttimeout(_DOWNLOAD_TIMEOUT_S)
         # The folders a failed download leaves are removed again: a mistyped --data-dir creates nothing.
-        made = [p for p in (Path(self.data_dir), Path(self.data_dir) / "MNIST", _raw_dir(self.data_dir))
-                if not p.exists()]
+        made, folder = [], _raw_dir(self.data_dir).absolute()
+        while not folder.exists() and folder != folder.parent:  # every folder the download would create
+            made.append(folder)
+            folder = folder.parent
+        made.reverse()
         try:
             for train in (True, False):
                 MNIST(root=os.fspath(self.data_dir), train=train, download=True)

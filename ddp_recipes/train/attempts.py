@@ -98,6 +98,10 @@ class AttemptLog(Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         how = (f"preempted by {signal.Signals(exception.signum).name}" if isinstance(exception, Preempted)
                else f"error: {type(exception).__name__}")
+        if self._trainer is None and self.record["ended"] is None and trainer_run_id(trainer) is not None:
+            # failed after the run claimed its folder but before on_fit_start (the DDP wrap, the optimizers):
+            # its record still says so, or the folder would stay that run's against the same command
+            self.on_fit_start(trainer, pl_module)
         self._end(trainer, how)
 
     @override

@@ -72,7 +72,7 @@ def open_resume(cfg: RunConfig, training: bool = True) -> tuple[str | None, dict
     (``--test-only``) only reads. Every rank reads the file; rank 0's choice is checked on every rank once the
     process group is up (:mod:`~ddp_recipes.checkpointing.connector`)."""
     settle_output_dir(cfg, create=training)
-    resume = resolve_resume(cfg.resume, cfg.output_dir)
+    resume = resolve_resume(cfg.resume, cfg.output_dir, training)
     return resume, read_checkpoint(resume) if resume else None
 
 

@@ -797,3 +797,16 @@ def test_a_run_resumed_with_another_epoch_length_is_held_to_its_own_limit(tmp_pa
                             callbacks=[steps], **QUIET)
     trainer.fit(Net(), _loader(batch_size=2), ckpt_path=str(tmp_path / "epoch0.ckpt"))
     assert trainer.global_step == 10 and steps.seen == [(1, b) for b in range(6)]
+
+
+def test_a_stream_resumed_at_another_accumulation_is_not_held_to_an_unknown_epoch_length(tmp_path):
+    """A loader without a length never says how many steps an epoch has: resumed at accumulation 2 from an
+    accumulation-1 checkpoint, the fit ends at its own limit with no RunPositionError ("x -1 steps per epoch")."""
+    trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path), max_epochs=1, **QUIET)
+    trainer.fit(Net(), DataLoader(Batches(), batch_size=None))
+    trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
+    trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path), max_epochs=2,
+                            accumulate_grad_batches=2, **QUIET)
+    trainer.fit(Net(), DataLoader(Batches(), batch_size=None), ckpt_path=str(tmp_path / "epoch0.ckpt"))
+    assert trainer.global_step == 6
+

@@ -51,8 +51,9 @@ def test_the_same_command_runs_once_the_image_is_replaced(tmp_path, capsys):
     assert summary["steps"] == 1 and summary["stops"]["attempts"] == 1  # the failed launch was another run's
 
 
-def test_a_run_killed_before_its_first_checkpoint_still_holds_the_folder(tmp_path):
-    """No record of its end: it may be training yet, so a new run is still refused there."""
+def test_only_a_run_that_failed_before_its_first_step_gives_up_the_folder(tmp_path):
+    """No record of its end (killed: it may be training yet), a finished or preempted run, or one that trained:
+    a new run is still refused there."""
     import json
 
     from ddp_recipes.checkpointing import ownership
@@ -65,8 +66,14 @@ def test_a_run_killed_before_its_first_checkpoint_still_holds_the_folder(tmp_pat
     (tmp_path / "attempts" / "1.json").write_text(json.dumps(record))
     with pytest.raises(ownership.CheckpointError, match="holds run aaaaaaaaaaaa"):
         ownership.refuse_new_run(ownership.output_survey(tmp_path))
-    (tmp_path / "attempts" / "1.json").write_text(json.dumps({**record, "ended": "error: UnreadableImage"}))
-    ownership.refuse_new_run(ownership.output_survey(tmp_path))  # ended, nothing saved: the folder is free
+    for ended, step in (("finished", 3), ("error: RuntimeError", 3), ("preempted by SIGTERM", 0)):
+        # it trained, or stopped cleanly: its checkpoints may have been moved away, its summary is still there
+        (tmp_path / "attempts" / "1.json").write_text(json.dumps({**record, "ended": ended, "last_step": step}))
+        with pytest.raises(ownership.CheckpointError, match="holds run aaaaaaaaaaaa"):
+            ownership.refuse_new_run(ownership.output_survey(tmp_path))
+    (tmp_path / "attempts" / "1.json").write_text(json.dumps({**record, "ended": "error: UnreadableImage",
+                                                               "last_step": 0}))
+    ownership.refuse_new_run(ownership.output_survey(tmp_path))  # failed before a step: the folder is free
 
 
 def test_named_loader_and_describe(tmp_path):

@@ -51,3 +51,20 @@ def test_a_run_and_its_continuation_leave_two_records_and_one_stop(tmp_path):
     assert [s["how"] for s in stops["stops"]] == ["finished"]
     assert stops["stops"][0]["seconds_to_first_step"] > 0
     assert 0 < stops["goodput"] <= 1 and stops["training_seconds"] <= stops["wall_seconds"]
+
+
+class _BrokenOptimizers(resnet.ResNetClassifier):
+    """Fails after the run claimed its folder and before on_fit_start (Lightning sets up the optimizers there)."""
+
+    def configure_optimizers(self):
+        raise RuntimeError("a bug in configure_optimizers")
+
+
+def test_a_run_that_fails_before_on_fit_start_leaves_the_folder_to_the_same_command(tmp_path):
+    out = ["--output-dir", str(tmp_path), "--max-steps", "2"]
+    with pytest.raises(RuntimeError, match="a bug in configure_optimizers"):
+        resnet.main([*TINY, *out], model_cls=_BrokenOptimizers)
+    (record,) = read_attempts(tmp_path / ATTEMPTS_DIR)
+    assert record["ended"] == "error: RuntimeError" and record["run_id"]
+    summary = resnet.main([*TINY, *out])  # the bug fixed, the same command: a new run, not refused
+    assert summary["steps"] == 2 and summary["stops"]["attempts"] == 1

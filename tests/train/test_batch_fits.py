@@ -76,3 +76,17 @@ def test_build_trainer_refuses_it_at_the_first_step(tmp_path):
                                           r"training samples"):
         trainer.fit(Net(), DataLoader(data, batch_size=64))
     assert trainer.global_step == 0
+
+
+def test_a_train_size_that_fails_is_not_known():
+    from ddp_recipes.data.base import known_train_size
+
+    class SizedAfterSetup:
+        train_set = None
+
+        @property
+        def train_size(self):
+            return len(self.train_set)  # TypeError before setup
+
+    assert known_train_size(SizedAfterSetup()) is None
+
