@@ -10,6 +10,7 @@ path: ``--data-dir DIR holds an image that cannot be decoded: train/c1/x.jpg (im
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ def unreadable(path: str | os.PathLike, root: str | os.PathLike | None, err: Bas
     lines = str(err).strip().splitlines()
     reason = lines[-1] if lines else type(err).__name__
     if ".cpp:" in reason:  # torchvision's C++ errors lead with their source location: the user needs the end
-        reason = reason.rsplit(", ", 1)[-1]
+        reason = re.sub(r"^.*\.cpp:\d+\W*", "", reason) or "the decoder refused it"
     if reason.startswith("cannot identify image file"):  # PIL names its buffer or the path, not the problem
         reason = "not an image: no decoder recognises its contents"
     return UnreadableImage(f"{relative_name(path, root)} ({reason})")
