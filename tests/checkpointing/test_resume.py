@@ -378,30 +378,16 @@ def test_old_checkpoints_with_every_devices_state_still_load(four_gpus):
 def test_a_cut_last_ckpt_of_a_users_model_checkpoint_is_kept_too(tmp_path):
     """build_trainer(preemption=False) with the user's own ModelCheckpoint(save_last=True), continued with
     ckpt_path="last": the cut last.ckpt is set aside before that callback's next save could write over it."""
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
 
     from ddp_recipes import build_trainer
-
-    class Net(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,))), batch_size=8)
+    from tests.helpers import tiny_module_and_data
 
     def fit(steps: int) -> None:
         saver = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, every_n_train_steps=1)
         trainer = build_trainer(accelerator="cpu", max_steps=steps, preemption=False, callbacks=[saver],
                                 default_root_dir=str(tmp_path), logger=False, enable_progress_bar=False)
-        trainer.fit(Net(), data, ckpt_path="last")
+        trainer.fit(*tiny_module_and_data(), ckpt_path="last")
 
     fit(2)
     kept = _cut(tmp_path / "ck" / "last.ckpt")

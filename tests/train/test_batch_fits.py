@@ -5,8 +5,6 @@ and the data's size per rank: before any rank starts in the recipes, at the firs
 from __future__ import annotations
 
 import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_recipes.config.plan import BatchPlan
 from ddp_recipes.errors import ConfigError
@@ -54,27 +52,14 @@ def test_a_batch_that_fits_passes():
 
 
 def test_build_trainer_refuses_it_at_the_first_step(tmp_path):
-    import lightning as L
-
     from ddp_recipes import build_trainer
+    from tests.helpers import tiny_module_and_data
 
-    class Net(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
     trainer = build_trainer(accelerator="cpu", max_steps=2, default_root_dir=str(tmp_path), logger=False,
                             enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ConfigError, match=r"the training DataLoader's batch_size 64 per device is larger than the 40 "
                                           r"training samples"):
-        trainer.fit(Net(), DataLoader(data, batch_size=64))
+        trainer.fit(*tiny_module_and_data(samples=40, batch_size=64))
     assert trainer.global_step == 0
 
 
