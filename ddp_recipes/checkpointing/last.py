@@ -100,10 +100,10 @@ class LastCheckpoint(Checkpoint):
         if step == self._seen_step:
             return  # an accumulation micro-batch: no optimizer step, no boundary
         self._seen_step = step
-        signum = self._agreed_signal(trainer)
+        signum = self._agreed_signal(trainer, step=step)
         last_of_epoch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         due = self.every_n_steps > 0 and step % self.every_n_steps == 0 and not last_of_epoch
-        if signum or due or (not last_of_epoch and _stops_after_this_batch(trainer)):
+        if signum or due or (not last_of_epoch and _stops_after_this_batch(trainer, step)):
             self.save(trainer)
         if signum:
             self._exit(trainer, signum)
@@ -148,14 +148,16 @@ class LastCheckpoint(Checkpoint):
 
     # ---- preemption ----------------------------------------------------------------------------------
 
-    def _agreed_signal(self, trainer: L.Trainer, *, now: bool = False) -> int:
+    def _agreed_signal(self, trainer: L.Trainer, *, now: bool = False, step: int | None = None) -> int:
         """The signal every rank acts on here (0 if none). At a step boundary: the stop agreed for this
         boundary (a signal seen at one boundary stops every rank at the next); with ``now``, a vote that
         waits for every rank (epoch end, train end)."""
         local = int(self._signals.signum or 0) if self._signals is not None else 0
         if self._vote is None:
             return local
-        return self._vote.now(local) if now else self._vote.at_boundary(trainer.global_step, local)
+        if now:
+            return self._vote.now(local)
+        return self._vote.at_boundary(trainer.global_step if step is None else step, local)
 
     def _exit(self, trainer: L.Trainer, signum: int) -> None:
         requeued = requeue_slurm_job(trainer, signum)
@@ -168,10 +170,10 @@ class LastCheckpoint(Checkpoint):
         raise Preempted(signum, message)
 
 
-def _stops_after_this_batch(trainer: L.Trainer) -> bool:
+def _stops_after_this_batch(trainer: L.Trainer, step: int) -> bool:
     """Whether the fit loop ends after this batch (checked at its end, every rank alike): ``max_steps``
     reached, or ``should_stop`` set (``max_time``'s Timer, whose batch-end hook runs before any checkpoint
     callback's, a module, a callback) where Lightning lets the fit stop early."""
-    if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+    if trainer.max_steps != -1 and step >= trainer.max_steps:
         return True
     return bool(trainer.should_stop) and trainer.fit_loop._can_stop_early

@@ -19,6 +19,10 @@ from ddp_recipes.train.diagnostic_rules import batch_size_of
 from ddp_recipes.train.perf import StepClock, input_wait, peak_flops
 
 
+#: Steps between moves of the intervals the device has passed into ``intervals`` (and at each report).
+COLLECT_EVERY = 32
+
+
 class ThroughputMeter(Callback):
     """Steady-state training samples/s over all ranks, from rank-local time between optimizer steps, and
     the fraction of that time the loop waited for its next batch.
@@ -66,11 +70,14 @@ class ThroughputMeter(Callback):
         self._first_start: Any = None
         self._lrs: dict[str, float] | None = None  # the report's learning rates, read at its step's start
         self._unsaved = False  # a report the loggers hold that Lightning's own log may not have saved
+        self._world = 1  # samples of a step over all ranks: the batch's times this
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.clock is None:
             self.clock = StepClock(trainer.strategy.root_device)
+        self._world = trainer.world_size
+        self._collect(wait=False)
         self._reported = len(self.intervals)
         self._every = int(trainer.log_every_n_steps or 0)
         self._live = bool(trainer.is_global_zero and trainer.loggers and self._every > 0)
@@ -84,14 +91,17 @@ class ThroughputMeter(Callback):
 
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._collect(wait=False)
         self._save(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._collect(wait=False)
         self._save(trainer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._collect(wait=False)
         self._save(trainer)
 
     @override
@@ -125,9 +135,9 @@ class ThroughputMeter(Callback):
         if self._first is None and self._first_step is None and self._first_start is not None:
             self._first = (self._first_start, now)
         if self._last is not None:
-            self._pending.append(((batch_size_of(batch) or 1) * trainer.world_size, self._last, now,
-                                  input_wait(trainer)))
-            self._collect(wait=False)
+            self._pending.append(((batch_size_of(batch) or 1) * self._world, self._last, now, input_wait(trainer)))
+            if len(self._pending) >= COLLECT_EVERY:  # a report collects its own: the other steps only append
+                self._collect(wait=False)
         self._last = now
         if self._live and trainer.global_step >= self._next_log:  # one flag elsewhere, one compare on rank 0
             self._report(trainer)
@@ -136,6 +146,7 @@ class ThroughputMeter(Callback):
         """The live metrics of the intervals since the last report, to every logger (rank 0)."""
         step = trainer.global_step
         self._next_log = (step // self._every + 1) * self._every
+        self._collect(wait=False)
         window, self._reported = self.intervals[self._reported:], len(self.intervals)
         metrics: dict[str, float] = dict(self._lrs or {})
         seconds = sum(t for _, t, _ in window)
@@ -169,6 +180,7 @@ class ThroughputMeter(Callback):
     def _clock(self, trainer: L.Trainer) -> StepClock:
         if self.clock is None:  # a batch hook before on_train_start (a subclass, or a test driving hooks)
             self.clock = StepClock(trainer.strategy.root_device)
+            self._world = trainer.world_size
         return self.clock
 
     def _collect(self, wait: bool) -> None:

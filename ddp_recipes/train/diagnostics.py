@@ -158,6 +158,8 @@ class DDPDiagnostics(Callback):
         self._grads_checked: set[int] = set()
         self._loss_sum: Tensor | None = None
         self._loss_count = 0
+        # The epoch's mean loss is compared across ranks: one process has nothing to compare it with.
+        self._track_loss = trainer is None or trainer.world_size > 1
         self._wait = [0.0, 0.0, 0]  # steady seconds waiting, steady seconds in steps, steps timed (per fit)
         self._intervals = 0
         self._batch_end: float | None = None
@@ -277,6 +279,9 @@ class DDPDiagnostics(Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if not self._track_loss:
+            self._time_input_wait(trainer)
+            return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, Tensor) and loss.numel() == 1:
             value = loss.detach()

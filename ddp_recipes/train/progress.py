@@ -36,6 +36,7 @@ class LoggedMetricsBar(TQDMProgressBar):
         self.written: dict[str, float] = {}
         self._wrapped: tuple[Any, Any] | None = None
         self._named = False
+        self._logged = False  # the logger wrote since the last batch end: look for per-step bar metrics then
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -47,6 +48,7 @@ class LoggedMetricsBar(TQDMProgressBar):
             def log_metrics(metrics: dict[str, Any], step: int | None = None) -> None:
                 # Lightning hands its loggers Python floats (converted once, for every logger): keep ours.
                 self.written.update({k: v for k, v in metrics.items() if k in self.keys})
+                self._logged = True
                 original(metrics, step)
 
             logger.log_metrics = log_metrics  # an instance attribute: this trainer's logger only
@@ -68,11 +70,18 @@ class LoggedMetricsBar(TQDMProgressBar):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        # Looked for at the first batch end and at log steps (a metric first logged there is read from then on),
-        # until one is named: a dictionary walk, kept off the other steps.
-        if not self._named and (batch_idx == 0 or trainer._logger_connector.should_update_logs):
+        # Looked for at each epoch's first batch end, after the logger wrote (Lightning reads a metric from its
+        # first log step on) and at epoch ends, until one is named: a dictionary walk, kept off the other steps.
+        if not self._named and (self._logged or batch_idx == 0):
+            self._logged = False
             self._named = name_per_step_bar_metrics(trainer)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._named:  # a run with no logger: its epochs' metrics
+            self._named = name_per_step_bar_metrics(trainer)
+        super().on_train_epoch_end(trainer, pl_module)
 
 
 def per_step_bar_metrics(trainer: L.Trainer) -> list[str]:

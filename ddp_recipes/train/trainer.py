@@ -33,6 +33,7 @@ from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage import location
 from ddp_recipes.train.callbacks import BatchFitsData
 from ddp_recipes.train.diagnostics import DDPDiagnostics
+from ddp_recipes.train.hooks import SkipUnusedHooks
 from ddp_recipes.train.perf import BF16Check, InputWaitProfiler, TF32Setting, configure_tf32
 from ddp_recipes.train.progress import LoggedMetricsBar, ModelTable
 
@@ -184,6 +185,8 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         callbacks.append(DDPDiagnostics(lr_scaling=plan.lr_scaling, warmup_epochs=plan.warmup_epochs,
                                         reference_batch=plan.reference_batch, global_batch=global_batch,
                                         library=lifecycle is not None and lifecycle.library))
+    if not any(isinstance(c, SkipUnusedHooks) for c in callbacks):
+        callbacks.append(SkipUnusedHooks())  # no callback's empty per-batch hooks on the step's path
     ddp = plan.ddp
     if "strategy" not in trainer_kwargs:
         if plan.distributed:
