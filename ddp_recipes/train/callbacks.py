@@ -18,7 +18,6 @@ from ddp_recipes.errors import ConfigError
 from ddp_recipes.train.diagnostic_rules import batch_size_of
 from ddp_recipes.train.perf import StepClock, input_wait, peak_flops
 
-
 #: Steps between moves of the intervals the device has passed into ``intervals`` (and at each report).
 COLLECT_EVERY = 32
 
