@@ -14,24 +14,20 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
-from lightning.pytorch.callbacks import Callback
-
-from ddp_recipes.checkpointing.checkpoint import check_compatible
+# Only the flags' modules at import: --help and a bad flag are answered before torch and Lightning load (seconds);
+# the rest is imported where it is used, after the flags are read.
 from ddp_recipes.config.choices import MNISTArch
 from ddp_recipes.config.cli import fail, opt, parse_config
 from ddp_recipes.config.run_config import RunConfig, changed_fields
-from ddp_recipes.data.base import known_train_size
-from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs
-from ddp_recipes.train.run import has_loader, run_fit_test
-from ddp_recipes.train.start import open_run
-from ddp_recipes.train.surface import without_validation
-from ddp_recipes.train.userclass import construct_datamodule, model_kwargs
+
+if TYPE_CHECKING:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from ddp_recipes.modules.mnist import MNISTClassifier
 
 PROG = "python -m recipes.mnist"
 
@@ -58,15 +54,19 @@ class MNISTConfig(RunConfig):
     DEFAULT_OUTPUT_ROOT = "runs/mnist"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        # The recipe's own values first: RunConfig's resolution may ask torch about CUDA (seconds to import).
         if self.val_size < 0:
             raise ConfigError(f"{{val_size}} must be >= 0 (got {self.val_size})")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"{{momentum}} must be in [0, 1) (got {self.momentum})")
+        super().__post_init__()
 
 
 def build_datamodule(cfg: MNISTConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
     """The recipe's MNIST, or a user's DataModule class given the values of the flags it declares."""
+    from ddp_recipes.data.mnist import MNISTDataModule
+    from ddp_recipes.train.userclass import construct_datamodule
+
     offered = dict(data_dir=cfg.data_dir, batch_size=cfg.plan.batch.per_device, val_size=cfg.val_size,
                    seed=cfg.seed, num_workers=cfg.plan.num_workers, download=cfg.download)
     if cls is None:
@@ -81,8 +81,12 @@ def model_args(cfg: MNISTConfig) -> dict:
                 warmup_epochs=cfg.warmup_epochs, cosine=cfg.cosine)
 
 
-def build_model(cfg: MNISTConfig, cls: type[MNISTClassifier] = MNISTClassifier) -> MNISTClassifier:
+def build_model(cfg: MNISTConfig, cls: type[MNISTClassifier] | None = None) -> MNISTClassifier:
     """The module of ``cfg`` (``cls``: the recipe's or a user's subclass)."""
+    from ddp_recipes.modules.mnist import MNISTClassifier
+    from ddp_recipes.train.userclass import model_kwargs
+
+    cls = cls or MNISTClassifier
     return cls(**model_kwargs(cls, model_args(cfg)))
 
 
@@ -99,6 +103,15 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
     as ``--trainer KEY=VALUE`` (which overrides them). Build them in every rank: this runs in each.
     """
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
+    from ddp_recipes.checkpointing.checkpoint import check_compatible
+    from ddp_recipes.data.base import known_train_size
+    from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
+    from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs
+    from ddp_recipes.train.run import has_loader, run_fit_test
+    from ddp_recipes.train.start import open_run
+    from ddp_recipes.train.surface import without_validation
+    from ddp_recipes.train.userclass import model_kwargs
+
     try:
         run = open_run(cfg, MNISTClassifier, model_cls, datamodule_cls, callbacks, logger, trainer_kwargs)
         classes = run.classes

@@ -18,11 +18,11 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
-from lightning.pytorch.callbacks import Callback
-
+# Only the flags' modules at import: --help and a bad flag are answered before torch, torchvision and Lightning
+# load (seconds); the rest is imported where it is used, after the flags are read.
+from ddp_recipes.config.augment import AugmentArgs
 from ddp_recipes.config.choices import (
     AutoAugment,
     Decode,
@@ -33,24 +33,22 @@ from ddp_recipes.config.choices import (
     WarmupMethod,
 )
 from ddp_recipes.config.cli import fail, opt, parse_config
+from ddp_recipes.config.ema import EMAArgs
+from ddp_recipes.config.finetune import FineTuning
+from ddp_recipes.config.hparams import check_training_hparams
+from ddp_recipes.config.optim import OptimizerArgs
 from ddp_recipes.config.run_config import RunConfig, build_from, changed_fields
-from ddp_recipes.data.augment import AugmentArgs
-from ddp_recipes.data.base import known_train_size
-from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
-from ddp_recipes.data.unreadable import describe as describe_unreadable
+from ddp_recipes.config.schedule import ReferenceSchedule, ScheduleArgs
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.modules import preflight
-from ddp_recipes.modules.pretrained import FineTuning, FineTuningRecord, PretrainedWeights, resolve_weights
-from ddp_recipes.modules.resnet import RESNET_FAMILY, ResNetClassifier, arch_features, check_training_hparams
-from ddp_recipes.optim.ema import EMAArgs, ModelEMA, ema_for_run, ema_state_dict
-from ddp_recipes.optim.optimizers import OptimizerArgs
-from ddp_recipes.optim.schedules import ReferenceSchedule, ScheduleArgs
-from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs
-from ddp_recipes.train.run import has_loader, run_fit_test, run_test_only
-from ddp_recipes.train.start import RunStart, open_run
-from ddp_recipes.train.summary import RankCounts
-from ddp_recipes.train.surface import without_validation
-from ddp_recipes.train.userclass import construct_datamodule, model_kwargs
+
+if TYPE_CHECKING:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from ddp_recipes.modules.pretrained import PretrainedWeights
+    from ddp_recipes.modules.resnet import ResNetClassifier
+    from ddp_recipes.optim.ema import ModelEMA
+    from ddp_recipes.train.start import RunStart
 
 PROG = "python -m recipes.resnet"
 # The module's arguments the recipe always passes (besides num_classes and lr), and those it passes when set.
@@ -159,33 +157,43 @@ class ResNetConfig(RunConfig):
         return 0 if self.data == "synthetic" else super().default_num_workers(devices_per_node)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.data == "cifar10" or (self.image_size is None and not self.weights):
-            self.image_size = 32
-        # Each component's settings check themselves: values, and flags that would have no effect.
+        # First the recipe's own values, checked without torch and without changing a field: a bad one is
+        # answered before torch loads. Each component's settings check themselves: values, and flags that would
+        # have no effect.
         schedule = build_from(ScheduleArgs, self)
         build_from(EMAArgs, self, EMA_FLAGS)
         build_from(OptimizerArgs, self)
         _ = self.augment
         check_training_hparams(vars(self))  # the module's own check: momentum, nesterov, schedule, ...
+        if self.num_classes is not None and self.num_classes < 1:
+            raise ConfigError(f"{{num_classes}} must be >= 1 (got {self.num_classes})")
+        if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
+            raise ConfigError("{synthetic_samples} must be >= 1 and {synthetic_val_samples} >= 0")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"{{clip_grad_norm}} must be > 0 (got {self.clip_grad_norm})")
+        # Then the run's: it keeps the values as asked before the defaults below are filled in, and resolving the
+        # accelerator may ask torch about CUDA.
+        super().__post_init__()
+        # Last what needs torchvision (the architectures, the weights) or the plan.
+        from ddp_recipes.modules.resnet import RESNET_FAMILY, arch_features
+
+        if self.data == "cifar10" or (self.image_size is None and not self.weights):
+            self.image_size = 32
         self.cosine = schedule.decays_cosine
         self._resolve_weights()
         _ = self.fine_tuning
         if self.cifar_stem is None:
             # Pretrained weights come with the stem they were trained with.
             self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY and not self.weights
-        if self.num_classes is not None and self.num_classes < 1:
-            raise ConfigError(f"{{num_classes}} must be >= 1 (got {self.num_classes})")
-        if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
-            raise ConfigError("{synthetic_samples} must be >= 1 and {synthetic_val_samples} >= 0")
         arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ConfigError(f"{{clip_grad_norm}} must be > 0 (got {self.clip_grad_norm})")
 
     def _resolve_weights(self) -> None:
         """Resolve ``--weights`` (no file read); on an image folder the weights' crop is the default image size."""
         self.__dict__["_pretrained"] = None
         if self.weights:
+            from ddp_recipes.modules.pretrained import resolve_weights
+            from ddp_recipes.modules.resnet import arch_features
+
             arch_features(self.arch, False, 0.0, False)  # a known --arch before its weights are looked up
             self.__dict__["_pretrained"] = resolve_weights(self.arch, self.weights)
             preset = self.pretrained.eval_preset()
@@ -217,6 +225,9 @@ class ResNetConfig(RunConfig):
 
 def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
     """The recipe's data (--data), or a user's DataModule class given the values of the flags it declares."""
+    from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
+    from ddp_recipes.train.userclass import construct_datamodule
+
     batch, workers = cfg.plan.batch.per_device, cfg.plan.num_workers
     augment, crops = cfg.augment.policy(), cfg.augment.crops()
     preset = cfg.pretrained.eval_preset() if cfg.pretrained is not None else None
@@ -267,14 +278,20 @@ def model_args(cfg: ResNetConfig, num_classes: int, resumed: bool = False) -> di
     return {**args, "num_classes": num_classes, "lr": cfg.plan.lr, **reference}
 
 
-def build_model(cfg: ResNetConfig, num_classes: int, cls: type[ResNetClassifier] = ResNetClassifier,
+def build_model(cfg: ResNetConfig, num_classes: int, cls: type[ResNetClassifier] | None = None,
                 resumed: bool = False) -> ResNetClassifier:
-    """The module of ``cfg`` (``cls``: the recipe's or a user's subclass)."""
+    """The module of ``cfg`` (``cls``: the recipe's or a user's subclass; None: :class:`ResNetClassifier`)."""
+    from ddp_recipes.modules.resnet import ResNetClassifier
+    from ddp_recipes.train.userclass import model_kwargs
+
+    cls = cls or ResNetClassifier
     return cls(**model_kwargs(cls, model_args(cfg, num_classes, resumed)))
 
 
 def ema_callback(cfg: ResNetConfig) -> ModelEMA:
     """``--model-ema``: the decay adjusted as torchvision's reference does (:func:`ema_for_run`)."""
+    from ddp_recipes.optim.ema import ema_for_run
+
     plan = cfg.plan
     step_batch = plan.batch.per_device * plan.batch.accumulation
     return ema_for_run(build_from(EMAArgs, cfg, EMA_FLAGS), plan.world_size, step_batch, plan.max_epochs)
@@ -293,6 +310,8 @@ def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
 
 def eval_sets(cfg: ResNetConfig, run: RunStart, datamodule: L.LightningDataModule) -> tuple[bool, bool]:
     """Whether the data has a validation set and a test set (the recipe's own data: the same one)."""
+    from ddp_recipes.train.run import has_loader
+
     if run.classes.datamodule is None:
         has_val = cfg.data != "synthetic" or cfg.synthetic_val_samples > 0
         return has_val, has_val
@@ -305,6 +324,11 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
     ``--image-size``, the input the architecture takes, the checkpoint's network and optimizer state against
     this run's, a weights file against the network, the module's arguments, the flags a subclass ignores, and
     what ``--test-only`` needs."""
+    from ddp_recipes.data.base import known_train_size
+    from ddp_recipes.modules import preflight
+    from ddp_recipes.optim.ema import ema_state_dict
+    from ddp_recipes.train.userclass import model_kwargs
+
     model_class, resume, checkpoint = run.classes.model_class, run.resume, run.checkpoint
     if not cfg.test_only and run.classes.datamodule is None:  # a DataModule of yours: checked in the ranks
         cfg.check_batch_fits(known_train_size(datamodule))
@@ -337,6 +361,12 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
 def train_and_test(cfg: ResNetConfig, run: RunStart, model: Any, datamodule: L.LightningDataModule,
                    has_val: bool, has_test: bool) -> dict:
     """Fit with the recipe's callbacks (checkpoints, ``--model-ema``, the fine-tuning record), then test."""
+    from ddp_recipes.modules.pretrained import FineTuningRecord
+    from ddp_recipes.train.checkpoints import checkpoint_callbacks
+    from ddp_recipes.train.run import run_fit_test
+    from ddp_recipes.train.summary import RankCounts
+    from ddp_recipes.train.surface import without_validation
+
     own_data = run.classes.datamodule is None
     how = ("give it some with {synthetic_val_samples} N" if own_data
            else f"give {type(datamodule).__name__} a val_dataloader")
@@ -371,6 +401,12 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
     as ``--trainer KEY=VALUE`` (which overrides them). Build them in every rank: this runs in each.
     """
     cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
+    from ddp_recipes.data.unreadable import describe as describe_unreadable
+    from ddp_recipes.modules.resnet import ResNetClassifier
+    from ddp_recipes.train.checkpoints import discard_unused_output_dirs
+    from ddp_recipes.train.run import run_test_only
+    from ddp_recipes.train.start import open_run
+
     try:
         run = open_run(cfg, ResNetClassifier, model_cls, datamodule_cls, callbacks, logger, trainer_kwargs,
                        training=not cfg.test_only)

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddp_recipes.config.choices import COMM_HOOKS, LR_SCALING_RULES, START_METHODS, check_choice
+from ddp_recipes.config.choices import (
+    ACCELERATORS,
+    COMM_HOOKS,
+    LR_SCALING_RULES,
+    PRECISIONS,
+    START_METHODS,
+    check_choice,
+)
 from ddp_recipes.config.world import (
     check_devices,
     resolve_accelerator,
@@ -249,12 +256,15 @@ class RunPlan:
                 _int_at_least(-1, " (-1: no limit)")(name, facts[name])
         if lr_scaling is not None:
             check_choice("lr_scaling", lr_scaling, LR_SCALING_RULES)
-        accel = resolve_accelerator(accelerator)
-        check_devices(devices, accel)
         batch = None
         if default_batch is not None or per_device_batch is not None or global_batch is not None:
             batch = BatchPlan.solve(devices * num_nodes, per_device_batch, accumulate_grad_batches, global_batch,
                                     default_batch or 1)
+        # Last: 'auto' and 'cuda' ask torch about CUDA (seconds to import); the flags' own arithmetic fails first.
+        check_choice("precision", precision, PRECISIONS)
+        check_choice("accelerator", accelerator.lower(), ACCELERATORS)
+        accel = resolve_accelerator(accelerator)
+        check_devices(devices, accel)
         return cls(devices=devices, num_nodes=num_nodes, accelerator=accel,
                    precision=resolve_precision(precision, accel), ddp=ddp or DDPOptions(), batch=batch,
                    accumulation=batch.accumulation if batch else accumulate_grad_batches or 1,

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from ddp_recipes.config.choices import ACCELERATORS, PRECISIONS, check_choice
 from ddp_recipes.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where CUDA is asked about, not here: a recipe's --help and its flag errors are answered before
+# torch loads (seconds), and a CPU run's config never needs it.
 
 # Launchers that give every process node 0's address and its own ranks (SLURM, LSF, MPI).
 SCHEDULER_VARS = ("SLURM_NTASKS", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -126,6 +131,8 @@ def resolve_world(devices: int | None, num_nodes: int | None) -> tuple[int, int]
 
 def cuda_devices() -> int:
     """CUDA devices this process can see (0 without CUDA)."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -137,6 +144,8 @@ def resolve_accelerator(accelerator: str = "auto") -> str:
         return "cuda" if cuda_devices() else "cpu"
     if accelerator in ("gpu", "cuda"):
         if not cuda_devices():
+            import torch
+
             raise ConfigError(f"{{accelerator}} {accelerator} but torch {torch.__version__} sees no CUDA device; "
                               "use {accelerator} cpu")
         return "cuda"
@@ -179,6 +188,8 @@ def check_bf16_device(precision: str, device: torch.device) -> None:
     """
     if not precision.startswith("bf16") or device.type != "cuda":
         return
+    import torch
+
     with torch.cuda.device(device):
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return

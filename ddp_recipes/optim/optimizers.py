@@ -10,43 +10,20 @@ parameters and biases their own weight decay (``--norm-weight-decay``, ``--bias-
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torchvision.ops._utils import split_normalization_params
 
 from ddp_recipes.config.choices import OPTIMIZERS, check_choice
-from ddp_recipes.config.run_config import refuse_unused
+from ddp_recipes.config.optim import WITH_MOMENTUM as WITH_MOMENTUM
+from ddp_recipes.config.optim import OptimizerArgs
 from ddp_recipes.errors import ConfigError
 
 __all__ = ["OPTIMIZERS", "OptimizerArgs", "build_optimizer", "optimizer_state_kind", "param_groups", "split_backbone"]
 
-# The optimizers that take a momentum (AdamW has none).
-WITH_MOMENTUM = ("sgd", "sgd_nesterov", "rmsprop")
-
-
-@dataclass(frozen=True)
-class OptimizerArgs:
-    """The reference's optimizer settings as a recipe's flags give them; ``__post_init__`` refuses a momentum
-    the optimizer has no use for and a negative per-group weight decay."""
-
-    optimizer: str = "sgd"
-    """One of :data:`OPTIMIZERS`."""
-    momentum: float = 0.9
-    """Momentum of SGD and RMSprop."""
-    norm_weight_decay: float = 0.0
-    """Weight decay of normalization layers."""
-    bias_weight_decay: float = 0.0
-    """Weight decay of biases."""
-
-    def __post_init__(self) -> None:
-        refuse_unused(self, [(self.optimizer not in WITH_MOMENTUM, ("momentum",),
-                              "{optimizer} sgd, sgd_nesterov or rmsprop (AdamW has none)")])
-        for name in ("norm_weight_decay", "bias_weight_decay"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ConfigError(f"{{{name}}} must be >= 0 (got {value})", name)
+# OptimizerArgs and WITH_MOMENTUM live in ddp_recipes.config.optim, torch-free: a recipe checks its flags before
+# torch loads.
 
 
 def optimizer_state_kind(name: str | None) -> str:

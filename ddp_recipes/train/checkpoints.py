@@ -134,6 +134,8 @@ def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
     if chosen is None:
         number = (numbers[0] + 1) if numbers else 0
         if create and will_be_global_zero():
+            # runs/<recipe> itself too, where this run made it: a refused first run leaves no empty folder at all
+            _MADE.extend(reversed([p for p in (root, *root.parents) if not p.exists()]))
             root.mkdir(parents=True, exist_ok=True)
             while True:
                 try:

@@ -133,3 +133,15 @@ def test_validation_set_smaller_than_the_world_stops_every_rank(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = "error: the validation set has 1 sample(s) for 2 ranks"
     assert proc.stderr.count(line) == 2 and "Traceback" not in proc.stderr  # both ranks, one line each
+
+
+def test_a_missing_data_dir_with_the_default_output_dir_creates_nothing(tmp_path, capsys, monkeypatch):
+    """The default output dir is runs/mnist/version_N under the working directory: a run refused for its data
+    leaves neither version_N nor the runs/mnist it made (nor the missing folder's MNIST/raw)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()  # a folder the user had: it stays
+    with pytest.raises(SystemExit) as exc:
+        mnist.main(["--data-dir", "nope", "--accelerator", "cpu", "--max-steps", "2", "--no-download"])
+    assert exc.value.code == 2
+    assert "--data-dir" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["runs"]

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from ddp_recipes.modules.resnet import ResNetClassifier
 from recipes import resnet
 from tests.helpers import CodeOnLoad, weights
 from tests.launch import run
@@ -32,7 +33,7 @@ def test_two_devices_sync_batchnorm_smoke(tmp_path):
     assert "test_acc" in summary
     # Checkpoints hold plain BatchNorm keys: loadable by the user's unsynced model.
     state = weights(tmp_path / "checkpoints" / "last.ckpt")
-    model = resnet.ResNetClassifier(arch="resnet18", num_classes=10, cifar_stem=True)
+    model = ResNetClassifier(arch="resnet18", num_classes=10, cifar_stem=True)
     model.load_state_dict(state)
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ddp_recipes.checkpointing.ownership import ATTEMPTS_DIR
+from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.train.attempts import read_attempts, stop_costs
 from recipes import resnet
 
@@ -53,7 +54,7 @@ def test_a_run_and_its_continuation_leave_two_records_and_one_stop(tmp_path):
     assert 0 < stops["goodput"] <= 1 and stops["training_seconds"] <= stops["wall_seconds"]
 
 
-class _BrokenOptimizers(resnet.ResNetClassifier):
+class _BrokenOptimizers(ResNetClassifier):
     """Fails after the run claimed its folder and before on_fit_start (Lightning sets up the optimizers there)."""
 
     def configure_optimizers(self):
