@@ -48,13 +48,14 @@ from typing_extensions import override
 # Registers "tuned_ddp" in Lightning's strategy registry: a LightningCLI run that names one of the pack's
 # modules (--model ddp_recipes.MNISTClassifier --trainer.strategy tuned_ddp) imports nothing else of the pack.
 import ddp_recipes.ddp.strategy  # noqa: F401
+from ddp_recipes.config.schedule import ReferenceSchedule
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.ddp.rewrap import rewrap_ddp
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.logging import SyncFreeMean, TrainLossLogging
 from ddp_recipes.optim.ema import ModelEMA
 from ddp_recipes.optim.optimizers import build_optimizer, split_backbone
-from ddp_recipes.optim.schedules import ReferenceSchedule, lightning_reference_scheduler, lightning_scheduler
+from ddp_recipes.optim.schedules import lightning_reference_scheduler, lightning_scheduler
 
 STAGES = ("val", "test")
 

@@ -32,6 +32,7 @@ from torchvision import models
 from typing_extensions import override
 
 from ddp_recipes.config.hparams import check_training_hparams
+from ddp_recipes.config.schedule import ReferenceSchedule
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.classifier import ImageClassifier
@@ -45,7 +46,6 @@ from ddp_recipes.modules.pretrained import (
     resolve_weights,
 )
 from ddp_recipes.optim.optimizers import param_groups
-from ddp_recipes.optim.schedules import ReferenceSchedule
 
 # Every torchvision classification model (not detection/segmentation/video: those take other inputs).
 ARCHS = tuple(models.list_models(module=models))

@@ -5,7 +5,13 @@ builds the profiler's action name from ``callback.state_key`` (for ``ModelCheckp
 string) and enters the profiler's context, then calls the base class's empty method. Six hooks a training
 step, some ten callbacks in a pack run: more host time than an MNIST-MLP step's own hooks. Lightning skips a
 hook that is not callable, so for the run a hook the callback's class leaves as :class:`Callback`'s empty one
-is set to ``None`` on the instance, and given back at teardown.
+is set to ``None`` on the instance, and given back when the run ends (teardown, or an exception).
+
+Only callbacks of Lightning's and of the pack's own classes are touched: a user's callback class keeps every
+hook it inherits (code of the user's may call it directly). During the run a touched callback's unimplemented
+per-batch hook is ``None``: code that calls such a hook of another callback directly should test ``callable``
+first, or take this callback out (``trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c,
+SkipUnusedHooks)]`` before ``fit``).
 """
 
 from __future__ import annotations
@@ -23,11 +29,20 @@ PER_BATCH = ("on_train_batch_start", "on_train_batch_end", "on_before_backward",
              "on_predict_batch_end")
 
 
+#: Where the classes come from whose callbacks are touched: Lightning's own and the pack's.
+OWN_PACKAGES = ("lightning.", "pytorch_lightning.", "ddp_recipes.")
+
+
 def unused_hooks(callback: Callback) -> list[str]:
     """The per-batch hooks ``callback`` leaves empty: its class's is :class:`Callback`'s own and the instance
-    sets none of its own."""
-    return [name for name in PER_BATCH if name not in vars(callback)
+    sets none of its own (a ``None`` left there by a run that ended without giving it back counts as none)."""
+    return [name for name in PER_BATCH if vars(callback).get(name) is None
             and getattr(type(callback), name, None) is getattr(Callback, name)]
+
+
+def touched(callback: Callback) -> bool:
+    """Whether :class:`SkipUnusedHooks` takes ``callback``'s unused hooks off: a class of Lightning's or the pack's."""
+    return type(callback).__module__.startswith(OWN_PACKAGES)
 
 
 class SkipUnusedHooks(Callback):
@@ -42,6 +57,8 @@ class SkipUnusedHooks(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._give_back()
         for callback in trainer.callbacks:
+            if not touched(callback):
+                continue
             for name in unused_hooks(callback):
                 setattr(callback, name, None)  # Lightning's loop: `if callable(fn)`
                 self._skipped.append((callback, name))
@@ -49,6 +66,10 @@ class SkipUnusedHooks(Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._give_back()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._give_back()  # Lightning calls no teardown hook of a run that raised
 
     def _give_back(self) -> None:
         # A callback outside the run (a user's wrapper calling it, another Trainer) sees its class's hooks again.

@@ -11,6 +11,7 @@ once, with its cost and the fix.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import lightning as L
@@ -37,6 +38,7 @@ class LoggedMetricsBar(TQDMProgressBar):
         self._wrapped: tuple[Any, Any] | None = None
         self._named = False
         self._logged = False  # the logger wrote since the last batch end: look for per-step bar metrics then
+        self._next_look = sys.maxsize  # without a logger: the optimizer step to look at next (the log cadence)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -71,11 +73,24 @@ class LoggedMetricsBar(TQDMProgressBar):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         # Looked for at each epoch's first batch end, after the logger wrote (Lightning reads a metric from its
-        # first log step on) and at epoch ends, until one is named: a dictionary walk, kept off the other steps.
-        if not self._named and (self._logged or batch_idx == 0):
+        # first log step on; without a logger, at the steps it would have logged) and at epoch ends, until one
+        # is named: a dictionary walk, kept off the other steps (one integer compare without a logger).
+        if not self._named and (self._logged or batch_idx == 0 or trainer.global_step >= self._next_look):
             self._logged = False
             self._named = name_per_step_bar_metrics(trainer)
+            if self._next_look != sys.maxsize:
+                self._next_look = self._following_log_step(trainer)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._next_look = sys.maxsize if self._wrapped is not None else self._following_log_step(trainer)
+
+    @staticmethod
+    def _following_log_step(trainer: L.Trainer) -> int:
+        every = int(trainer.log_every_n_steps or 0)
+        return (trainer.global_step // every + 1) * every if every > 0 else sys.maxsize
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -186,7 +186,8 @@ def run_test_only(cfg: RunConfig, build_model: Callable[[], L.LightningModule], 
     holds EMA weights (``--model-ema``) they are evaluated too (``test_acc_ema``, ...). Writes
     ``<output-dir>/test.json`` on rank 0 and returns the same dict on every rank. ``user_callbacks`` and
     ``trainer_kwargs`` are the run's own (:mod:`ddp_recipes.train.surface`); no logger unless one is given."""
-    from ddp_recipes.optim.ema import EMAArgs, ModelEMA, ema_state_dict
+    from ddp_recipes.config.ema import EMAArgs
+    from ddp_recipes.optim.ema import ModelEMA, ema_state_dict
 
     out = output_folder(cfg)
     callbacks: list[Callback] = []

@@ -103,6 +103,42 @@ def test_a_users_per_step_bar_metric_is_named_once_with_its_cost(tmp_path):
     assert [row["reads"] for row in counter.rows if not row["logs"]] == [1] * (WINDOW - 2)
 
 
+class _LateBarLoss(MNISTClassifier):
+    """A user's per-step progress-bar metric logged only from step 15 on."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step >= 15:
+            self.log("late_loss", loss.detach(), prog_bar=True)
+        return loss
+
+
+class _WarnedAt(Callback):
+    """The optimizer step at which the [per-step-read] warning came."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.step is None and trainer.progress_bar_callback._named:
+            self.step = trainer.global_step
+
+
+@pytest.mark.parametrize("logger", [True, False])
+def test_a_per_step_bar_metric_first_logged_later_is_named_at_the_next_log_step(tmp_path, logger):
+    cfg = RunConfig(devices=1, accelerator="cpu", max_steps=60, batch_size=BATCH, output_dir=str(tmp_path),
+                    num_workers=0, log_every_n_steps=10)
+    train, val = _data()
+    warned = _WarnedAt()
+    kwargs = {} if logger else {"logger": False}
+    trainer = make_trainer(cfg, callbacks=[warned], enable_checkpointing=False, limit_train_batches=50, **kwargs)
+    with pytest.warns(UserWarning, match=r"\[per-step-read\] 'late_loss'"):
+        trainer.fit(_LateBarLoss(), _Tensors(train, val, BATCH, cfg.seed))
+    # first logged at step 16's batch (global_step 15 during it): named by step 20's log step (the logger's
+    # write is seen at the batch end after it), not at the epoch end (step 50)
+    assert warned.step is not None and warned.step <= 21, warned.step
+
+
 def test_the_recipes_bar_shows_the_loss_the_logger_wrote(tmp_path):
     from ddp_recipes.train.progress import LoggedMetricsBar
 

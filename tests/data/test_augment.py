@@ -286,7 +286,7 @@ def test_cifar10_options_reach_the_pipeline(tmp_path):
 
 
 def test_augment_args_refuse_what_the_policy_or_the_data_does_not_read():
-    from ddp_recipes.data.augment import AugmentArgs
+    from ddp_recipes.config.augment import AugmentArgs
 
     AugmentArgs(auto_augment="ra", ra_magnitude=5).check_data("imagefolder")
     for kwargs, message in [(dict(augmix_severity=5), "augmix_severity has no effect without auto_augment augmix"),

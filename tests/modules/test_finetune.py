@@ -435,7 +435,7 @@ def test_two_ranks_kill_and_resume_across_the_unfreeze_point_is_exact(phase, hub
 
 
 def test_fine_tuning_refuses_what_the_run_around_it_cannot_combine_with():
-    from ddp_recipes.modules.pretrained import FineTuning
+    from ddp_recipes.config.finetune import FineTuning
 
     assert not FineTuning().fine_tunes and FineTuning(backbone_lr_mult=0.5).fine_tunes
     FineTuning(freeze_backbone=True, unfreeze_at_epoch=2, max_epochs=3)

@@ -21,11 +21,11 @@ from torch.optim.lr_scheduler import (
 )
 
 from ddp_recipes.config.choices import LR_SCHEDULERS, OPTIMIZERS
+from ddp_recipes.config.schedule import ReferenceSchedule
 from ddp_recipes.errors import ConfigError, flag
 from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.optim.optimizers import build_optimizer, param_groups
 from ddp_recipes.optim.schedules import (
-    ReferenceSchedule,
     lightning_reference_scheduler,
     reference_scheduler,
 )
@@ -310,7 +310,7 @@ def test_lightning_fit_steps_per_optimizer_step():
 
 
 def test_schedule_args_refuse_what_the_chosen_schedule_does_not_read():
-    from ddp_recipes.optim.schedules import ScheduleArgs
+    from ddp_recipes.config.schedule import ScheduleArgs
 
     assert ScheduleArgs().decays_cosine and ScheduleArgs().reference is None
     steps = ScheduleArgs(lr_scheduler="steplr", lr_step_size=5)
@@ -329,7 +329,8 @@ def test_schedule_args_refuse_what_the_chosen_schedule_does_not_read():
 
 
 def test_optimizer_args_refuse_a_momentum_adamw_has_not():
-    from ddp_recipes.optim.optimizers import OptimizerArgs, optimizer_state_kind
+    from ddp_recipes.config.optim import OptimizerArgs
+    from ddp_recipes.optim.optimizers import optimizer_state_kind
 
     OptimizerArgs(optimizer="rmsprop", momentum=0.5)
     with pytest.raises(ConfigError, match="momentum has no effect without optimizer sgd, sgd_nesterov or rmsprop"):
@@ -343,7 +344,7 @@ def test_build_from_names_the_config_fields():
     from dataclasses import dataclass
 
     from ddp_recipes.config.run_config import build_from
-    from ddp_recipes.optim.ema import EMAArgs
+    from ddp_recipes.config.ema import EMAArgs
 
     @dataclass
     class Flags:
