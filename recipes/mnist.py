@@ -53,13 +53,11 @@ class MNISTConfig(RunConfig):
     DEFAULT_EXPERIMENT = "mnist"
     DEFAULT_OUTPUT_ROOT = "runs/mnist"
 
-    def __post_init__(self) -> None:
-        # The recipe's own values first: RunConfig's resolution may ask torch about CUDA (seconds to import).
+    def check_values(self) -> None:
         if self.val_size < 0:
             raise ConfigError(f"{{val_size}} must be >= 0 (got {self.val_size})")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"{{momentum}} must be in [0, 1) (got {self.momentum})")
-        super().__post_init__()
 
 
 def build_datamodule(cfg: MNISTConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:

@@ -156,32 +156,31 @@ class ResNetConfig(RunConfig):
         # Synthetic data are in-memory tensors: no decode to overlap, so no workers unless asked.
         return 0 if self.data == "synthetic" else super().default_num_workers(devices_per_node)
 
-    def __post_init__(self) -> None:
-        # First the recipe's own values, checked without torch and without changing a field: a bad one is
-        # answered before torch loads. Each component's settings check themselves: values, and flags that would
-        # have no effect.
-        schedule = build_from(ScheduleArgs, self)
+    def check_values(self) -> None:
+        # Each component's settings check themselves (values, and flags that would have no effect), as does the
+        # module's own check of its training values; none of them needs torch.
+        build_from(ScheduleArgs, self)
         build_from(EMAArgs, self, EMA_FLAGS)
         build_from(OptimizerArgs, self)
-        _ = self.augment
-        check_training_hparams(vars(self))  # the module's own check: momentum, nesterov, schedule, ...
+        build_from(AugmentArgs, self)
+        check_training_hparams(vars(self))
         if self.num_classes is not None and self.num_classes < 1:
             raise ConfigError(f"{{num_classes}} must be >= 1 (got {self.num_classes})")
         if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
             raise ConfigError("{synthetic_samples} must be >= 1 and {synthetic_val_samples} >= 0")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"{{clip_grad_norm}} must be > 0 (got {self.clip_grad_norm})")
-        # Then the run's: it keeps the values as asked before the defaults below are filled in, and resolving the
-        # accelerator may ask torch about CUDA.
-        super().__post_init__()
-        # Last what needs torchvision (the architectures, the weights) or the plan.
-        from ddp_recipes.modules.resnet import RESNET_FAMILY, arch_features
 
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the shared flags, this recipe's (check_values), then the plan
         if self.data == "cifar10" or (self.image_size is None and not self.weights):
             self.image_size = 32
-        self.cosine = schedule.decays_cosine
+        self.cosine = build_from(ScheduleArgs, self).decays_cosine
+        build_from(FineTuning, self, max_epochs=self.plan.max_epochs)  # checked against the plan's epochs
+        # Last what needs torchvision (seconds to import): the architectures and the weights.
+        from ddp_recipes.modules.resnet import RESNET_FAMILY, arch_features
+
         self._resolve_weights()
-        _ = self.fine_tuning
         if self.cifar_stem is None:
             # Pretrained weights come with the stem they were trained with.
             self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY and not self.weights

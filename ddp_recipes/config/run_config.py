@@ -141,9 +141,15 @@ class RunConfig:
         self.trainer = check_trainer_settings(self.trainer, self.TRAINER_OWNED)
         self.callbacks = [callback_spec(spec) for spec in self.callbacks]
         self.__dict__["_asked"].update(trainer=dict(self.trainer), callbacks=list(self.callbacks))  # as read
+        self.check_values()
         # Resolve now, once: a bad combination fails before any process starts, and everything downstream
         # reads the frozen plan instead of re-deriving it.
         self.__dict__["_plan"] = self.resolve()
+
+    def check_values(self) -> None:
+        """A recipe's own flags, checked after the shared ones and before the plan resolves (which may import
+        torch to ask about CUDA): a subclass checks here what needs neither torch nor the plan, changing no field
+        (the values as asked are recorded before), and fills in its defaults after ``super().__post_init__()``."""
 
     # Tracker flags and the trackers they configure (a flag without one of them would be dropped silently).
     _TRACKER_FLAGS: typing.ClassVar[dict[str, tuple[str, ...]]] = {

@@ -129,12 +129,13 @@ def check_trainer_settings(settings: dict[str, Any], owned: dict[str, str],
     message: the flag (``{trainer}``) or a script's keyword (``main(trainer_kwargs=...)``)."""
     if not settings:
         return {}
+    for key in settings:  # before Lightning's signature is read (importing Lightning takes seconds)
+        if str(key) in owned:
+            raise ConfigError(f"{source} {lit(str(key))} is the recipe's own setting; use {owned[str(key)]} instead")
     hints = trainer_hints()
     checked: dict[str, Any] = {}
     for key, value in settings.items():
         name = str(key)
-        if name in owned:
-            raise ConfigError(f"{source} {lit(name)} is the recipe's own setting; use {owned[name]} instead")
         if name not in hints:
             close = difflib.get_close_matches(name, list(hints), n=1)
             if close and close[0] in owned:  # max_epoch: the recipe's --max-epochs, not Trainer's min_epochs

@@ -92,12 +92,13 @@ def refuse_other_runs(cfg: RunConfig, resume: str | None, checkpoint: dict[str, 
         ownership.refuse_foreign_checkpoint(found, given)
 
 
-_MADE: list[Path] = []  # version_N folders this process made (settle_output_dir), for discard_unused_output_dirs
+# Folders the current run made (settle_output_dir, output_folder), for discard_unused_output_dirs.
+_MADE: list[Path] = []
 
 
 def note_made(folder: Path) -> None:
     """``folder`` was made by this process for its run: :func:`discard_unused_output_dirs` removes it if empty."""
-    _MADE.append(folder)
+    _MADE.append(folder.absolute())
 
 
 def discard_unused_output_dirs() -> None:
@@ -118,6 +119,7 @@ def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
     ranks take rank 0's folder once the process group is up. ``--resume auto`` continues the newest N that
     holds a run, ``--resume PATH`` the N whose checkpoint PATH is. ``create`` False (a run that only reads,
     ``--test-only``): a new N is named, not made (the run makes it when it writes there)."""
+    _MADE.clear()  # this run's folders only (absolute): an earlier run of this process keeps what it made
     if cfg.output_dir is not None:
         return
     root = Path(cfg.DEFAULT_OUTPUT_ROOT)
@@ -135,15 +137,17 @@ def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
         number = (numbers[0] + 1) if numbers else 0
         if create and will_be_global_zero():
             # runs/<recipe> itself too, where this run made it: a refused first run leaves no empty folder at all
-            _MADE.extend(reversed([p for p in (root, *root.parents) if not p.exists()]))
+            _MADE.extend(reversed([p.absolute() for p in (root, *root.parents) if not p.exists()]))
             root.mkdir(parents=True, exist_ok=True)
             while True:
                 try:
                     (root / f"{VERSION}{number}").mkdir()
-                    _MADE.append(root / f"{VERSION}{number}")
+                    _MADE.append((root / f"{VERSION}{number}").absolute())
                     break
                 except FileExistsError:
                     number += 1
+                except FileNotFoundError:  # a refused run beside this one removed the empty root it had made
+                    root.mkdir(parents=True, exist_ok=True)
         chosen = root / f"{VERSION}{number}"
     elif will_be_global_zero():
         asked = "--resume auto" if cfg.resume == "auto" else "--resume"

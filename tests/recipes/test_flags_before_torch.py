@@ -31,6 +31,7 @@ SHARED_ERRORS = [
     (["--max-steps", "0"], "--max-steps"),
     (["--precision", "8-true"], "--precision"),  # not one of the choices
     (["--global-batch-size", "100", "--devices", "3"], "--global-batch-size"),  # not divisible by the world
+    (["--trainer", "max_epochs=3"], "--max-epochs"),  # a Trainer setting the recipe owns
 ]
 RECIPE_ERRORS = {
     "recipes.mnist": [(["--val-size", "-1"], "--val-size")],
@@ -39,6 +40,8 @@ RECIPE_ERRORS = {
         (["--random-erase", "2"], "--random-erase"),
         (["--model-ema-decay", "0.5"], "--model-ema-decay"),  # without --model-ema
         (["--unfreeze-at-epoch", "2"], "--unfreeze-at-epoch"),  # without --freeze-backbone
+        # a thaw the run never reaches: checked against the plan's epochs, before torchvision
+        (["--freeze-backbone", "--unfreeze-at-epoch", "5", "--max-epochs", "3"], "--unfreeze-at-epoch"),
     ],
 }
 CASES = [(name, argv, flag) for name in RECIPES for argv, flag in [*SHARED_ERRORS, *RECIPE_ERRORS[name]]]
@@ -71,3 +74,16 @@ def test_flag_errors_before_torch(name, argv, flag):
     assert code == 2 and len(errors) == 1, err[-2000:]
     assert errors[0] == err.rstrip("\n").splitlines()[-1] and flag in errors[0], err[-2000:]
     assert not set(HEAVY) & set(loaded), f"{' '.join(argv)} imported {loaded} before its error: {errors[0]}"
+
+
+def test_a_bad_choice_is_named_before_the_rules_that_depend_on_it():
+    """A value outside a field's choices (from --config or Python, where argparse did not see it) is the error,
+    not a rule of the recipe's that reads the field (``--momentum has no effect without --optimizer sgd``)."""
+    from ddp_recipes.errors import ConfigError
+    from recipes.resnet import ResNetConfig
+
+    for kwargs, flag in (({"optimizer": "SGD", "momentum": 0.95}, "optimizer"),
+                         ({"lr_scheduler": "StepLR", "lr_step_size": 10}, "lr_scheduler"),
+                         ({"auto_augment": "RA", "ra_magnitude": 5}, "auto_augment")):
+        with pytest.raises(ConfigError, match=flag + " must be one of"):
+            ResNetConfig(accelerator="cpu", **kwargs)

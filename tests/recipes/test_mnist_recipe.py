@@ -145,3 +145,21 @@ def test_a_missing_data_dir_with_the_default_output_dir_creates_nothing(tmp_path
     assert exc.value.code == 2
     assert "--data-dir" in capsys.readouterr().err.strip().splitlines()[-1]
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["runs"]
+
+
+def test_a_refused_run_after_a_good_one_in_the_same_process_removes_only_its_own_folders(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A notebook or a sweep: a good run in one folder, then a refused one in another, where the user's own
+    runs/ is empty. The refused run removes what it made, never what the good run (or the user) made."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    (second / "runs").mkdir(parents=True)
+    first.mkdir()
+    monkeypatch.chdir(first)
+    mnist.main(["--data-dir", str(SHARED_DATA), "--no-download", "--accelerator", "cpu", "--max-steps", "2",
+                "--logger", "none"])
+    assert (first / "runs" / "mnist" / "version_0" / "summary.json").exists()
+    monkeypatch.chdir(second)
+    with pytest.raises(SystemExit):
+        mnist.main(["--data-dir", "nope", "--accelerator", "cpu", "--max-steps", "2", "--no-download"])
+    assert (second / "runs").is_dir() and not list((second / "runs").iterdir())
+    assert (first / "runs" / "mnist" / "version_0" / "summary.json").exists()
