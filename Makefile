@@ -44,7 +44,7 @@ $(STACK_VENV)/.installed: .ci/gpu-stack.txt
 	touch $@
 
 gpu-check:  ## the GPU slot's one command (7 min, no install needed): sync-debug, ResNet-50 pack vs raw with MFU, gpu tier, CUDA kill+resume, compiled runs, 2+ GPUs: bench -> bench-results/gpu-report.{json,md}; exit 0 pass, 1 fail, 3 incomplete, 4 no verdict
-	$(RUN_PY) -m ddp_recipes.bench.gpucheck
+	$(RUN_PY) -m tests.gpucheck
 
 bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writes bench-results/)
 	$(BIN)/python -m ddp_recipes.bench $(BENCH_ARGS)

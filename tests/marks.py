@@ -25,7 +25,7 @@ needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason="shared mini-MNIST missi
 @functools.cache
 def compile_problem() -> str | None:
     """gpu-check's test of the C toolchain Triton needs, asked once per session."""
-    from ddp_recipes.bench.gpucheck_machine import compile_problem as probe
+    from tests.gpucheck.machine import compile_problem as probe
 
     return probe()
 

@@ -1,6 +1,6 @@
 """The bench's one parser class: every bench command line reports bad input as one line naming the flag.
 
-``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``), ``bench.gpucheck``,
+``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``), the checkout's ``tests.gpucheck``,
 ``bench.memory`` and ``bench.jpeg_folder`` all parse with :class:`OneLineParser`; a subparser of it is one too.
 """
 

@@ -1,6 +1,6 @@
 """``make gpu-check``: all the GPU verification that fits one short slot, with a verdict per check.
 
-    python3 -m ddp_recipes.bench.gpucheck [--budget-s 420] [--only NAME,...] [--out-dir bench-results]
+    python3 -m tests.gpucheck [--budget-s 420] [--only NAME,...] [--out-dir bench-results]
 
 Runs from the checkout as it is (no install, nothing fetched). In order of value, each check a command
 with its own timeout (a hang is a failure and cannot eat the slot), all inside one budget (what the budget
@@ -8,7 +8,7 @@ cuts is ``incomplete``, never ``fail``):
 
 1. ``sync-debug``: pack training steps under ``torch.cuda.set_sync_debug_mode("warn")``, log steps among
    them; any host sync in a steady-state step that does not log fails it, and so does a log step that reads
-   more than the values the logger writes (``ddp_recipes.bench._gpucheck_worker``).
+   more than the values the logger writes (``tests.gpucheck.worker``).
 2. ``resnet50-pack``, ``resnet50-raw``, then ``pack-vs-raw`` (derived): ResNet-50, 224 px, bf16-mixed,
    channels-last, synthetic data, eager, the pack and the raw PyTorch loop, with MFU; the pack's images/s
    at least ``PACK_VS_RAW_MIN`` of the raw loop's. The headline figure.
@@ -25,7 +25,7 @@ cuts is ``incomplete``, never ``fail``):
 
 Writes ``<out-dir>/gpu-report.json`` and ``gpu-report.md`` after every check (a slot that ends mid-run
 still leaves a report) and per check ``<out-dir>/gpu-check/<name>/output.log``. Exit codes and verdicts:
-:mod:`ddp_recipes.bench.gpucheck_report` (0 pass, 1 fail, 2 bad flag, 3 incomplete, 4 no verdict).
+:mod:`tests.gpucheck.report` (0 pass, 1 fail, 2 bad flag, 3 incomplete, 4 no verdict).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from ddp_recipes.bench.cli import OneLineParser
-from ddp_recipes.bench.gpucheck_machine import Machine, inspect_machine
-from ddp_recipes.bench.gpucheck_report import (
+from ddp_recipes.config.cli import fail
+from tests.gpucheck.machine import Machine, inspect_machine
+from tests.gpucheck.report import (
     EXIT_CODES,
     build_report,
     markdown,
@@ -49,7 +50,7 @@ from ddp_recipes.bench.gpucheck_report import (
     throughput_rows,
     write_report,
 )
-from ddp_recipes.bench.gpucheck_runner import (
+from tests.gpucheck.runner import (
     Check,
     Derived,
     Result,
@@ -59,13 +60,12 @@ from ddp_recipes.bench.gpucheck_runner import (
     run_checks,
     verdict,
 )
-from ddp_recipes.config.cli import fail
 
-PROG = "python3 -m ddp_recipes.bench.gpucheck"
+PROG = "python3 -m tests.gpucheck"
 TOTAL_BUDGET_S = 420.0  # 7 minutes of a 10-minute slot on one H200: the rest is the machine's start and the copy
 PACK_VS_RAW_MIN = 0.90  # the pack's step may cost at most ~10 % over the raw loop's at ResNet-50 scale
 # The gpu tier, and only it: collecting all of tests/ would import every test module (and its optional
-# packages) before a single GPU test runs. tests/bench/test_gpucheck.py checks this list against the
+# packages) before a single GPU test runs. tests/gpucheck/test_gpucheck.py checks this list against the
 # markers.
 GPU_TEST_FILES = ("tests/gpu/test_gpu.py", "tests/gpu/test_gpu_cuda_paths.py",
                   "tests/gpu/test_gpu_timing.py", "tests/gpu/test_gpu_decode.py")
@@ -208,7 +208,7 @@ def plan_checks(args: argparse.Namespace, gpus: int) -> list[Check | Derived]:
 
     checks: list[Check | Derived] = [
         Check("sync-debug", "pack training steps under torch.cuda.set_sync_debug_mode('warn'): no host sync",
-              [sys.executable, "-m", "ddp_recipes.bench._gpucheck_worker", "sync-debug", "--out", "{work}/sync.json"],
+              [sys.executable, "-m", "tests.gpucheck.worker", "sync-debug", "--out", "{work}/sync.json"],
               timeout_s=150, judge=sync_judge),
         resnet("pack", 150), resnet("raw", 120), pack_vs_raw(""),
         Check("gpu-tests", "the gpu pytest tier (NCCL tests skip below 2 GPUs)", pytest_cmd(GPU_TESTS_EXPRESSION),
@@ -216,7 +216,7 @@ def plan_checks(args: argparse.Namespace, gpus: int) -> list[Check | Derived]:
         Check("cuda-kill-resume", "SIGKILL a CUDA run mid-training, --resume auto: bit-identical weights",
               pytest_cmd(RESUME_TEST), timeout_s=180, judge=pytest_judge, partial=pytest_partial),
         Check("decode-gpu", "ResNet-50 recipe on real-size JPEGs, --decode cpu vs gpu: images/s, input wait",
-              [sys.executable, "-m", "ddp_recipes.bench._gpucheck_worker", "decode-gpu", "--out", "{work}/decode.json"],
+              [sys.executable, "-m", "tests.gpucheck.worker", "decode-gpu", "--out", "{work}/decode.json"],
               timeout_s=DECODE_TIMEOUT_S, judge=decode_judge, partial=decode_partial),
     ]
     if args.compile:
@@ -329,6 +329,3 @@ def _not_run(checks: list[Check | Derived], problem: tuple[str, str], machine: M
     return [{"name": "cuda", "what": "torch sees the GPUs the driver shows", "seconds": 0.0, **verdict(status, reason)},
             *({"name": c.name, "what": c.what, "seconds": 0.0, **verdict("no verdict", why)} for c in checks)]
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

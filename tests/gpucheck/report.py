@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.gpucheck_runner import VERDICTS
+from tests.gpucheck.runner import VERDICTS
 
 EXIT_CODES = {"pass": 0, "fail": 1, "incomplete": 3, "no verdict": 4}
 MEANING = {"pass": "every check that applies here ran and passed",

@@ -24,11 +24,10 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_recipes.bench import gpucheck as gc
-from ddp_recipes.bench import gpucheck_report as report
-from ddp_recipes.bench import gpucheck_runner as runner
-from ddp_recipes.bench.gpucheck_machine import Driver, Machine, compile_problem
 from ddp_recipes.bench.proctree import alive
+from tests.gpucheck import check as gc
+from tests.gpucheck import report, runner
+from tests.gpucheck.machine import Driver, Machine, compile_problem
 from tests.launch import ROOT, run, start
 
 PY = sys.executable
@@ -360,7 +359,7 @@ def write_decode(work: Path, gpu_record: dict, gpu_rate: float | None = 2900.0) 
 
 def test_decode_gpu_reports_both_rates_and_waits_and_fails_off_cuda_or_on_a_fallback(tmp_path):
     [check] = [c for c in gc.plan_checks(plan_args("--only", "decode-gpu"), gpus=1)]
-    assert check.cmd[2:4] == ["ddp_recipes.bench._gpucheck_worker", "decode-gpu"] and check.judge is gc.decode_judge
+    assert check.cmd[2:4] == ["tests.gpucheck.worker", "decode-gpu"] and check.judge is gc.decode_judge
     cuda = {"device": "cuda:0", "images": 2304, "cpu_fallbacks": 0}
     ok = check.judge(0, write_decode(tmp_path / "ok", cuda), "")
     assert ok["verdict"] == "pass", ok
@@ -462,9 +461,9 @@ def test_main_exits_3_when_the_budget_ran_out(tmp_path, monkeypatch):
 
 INTERRUPTIBLE = textwrap.dedent("""
     import sys, time
-    from ddp_recipes.bench import gpucheck as gc
-    from ddp_recipes.bench import gpucheck_runner as runner
-    from tests.bench.test_gpucheck import a_gpu_machine, family
+    from tests.gpucheck import check as gc
+    from tests.gpucheck import runner
+    from tests.gpucheck.test_gpucheck import a_gpu_machine, family
     from pathlib import Path
     tmp, case = Path(sys.argv[1]), sys.argv[2]
 
@@ -548,7 +547,7 @@ def test_a_killed_gpu_check_takes_the_running_tree_with_it(tmp_path):
 
 def gpu_check(tmp_path: Path, env: dict[str, str]) -> tuple[int, dict, str]:
     """The real command, as on a machine: it inspects the machine itself."""
-    done = run(["-m", "ddp_recipes.bench.gpucheck", "--out-dir", tmp_path / "out"], env=env, port=False, threads=None,
+    done = run(["-m", "tests.gpucheck", "--out-dir", tmp_path / "out"], env=env, port=False, threads=None,
                quiet=None, timeout=300)
     return done.returncode, json.loads((tmp_path / "out" / "gpu-report.json").read_text()), done.stdout + done.stderr
 
@@ -668,7 +667,7 @@ def test_the_slot_runs_nothing_twice_and_compiled_runs_are_short():
 def test_sync_debug_passes_the_loggers_reads_at_log_steps_and_fails_any_other(tmp_path):
     """A step that does not log may make no host sync; a log step may read the values the logger wrote, one
     each, no more; a window with no log step cannot pass."""
-    from ddp_recipes.bench._gpucheck_worker import sync_report
+    from tests.gpucheck.worker import sync_report
 
     def judged(sites, logged):
         (tmp_path / "sync.json").write_text(json.dumps(sync_report(sites, logged, 3, 14)))

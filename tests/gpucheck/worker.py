@@ -1,7 +1,7 @@
-"""gpu-check's in-process checks, each run in a fresh process by ``ddp_recipes.bench.gpucheck``.
+"""gpu-check's in-process checks, each run in a fresh process by ``tests.gpucheck``.
 
-    python -m ddp_recipes.bench._gpucheck_worker sync-debug --out FILE [--steps 12] [--warmup-steps 3]
-    python -m ddp_recipes.bench._gpucheck_worker decode-gpu --out FILE [--steps 16] [--batch-size 128]
+    python -m tests.gpucheck.worker sync-debug --out FILE [--steps 12] [--warmup-steps 3]
+    python -m tests.gpucheck.worker decode-gpu --out FILE [--steps 16] [--batch-size 128]
 
 ``sync-debug``: the pack's training path (``build_trainer``, the recipe's ResNet-50 LightningModule,
 bf16-mixed, channels-last, one GPU) with ``torch.cuda.set_sync_debug_mode("warn")`` switched on for the
@@ -147,7 +147,7 @@ def decode_gpu(out: Path, steps: int, batch: int, accelerator: str, arch: str, i
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ddp_recipes.bench._gpucheck_worker")
+    p = argparse.ArgumentParser(prog="python -m tests.gpucheck.worker")
     p.add_argument("check", choices=["sync-debug", "decode-gpu"])
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=None, help="default: 12 (sync-debug: log steps 5 and 10 among "

@@ -343,8 +343,8 @@ def test_optimizer_args_refuse_a_momentum_adamw_has_not():
 def test_build_from_names_the_config_fields():
     from dataclasses import dataclass
 
-    from ddp_recipes.config.run_config import build_from
     from ddp_recipes.config.ema import EMAArgs
+    from ddp_recipes.config.run_config import build_from
 
     @dataclass
     class Flags:
