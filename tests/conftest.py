@@ -29,4 +29,5 @@ def restore_tf32():
 
 
 # The cloud tests' S3 server (moto on 127.0.0.1), shared by the session: see tests/s3server.py.
+from tests.resume_scenario import images, straight  # noqa: E402, F401 - the resume scenario's fixtures
 from tests.s3server import s3  # noqa: E402, F401

@@ -26,6 +26,10 @@ def _shared_data() -> Path:
 
 SHARED_DATA = _shared_data()
 
+# The ResNet recipe's smallest run: synthetic 16 px images, 64 to train on and 32 to validate, on CPU.
+RESNET_TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
+               "--synthetic-val-samples", "32", "--batch-size", "16", "--lr", "0.05"]
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago on localhost."""

@@ -35,10 +35,10 @@ from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
 from ddp_recipes.errors import ConfigError
 from recipes import mnist
-from tests.checkpointing.test_resume import RESNET, args, images  # noqa: F401  (images: a fixture)
 from tests.helpers import SHARED_DATA, assert_same_weights
 from tests.launch import run, saved_step
 from tests.marks import needs_mnist
+from tests.resume_scenario import RESNET, args
 
 MNIST = ["--data-dir", str(SHARED_DATA), "--accelerator", "cpu", "--no-download", "--no-diagnostics",
          "--logger", "none"]  # 125 steps per epoch at 1 device

@@ -307,9 +307,9 @@ def test_doctor_on_one_gpu_passes_over_nccl(tmp_path):
 # ---- SIGKILL + --resume auto on CUDA, through the recipe's main([...]) --------------------------------
 
 def _kill_resume_matches_straight(tmp_path, argv: list[str], steps: int, kill_from: int) -> Path:
-    from tests.checkpointing.test_resume import CAPTURED_STEP_LIMIT_S
     from tests.helpers import assert_same_weights
     from tests.launch import saved_step
+    from tests.resume_scenario import CAPTURED_STEP_LIMIT_S
 
     recipe = [SCENARIOS, "recipe", *argv]  # the recipe's main([...]) under gpu_scenarios.py's spies
     run([*recipe, "--output-dir", tmp_path / "straight"], timeout=600, check=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import RESNET_TINY as TINY
 from tests.helpers import weights
 from tests.launch import run
-from tests.recipes.test_resnet_recipe import TINY
 
 STEPS = ["--devices", "2", "--max-steps", "2", "--synthetic-val-samples", "0"]
 # Compiled kernels reorder float sums; two SGD steps keep the drift at this order.

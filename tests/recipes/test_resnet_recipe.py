@@ -9,12 +9,11 @@ import torch
 
 from ddp_recipes.modules.resnet import ResNetClassifier
 from recipes import resnet
+from tests.helpers import RESNET_TINY as TINY
 from tests.helpers import CodeOnLoad, weights
 from tests.launch import run
 
 # Tiny but real: ResNet-18 with the CIFAR stem on 16 px images, 64 training images, batch 16.
-TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
-        "--synthetic-val-samples", "32", "--batch-size", "16", "--lr", "0.05"]
 
 
 def test_one_device_smoke(tmp_path):

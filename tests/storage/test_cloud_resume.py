@@ -13,16 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpointing.test_resume import (  # noqa: F401
-    CAPTURED_STEP_LIMIT_S,
-    RESNET,
-    args,
-    images,
-    straight,
-)
 from tests.helpers import SHARED_DATA, assert_same_weights
 from tests.launch import run, start
 from tests.marks import needs_mnist
+from tests.resume_scenario import (
+    CAPTURED_STEP_LIMIT_S,
+    RESNET,
+    args,
+)
 from tests.s3server import object_upload
 
 pytestmark = pytest.mark.slow
