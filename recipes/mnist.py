@@ -13,15 +13,13 @@ continues from the newest checkpoint exactly.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # Only the flags' modules at import: --help and a bad flag are answered before torch and Lightning load (seconds);
 # the rest is imported where it is used, after the flags are read.
-from ddp_recipes.config.choices import MNISTArch
-from ddp_recipes.config.cli import fail, opt, parse_config
-from ddp_recipes.config.run_config import RunConfig, changed_fields
-from ddp_recipes.errors import ConfigError
+from ddp_recipes.config.cli import parse_config
+from ddp_recipes.config.run_config import changed_fields
+from recipes.config import MNISTConfig
 
 if TYPE_CHECKING:
     import lightning as L
@@ -30,34 +28,6 @@ if TYPE_CHECKING:
     from ddp_recipes.modules.mnist import MNISTClassifier
 
 PROG = "python -m recipes.mnist"
-
-
-@dataclass
-class MNISTConfig(RunConfig):
-    """Run config plus the MNIST recipe's own flags."""
-
-    arch: MNISTArch = opt("mlp", "network: mlp (the write-up's 784-128-10) or cnn")
-    data_dir: str = opt("data", "folder holding MNIST/raw/ (downloaded there on rank 0 when missing and online)")
-    download: bool = opt(True, "download MNIST into --data-dir when it is missing")
-    val_size: int = opt(0, "images held out of the train split for validation (fixed seed)")
-    momentum: float = opt(0.9, "SGD momentum")
-    weight_decay: float = opt(0.0, "SGD weight decay")
-    cosine: bool = opt(False, "cosine LR decay over the run after the warm-up")
-    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), "
-                                       "owned by one run (default: runs/mnist/version_N, a new N for each run)")
-
-    DEFAULT_BATCH_SIZE = 64
-    DEFAULT_LR = 0.01
-    DEFAULT_REFERENCE_BATCH = 64
-    DEFAULT_MAX_EPOCHS = 5
-    DEFAULT_EXPERIMENT = "mnist"
-    DEFAULT_OUTPUT_ROOT = "runs/mnist"
-
-    def check_values(self) -> None:
-        if self.val_size < 0:
-            raise ConfigError(f"{{val_size}} must be >= 0 (got {self.val_size})")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"{{momentum}} must be in [0, 1) (got {self.momentum})")
 
 
 def build_datamodule(cfg: MNISTConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
@@ -104,13 +74,13 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
     from ddp_recipes.checkpointing.checkpoint import check_compatible
     from ddp_recipes.data.base import known_train_size
     from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
-    from ddp_recipes.train.checkpoints import checkpoint_callbacks, discard_unused_output_dirs
+    from ddp_recipes.train.checkpoints import checkpoint_callbacks
     from ddp_recipes.train.run import has_loader, run_fit_test
-    from ddp_recipes.train.start import open_run
+    from ddp_recipes.train.start import open_run, refused_in_one_line
     from ddp_recipes.train.surface import without_validation
     from ddp_recipes.train.userclass import model_kwargs
 
-    try:
+    with refused_in_one_line(PROG, cfg.data_dir):
         run = open_run(cfg, MNISTClassifier, model_cls, datamodule_cls, callbacks, logger, trainer_kwargs)
         classes = run.classes
         if run.resume:
@@ -129,9 +99,6 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
                             ckpt_path=run.resume, checkpoint=run.checkpoint,
                             test=own_data or has_loader(datamodule, "test"), classes=classes,
                             extra={"arch": cfg.arch, "resumed_from": run.resume}, **trainer_kwargs)
-    except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
-        discard_unused_output_dirs()  # nothing written: not even the empty version_N of a default output dir
-        fail(err, PROG)
 
 
 if __name__ == "__main__":

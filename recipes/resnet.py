@@ -17,35 +17,19 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # Only the flags' modules at import: --help and a bad flag are answered before torch, torchvision and Lightning
 # load (seconds); the rest is imported where it is used, after the flags are read.
-from ddp_recipes.config.augment import AugmentArgs
-from ddp_recipes.config.choices import (
-    AutoAugment,
-    Decode,
-    Interpolation,
-    LRScheduler,
-    Optimizer,
-    ResNetData,
-    WarmupMethod,
-)
-from ddp_recipes.config.cli import fail, opt, parse_config
-from ddp_recipes.config.ema import EMAArgs
-from ddp_recipes.config.finetune import FineTuning
-from ddp_recipes.config.hparams import check_training_hparams
-from ddp_recipes.config.optim import OptimizerArgs
-from ddp_recipes.config.run_config import RunConfig, build_from, changed_fields
-from ddp_recipes.config.schedule import ReferenceSchedule, ScheduleArgs
+from ddp_recipes.config.cli import parse_config
+from ddp_recipes.config.run_config import changed_fields
 from ddp_recipes.errors import ConfigError, lit
+from recipes.config import ResNetConfig
 
 if TYPE_CHECKING:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
-    from ddp_recipes.modules.pretrained import PretrainedWeights
     from ddp_recipes.modules.resnet import ResNetClassifier
     from ddp_recipes.optim.ema import ModelEMA
     from ddp_recipes.train.start import RunStart
@@ -57,171 +41,6 @@ MODULE_ARGS = ("arch", "cifar_stem", "momentum", "nesterov", "weight_decay", "la
 REFERENCE_ARGS = ("optimizer", "norm_weight_decay", "bias_weight_decay", "lr_scheduler", "lr_step_size", "lr_gamma",
                   "lr_min", "lr_warmup_method", "lr_warmup_decay", "mixup_alpha", "cutmix_alpha", "weights",
                   "freeze_backbone", "backbone_lr_mult", "unfreeze_at_epoch")
-# The EMA's settings under the recipe's flag names.
-EMA_FLAGS = {"enabled": "model_ema", "decay": "model_ema_decay", "update_every": "model_ema_steps"}
-
-
-@dataclass
-class ResNetConfig(RunConfig):
-    """Run config plus the ResNet recipe's own flags."""
-
-    arch: str = opt("resnet18", "any torchvision classification model: the ResNet family (resnet18..resnet152, "
-                                "resnext*, wide_resnet*) with every feature; others (efficientnet_b0, vit_b_16, ...) "
-                                "without --cifar-stem and --grad-checkpointing")
-    data: ResNetData = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder "
-                                        "(--data-dir/{train,val})")
-    data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
-    image_size: int | None = opt(None, "input side in pixels (default: 32, or with --weights and --data imagefolder "
-                                       "the weights' crop, e.g. 224; cifar10 is always 32)")
-    num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
-    cifar_stem: bool | None = opt(None, "3x3 stem without max-pool for small images (default: on below 64 px for "
-                                        "the ResNet family)")
-    synthetic_samples: int = opt(1024, "training images of --data synthetic")
-    synthetic_val_samples: int = opt(256, "validation images of --data synthetic (0: no validation)")
-    momentum: float = opt(0.9, "SGD momentum")
-    nesterov: bool = opt(False, "Nesterov momentum")
-    weight_decay: float = opt(5e-4, "weight decay (never on BatchNorm parameters and biases)")
-    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
-    dropout: float = opt(0.0, "dropout before the classifier (0: none; other than ResNets: the model's own dropout "
-                              "option, e.g. EfficientNet's head or ViT's blocks; 0 keeps torchvision's default)")
-    cosine: bool | None = opt(None, "cosine LR decay to 0 over the run after a linear warm-up from 0 (default: on "
-                                    "unless --lr-scheduler is given)")
-    channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
-    grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
-    min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
-    decode: Decode = opt("cpu", "where --data imagefolder's images are decoded and augmented: cpu (PIL in the loader "
-                                "workers) or gpu (workers read the bytes and draw the crops; decode_jpeg decodes on "
-                                "the training device, nvJPEG on CUDA, and the crops, flips and policy are applied "
-                                "there)")
-    output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), "
-                                       "owned by one run (default: runs/resnet/version_N, a new N for each run)")
-    # torchvision's classification reference (references/classification/train.py), same flag names.
-    auto_augment: AutoAugment | None = opt(None, "training augmentation policy: ra (RandAugment), ta_wide "
-                                                 "(TrivialAugmentWide), augmix or imagenet (AutoAugment)")
-    ra_magnitude: int = opt(9, "RandAugment magnitude (--auto-augment ra)")
-    augmix_severity: int = opt(3, "AugMix severity (--auto-augment augmix)")
-    random_erase: float = opt(0.0, "RandomErasing probability on training images (after normalization)")
-    train_crop_size: int | None = opt(None, "training RandomResizedCrop size of --data imagefolder (default: "
-                                            "--image-size)")
-    val_resize_size: int | None = opt(None, "evaluation resize of --data imagefolder (default: val crop x 256/224)")
-    val_crop_size: int | None = opt(None, "evaluation center crop of --data imagefolder (default: --image-size)")
-    interpolation: Interpolation = opt("bilinear", "resize interpolation of crops, resizes and the policy")
-    mixup_alpha: float = opt(0.0, "MixUp's Beta(alpha, alpha) for training batches (0: off)")
-    cutmix_alpha: float = opt(0.0, "CutMix's Beta(alpha, alpha) for training batches (0: off; with MixUp: one of "
-                                   "the two per batch)")
-    model_ema: bool = opt(False, "keep an exponential moving average of the weights; evaluated as val_acc_ema / "
-                                 "test_acc_ema and saved in checkpoints")
-    model_ema_steps: int = opt(EMAArgs.update_every, "optimizer steps between EMA updates")
-    model_ema_decay: float = opt(EMAArgs.decay, "EMA decay per update, adjusted for world size x batch x "
-                                                "--model-ema-steps over --max-epochs as torchvision's reference does "
-                                                "(unadjusted when only --max-steps is given)")
-    clip_grad_norm: float | None = opt(None, "clip the global gradient norm to this (after the all-reduce)")
-    optimizer: Optimizer = opt("sgd", "sgd, sgd_nesterov, adamw or rmsprop (torchvision's "
-                                      "settings)", aliases=("--opt",))
-    norm_weight_decay: float = opt(0.0, "weight decay of normalization layers (torchvision's default: --weight-decay)")
-    bias_weight_decay: float = opt(0.0, "weight decay of biases (torchvision's default: --weight-decay)")
-    lr_scheduler: LRScheduler | None = opt(None, "torchvision's schedule after the warm-up: cosineannealinglr, steplr "
-                                                 "or exponentiallr (default: --cosine)")
-    lr_step_size: int = opt(ReferenceSchedule.lr_step_size, "epochs between --lr-scheduler steplr decays")
-    lr_gamma: float = opt(ReferenceSchedule.lr_gamma, "decay factor of steplr (per step) and exponentiallr (per epoch)")
-    lr_min: float = opt(ReferenceSchedule.lr_min, "cosineannealinglr's final LR")
-    lr_warmup_method: WarmupMethod = opt(ReferenceSchedule.lr_warmup_method, "--lr-scheduler warm-up: linear (from "
-                                                                             "--lr-warmup-decay x lr) or constant "
-                                                                             "(--lr-warmup-decay x lr)")
-    lr_warmup_decay: float = opt(ReferenceSchedule.lr_warmup_decay, "--lr-scheduler warm-up's starting factor")
-    test_only: bool = opt(False, "evaluate the --resume checkpoint (and its EMA weights) on the test set; no training")
-    # Fine-tuning (torchvision's --weights; the freezing and layer-wise LR of timm and Lightning's finetuning).
-    weights: str | None = opt(None, "start from pretrained weights: a torchvision weights name of --arch "
-                                    "(IMAGENET1K_V2, ResNet50_Weights.IMAGENET1K_V2, DEFAULT; from torch's hub cache, "
-                                    "downloaded once per node) or a local state-dict file; their eval transforms "
-                                    "become --data imagefolder's defaults")
-    freeze_backbone: bool = opt(False, "train only the classifier (the model's last layer): the backbone keeps its "
-                                       "weights and its BatchNorm statistics")
-    backbone_lr_mult: float = opt(1.0, "the backbone's LR as a multiple of the classifier's (discriminative "
-                                       "fine-tuning, e.g. 0.1)")
-    unfreeze_at_epoch: int | None = opt(None, "with --freeze-backbone: train the backbone too from this epoch on "
-                                              "(0-based; the two-phase schedule)")
-
-    DEFAULT_BATCH_SIZE = 128
-    DEFAULT_LR = 0.1
-    DEFAULT_REFERENCE_BATCH = 256
-    DEFAULT_MAX_EPOCHS = 30
-    DEFAULT_EXPERIMENT = "resnet"
-    DEFAULT_OUTPUT_ROOT = "runs/resnet"
-    DEFAULT_NUM_WORKERS = None  # fitted to the cores per rank (decoding and augmentation)
-    TRAINER_OWNED = {**RunConfig.TRAINER_OWNED, "gradient_clip_val": "{clip_grad_norm}",
-                     "gradient_clip_algorithm": "{clip_grad_norm} (the global norm)"}
-
-    def default_num_workers(self, devices_per_node: int) -> int:
-        # Synthetic data are in-memory tensors: no decode to overlap, so no workers unless asked.
-        return 0 if self.data == "synthetic" else super().default_num_workers(devices_per_node)
-
-    def check_values(self) -> None:
-        # Each component's settings check themselves (values, and flags that would have no effect), as does the
-        # module's own check of its training values; none of them needs torch.
-        build_from(ScheduleArgs, self)
-        build_from(EMAArgs, self, EMA_FLAGS)
-        build_from(OptimizerArgs, self)
-        build_from(AugmentArgs, self)
-        check_training_hparams(vars(self))
-        if self.num_classes is not None and self.num_classes < 1:
-            raise ConfigError(f"{{num_classes}} must be >= 1 (got {self.num_classes})")
-        if self.synthetic_samples < 1 or self.synthetic_val_samples < 0:
-            raise ConfigError("{synthetic_samples} must be >= 1 and {synthetic_val_samples} >= 0")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ConfigError(f"{{clip_grad_norm}} must be > 0 (got {self.clip_grad_norm})")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # the shared flags, this recipe's (check_values), then the plan
-        if self.data == "cifar10" or (self.image_size is None and not self.weights):
-            self.image_size = 32
-        self.cosine = build_from(ScheduleArgs, self).decays_cosine
-        build_from(FineTuning, self, max_epochs=self.plan.max_epochs)  # checked against the plan's epochs
-        # Last what needs torchvision (seconds to import): the architectures and the weights.
-        from ddp_recipes.modules.resnet import RESNET_FAMILY, arch_features
-
-        self._resolve_weights()
-        if self.cifar_stem is None:
-            # Pretrained weights come with the stem they were trained with.
-            self.cifar_stem = self.image_size < 64 and self.arch in RESNET_FAMILY and not self.weights
-        arch_features(self.arch, self.cifar_stem, self.dropout, self.grad_checkpointing)
-
-    def _resolve_weights(self) -> None:
-        """Resolve ``--weights`` (no file read); on an image folder the weights' crop is the default image size."""
-        self.__dict__["_pretrained"] = None
-        if self.weights:
-            from ddp_recipes.modules.pretrained import resolve_weights
-            from ddp_recipes.modules.resnet import arch_features
-
-            arch_features(self.arch, False, 0.0, False)  # a known --arch before its weights are looked up
-            self.__dict__["_pretrained"] = resolve_weights(self.arch, self.weights)
-            preset = self.pretrained.eval_preset()
-            if self.image_size is None:
-                self.image_size = preset.crop_size if preset and self.data == "imagefolder" else 32
-
-    @property
-    def augment(self) -> AugmentArgs:
-        """The augmentation the flags ask of the data."""
-        return build_from(AugmentArgs, self)
-
-    @property
-    def fine_tuning(self) -> FineTuning:
-        """How the run fine-tunes (``--weights``, ``--freeze-backbone``, ...), checked against the run around it."""
-        return build_from(FineTuning, self, max_epochs=self.plan.max_epochs)
-
-    @property
-    def pretrained(self) -> PretrainedWeights | None:
-        """``--weights`` resolved when the config was made (None without it)."""
-        return self.__dict__.get("_pretrained")
-
-    @property
-    def eval_sizes(self) -> set[int]:
-        """The input sides the model meets: training and evaluation crops."""
-        if self.data == "cifar10":
-            return {32}
-        return {self.train_crop_size or self.image_size, self.val_crop_size or self.image_size}
-
-
 def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None = None) -> L.LightningDataModule:
     """The recipe's data (--data), or a user's DataModule class given the values of the flags it declares."""
     from ddp_recipes.data.images import CIFAR10DataModule, ImageFolderDataModule, SyntheticImageDataModule
@@ -293,7 +112,7 @@ def ema_callback(cfg: ResNetConfig) -> ModelEMA:
 
     plan = cfg.plan
     step_batch = plan.batch.per_device * plan.batch.accumulation
-    return ema_for_run(build_from(EMAArgs, cfg, EMA_FLAGS), plan.world_size, step_batch, plan.max_epochs)
+    return ema_for_run(cfg.ema, plan.world_size, step_batch, plan.max_epochs)
 
 
 def data_classes(cfg: ResNetConfig, datamodule: L.LightningDataModule) -> int:
@@ -400,13 +219,11 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
     as ``--trainer KEY=VALUE`` (which overrides them). Build them in every rank: this runs in each.
     """
     cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
-    from ddp_recipes.data.unreadable import describe as describe_unreadable
     from ddp_recipes.modules.resnet import ResNetClassifier
-    from ddp_recipes.train.checkpoints import discard_unused_output_dirs
     from ddp_recipes.train.run import run_test_only
-    from ddp_recipes.train.start import open_run
+    from ddp_recipes.train.start import open_run, refused_in_one_line
 
-    try:
+    with refused_in_one_line(PROG, cfg.data_dir):
         run = open_run(cfg, ResNetClassifier, model_cls, datamodule_cls, callbacks, logger, trainer_kwargs,
                        training=not cfg.test_only)
         datamodule = build_datamodule(cfg, run.classes.datamodule)
@@ -418,14 +235,6 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
             return run_test_only(cfg, model, datamodule, run.resume, run.checkpoint, classes=run.classes,
                                  user_callbacks=run.user.callbacks, **run.user.trainer_kwargs)
         return train_and_test(cfg, run, model, datamodule, has_val, has_test)
-    except ConfigError as err:  # bad input, with the parameter it is about; anything else is a bug
-        discard_unused_output_dirs()  # nothing written: not even the empty version_N of a default output dir
-        fail(err, PROG)
-    except OSError as err:
-        name = describe_unreadable(err)  # "train/c1/x.jpg (why)", from any decoder, in a worker or not
-        if name is None:
-            raise
-        fail(f"--data-dir {cfg.data_dir} holds an image that cannot be decoded: {name}; remove or replace it", PROG)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 
+from ddp_recipes.config.cli import fail
 from ddp_recipes.config.run_config import RunConfig
-from ddp_recipes.train.checkpoints import open_resume
+from ddp_recipes.data.unreadable import describe as describe_unreadable
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.train.checkpoints import discard_unused_output_dirs, open_resume
 from ddp_recipes.train.console import quiet_recipe_console
 from ddp_recipes.train.surface import UserSurface, open_surface
 from ddp_recipes.train.userclass import RecipeClasses, follow_checkpoint, resolve_classes
@@ -39,3 +44,21 @@ def open_run(cfg: RunConfig, base: type[L.LightningModule], model_cls: type | No
     if resume:
         classes = follow_checkpoint(classes, checkpoint, resume)
     return RunStart(classes, user, resume, checkpoint)
+
+
+@contextmanager
+def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None]:
+    """A recipe's ``main`` after its flags: bad input (a :class:`ConfigError`, naming its flag) is one line and exit
+    2, and the run leaves nothing behind (not even the empty ``version_N`` of a default output dir); an image
+    file no decoder reads is named relative to ``data_dir``, from any decoder, in a loader worker or not.
+    Anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except ConfigError as err:
+        discard_unused_output_dirs()
+        fail(err, prog)
+    except OSError as err:
+        name = describe_unreadable(err)  # "train/c1/x.jpg (why)"
+        if name is None:
+            raise
+        fail(f"--data-dir {data_dir} holds an image that cannot be decoded: {name}; remove or replace it", prog)

@@ -19,7 +19,7 @@ from ddp_recipes.config.plan import BatchPlan, DDPOptions, RunPlan
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.errors import CheckpointError, ConfigError, DataError, MissingDataError
 from ddp_recipes.train.trainer import trainer_for
-from recipes.resnet import ResNetConfig
+from recipes.config import ResNetConfig
 
 
 def test_plan_is_resolved_once_and_frozen(monkeypatch):

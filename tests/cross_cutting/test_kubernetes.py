@@ -30,7 +30,8 @@ POD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"
 def check_container(container: dict, gpus: int, grace: int) -> None:
     """The recipe under torchrun, resuming from object storage, with the GPUs torchrun is told about."""
     from ddp_recipes.config.cli import parse_config
-    from recipes.resnet import PROG, ResNetConfig
+    from recipes.config import ResNetConfig
+    from recipes.resnet import PROG
 
     assert container["image"] and ":" in container["image"]
     assert container["command"] == ["torchrun", "-m", "recipes.resnet"]

@@ -49,14 +49,15 @@ def test_bench_baselines_run_the_packs_precision():
 
 @pytest.mark.parametrize(("size", "stem"), [(32, True), (63, True), (64, False), (224, False)])
 def test_bench_uses_the_recipes_stem_rule(size, stem):
-    from recipes.resnet import ResNetConfig
+    from recipes.config import ResNetConfig
 
     assert workload.build_module(workload.Workload(image_size=size)).hparams.cifar_stem is stem
     assert ResNetConfig(image_size=size).cifar_stem is stem
 
 
 def test_synthetic_data_honours_num_workers():
-    from recipes.resnet import ResNetConfig, build_datamodule
+    from recipes.config import ResNetConfig
+    from recipes.resnet import build_datamodule
 
     assert build_datamodule(ResNetConfig(data="synthetic", num_workers=2)).num_workers == 2
     assert build_datamodule(ResNetConfig(data="synthetic")).num_workers == 0

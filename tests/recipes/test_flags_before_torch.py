@@ -80,7 +80,7 @@ def test_a_bad_choice_is_named_before_the_rules_that_depend_on_it():
     """A value outside a field's choices (from --config or Python, where argparse did not see it) is the error,
     not a rule of the recipe's that reads the field (``--momentum has no effect without --optimizer sgd``)."""
     from ddp_recipes.errors import ConfigError
-    from recipes.resnet import ResNetConfig
+    from recipes.config import ResNetConfig
 
     for kwargs, flag in (({"optimizer": "SGD", "momentum": 0.95}, "optimizer"),
                          ({"lr_scheduler": "StepLR", "lr_step_size": 10}, "lr_scheduler"),

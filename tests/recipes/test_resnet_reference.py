@@ -15,7 +15,8 @@ from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.optim.ema import ModelEMA, adjusted_decay
 from ddp_recipes.train import run as runner
 from recipes import mnist, resnet
-from recipes.resnet import ResNetConfig, build_datamodule, ema_callback
+from recipes.config import ResNetConfig
+from recipes.resnet import build_datamodule, ema_callback
 from tests.helpers import SHARED_DATA
 from tests.launch import run
 from tests.marks import needs_mnist

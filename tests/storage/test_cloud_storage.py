@@ -342,7 +342,7 @@ def test_an_online_wandb_run_on_a_bucket_stages_its_files_outside_the_working_di
     pytest.importorskip("wandb")
     from ddp_recipes.storage.store import cache_dir
     from ddp_recipes.train.tracking import build_loggers
-    from recipes.resnet import ResNetConfig
+    from recipes.config import ResNetConfig
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_DIR", raising=False)
