@@ -47,8 +47,8 @@ def touched(callback: Callback) -> bool:
 
 class SkipUnusedHooks(Callback):
     """Takes the per-batch hooks no callback implements off Lightning's callback loop for a fit, validate,
-    test or predict (every callback of the trainer, the module's ``configure_callbacks`` ones included: they
-    are attached before ``setup``)."""
+    test or predict: of every callback of Lightning's or the pack's classes in the trainer, the module's
+    ``configure_callbacks`` ones included (they are attached before ``setup``)."""
 
     def __init__(self) -> None:
         self._skipped: list[tuple[Callback, str]] = []
