@@ -183,7 +183,7 @@ class ResNetConfig(RunConfig):
         self.cosine = build_from(ScheduleArgs, self).decays_cosine
         build_from(FineTuning, self, max_epochs=self.plan.max_epochs)  # checked against the plan's epochs
         # Last what needs torchvision (seconds to import): the architectures and the weights.
-        from ddp_recipes.modules.resnet import RESNET_FAMILY, arch_features
+        from ddp_recipes.modules.architectures import RESNET_FAMILY, arch_features
 
         self._resolve_weights()
         if self.cifar_stem is None:
@@ -195,8 +195,8 @@ class ResNetConfig(RunConfig):
         """Resolve ``--weights`` (no file read); on an image folder the weights' crop is the default image size."""
         self.__dict__["_pretrained"] = None
         if self.weights:
+            from ddp_recipes.modules.architectures import arch_features
             from ddp_recipes.modules.pretrained import resolve_weights
-            from ddp_recipes.modules.resnet import arch_features
 
             arch_features(self.arch, False, 0.0, False)  # a known --arch before its weights are looked up
             self.__dict__["_pretrained"] = resolve_weights(self.arch, self.weights)

@@ -11,9 +11,10 @@ import torch
 
 from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.modules.architectures import ARCHS, RESNET_FAMILY, build_arch, fit_pretrained
 from ddp_recipes.modules.classifier import ImageClassifier, default_backbone
 from ddp_recipes.modules.pretrained import LoadReport, PretrainedWeights, head_keys, read_weights
-from ddp_recipes.modules.resnet import ARCHS, RESNET_FAMILY, ResNetClassifier, build_arch, fit_pretrained
+from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.optim.optimizers import optimizer_state_kind
 
 # The settings that lay out the optimizer's state (its kind and parameter groups), with the value a checkpoint

@@ -395,7 +395,7 @@ def test_follow_checkpoint_rules(examples_on_path):
 # ---- --arch: the torchvision model zoo ---------------------------------------------------------------
 
 def test_every_resnet_family_arch_builds_with_the_recipe_features():
-    from ddp_recipes.modules.resnet import RESNET_FAMILY, build_arch
+    from ddp_recipes.modules.architectures import RESNET_FAMILY, build_arch
 
     assert {"resnet18", "resnet152", "resnext50_32x4d", "resnext101_64x4d", "wide_resnet50_2"} <= set(RESNET_FAMILY)
     for arch in RESNET_FAMILY:
