@@ -12,7 +12,7 @@ import torch
 from ddp_recipes.checkpointing.checkpoint import check_compatible
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.architectures import ARCHS, RESNET_FAMILY, build_arch, fit_pretrained
-from ddp_recipes.modules.classifier import ImageClassifier, default_backbone
+from ddp_recipes.modules.finetuning import BackboneFineTuning, default_backbone
 from ddp_recipes.modules.pretrained import LoadReport, PretrainedWeights, head_keys, read_weights
 from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.optim.optimizers import optimizer_state_kind
@@ -25,7 +25,8 @@ OPTIMIZER_STATE_DEFAULTS = {"norm_weight_decay": 0.0, "bias_weight_decay": 0.0, 
 
 def own_network(cls: type[ResNetClassifier]) -> bool:
     """Whether ``cls`` builds the recipe's network and backbone (so they can be checked before the run)."""
-    return cls.build_model is ResNetClassifier.build_model and cls.backbone_modules is ImageClassifier.backbone_modules
+    return (cls.build_model is ResNetClassifier.build_model
+            and cls.backbone_modules is BackboneFineTuning.backbone_modules)
 
 
 def check_weights_fit(arch: str, num_classes: int, cifar_stem: bool, dropout: float,

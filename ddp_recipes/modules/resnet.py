@@ -13,7 +13,7 @@ one (before the classifier for EfficientNet, MobileNet, VGG...; inside every blo
 ``weights`` fine-tunes from pretrained weights (:mod:`ddp_recipes.modules.pretrained`): fetched in
 ``prepare_data``, loaded on every rank in ``setup`` with every key and shape checked, the classifier replaced
 when ``num_classes`` differs from the weights'. ``freeze_backbone``, ``backbone_lr_mult`` and
-``unfreeze_at_epoch`` are :class:`~ddp_recipes.modules.classifier.ImageClassifier`'s fine-tuning controls.
+``unfreeze_at_epoch`` are the fine-tuning controls of :class:`~ddp_recipes.modules.finetuning.BackboneFineTuning`.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class ResNetClassifier(ImageClassifier):
         if stage == "fit" and self.pretrained is not None and not getattr(self, "_weights_loaded", False):
             self._weights_loaded = True  # once: a second fit() continues from the trained weights
             self.load_weights()
-        super().setup(stage)  # freezing (ImageClassifier), after the weights
+        super().setup(stage)  # freezing (BackboneFineTuning), after the weights
         hp = self.hparams
         if stage == "fit" and hp.get("freeze_backbone"):
             epoch = self._unfreeze_epoch()
