@@ -181,24 +181,6 @@ def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
     assert saved_step(tmp_path / "checkpoints" / "last.ckpt") == 8
 
 
-def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path, capsys):
-    from ddp_recipes.checkpointing.ownership import newest_checkpoint
-
-    folder = tmp_path / "checkpoints"
-    folder.mkdir()
-    assert newest_checkpoint(tmp_path) is None
-    for name, step in (("last.ckpt", 8), ("best.ckpt", 4)):
-        torch.save({"state_dict": {}, "global_step": step, "epoch": 1}, folder / name)
-    torch.save({"state_dict": {}, "global_step": 10, "epoch": 2}, tmp_path / "hpc_ckpt_1.ckpt")
-    assert newest_checkpoint(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
-    whole = (tmp_path / "hpc_ckpt_1.ckpt").read_bytes()
-    (tmp_path / "hpc_ckpt_2.ckpt").write_bytes(whole[: len(whole) // 2])  # a save cut short (not ours: Lightning's)
-    (folder / ".last.ckpt.tmp-1").write_bytes(whole)  # an unfinished atomic save is never a candidate
-    with pytest.warns(UserWarning, match=r"--resume auto: .*hpc_ckpt_2\.ckpt is a cut or damaged checkpoint .*; "
-                                          r"continuing from hpc_ckpt_1\.ckpt at step 10"):
-        assert newest_checkpoint(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
-
-
 def _cut(path: Path) -> bytes:
     """``path`` cut in half, as a full disk or a broken copy leaves it; returns the bytes kept."""
     kept = path.read_bytes()[: path.stat().st_size // 2]
