@@ -284,7 +284,7 @@ def four_gpus(monkeypatch):
 
 def test_only_the_own_cuda_generator_is_saved_and_restored(four_gpus, tmp_path):
     """Saved by rank 2 of a 4-GPU node (cuda:2), resumed as one SLURM task per GPU (the task sees cuda:0)."""
-    from ddp_recipes.checkpointing.resume import rng_state, set_rng_state
+    from ddp_recipes.checkpointing.exact_continuation import rng_state, set_rng_state
 
     visible, restored = four_gpus
     torch.save(rng_state(torch.device("cuda", 2)), tmp_path / "rng.pt")
@@ -300,7 +300,7 @@ def test_only_the_own_cuda_generator_is_saved_and_restored(four_gpus, tmp_path):
 def test_old_checkpoints_with_every_devices_state_still_load(four_gpus):
     """ddp-recipes <= 0.2 saved every visible device's state in a list: its own entry is restored when the
     process sees as many devices; otherwise a warning, not a crash."""
-    from ddp_recipes.checkpointing.resume import rng_state, set_rng_state
+    from ddp_recipes.checkpointing.exact_continuation import rng_state, set_rng_state
 
     visible, restored = four_gpus
     old = {**rng_state(), "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(4)]}

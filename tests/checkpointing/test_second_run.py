@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Timer
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_recipes import build_trainer
-from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
+from ddp_recipes.checkpointing.exact_continuation import PREBUILT, ResumeState
 from ddp_recipes.errors import ConfigError
 from recipes import mnist
 from tests.helpers import MNIST_CPU, assert_same_weights, files_of, last_ckpt, refused_mnist
