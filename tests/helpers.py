@@ -30,6 +30,33 @@ SHARED_DATA = _shared_data()
 RESNET_TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",
                "--synthetic-val-samples", "32", "--batch-size", "16", "--lr", "0.05"]
 
+# The MNIST recipe on the real mini-MNIST, quiet, on CPU: 125 steps per epoch at 1 device.
+MNIST_CPU = ["--data-dir", str(SHARED_DATA), "--accelerator", "cpu", "--no-download", "--no-diagnostics",
+             "--logger", "none"]
+
+
+def last_ckpt(out: Path) -> Path:
+    """A recipe run's ``last.ckpt`` in its output folder ``out``."""
+    return out / "checkpoints" / "last.ckpt"
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` and its bytes: equal before and after means nothing there changed."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused_mnist(argv: list[str], capsys: Any) -> str:
+    """The one line a refused ``recipes.mnist`` run prints (it must exit 2)."""
+    import pytest
+
+    from recipes import mnist
+
+    with pytest.raises(SystemExit) as exc:
+        mnist.main(argv)
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line]
+    assert exc.value.code == 2 and len(err) == 1, err
+    return err[0]
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago on localhost."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_recipes.bench.proctree import tree
-from ddp_recipes.checkpointing.ownership import ATTEMPTS_DIR
+from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
 
 KINDS = ("sigterm", "sigkill", "lost-rank")
 BEGIN, END = "<!-- bench-stops:begin -->", "<!-- bench-stops:end -->"

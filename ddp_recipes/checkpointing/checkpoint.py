@@ -31,7 +31,7 @@ from ddp_recipes.storage import is_url
 from ddp_recipes.storage.retry import StorageError
 
 CHECKPOINT_DIR = "checkpoints"
-RUN_KEY = "ddp_recipes_run"  # a checkpoint's run: {"run_id": ...} (see checkpointing.ownership)
+RUN_KEY = "ddp_recipes_run"  # a checkpoint's run: {"run_id": ...} (see checkpointing.run_folder.ownership)
 
 
 def run_of(checkpoint: dict[str, Any]) -> str | None:

@@ -8,7 +8,7 @@ checkpoint is one file, written through a temp file renamed over it. A bucket ha
    cache first, then uploaded; a multipart upload appears only once complete, and a cut one is a new name
    nobody points at);
 2. the manifest ``<folder>/last.ckpt.manifest.json``: a small JSON naming that object, its size, sha256,
-   global step, epoch and run id (:mod:`~ddp_recipes.checkpointing.ownership`), written in one request.
+   global step, epoch and run id (:mod:`~ddp_recipes.checkpointing.run_folder.ownership`), written in one request.
 
 Then the object the manifest named before is deleted. ``--resume auto`` reads only manifests and takes the
 one with the most steps whose object is there with the recorded size; the download is checked against the

@@ -19,13 +19,14 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from ddp_recipes.checkpointing import ownership
+from ddp_recipes.checkpointing.checkpoint import RUN_KEY
 from ddp_recipes.checkpointing.preemption import (
     FlagSignalConnector,
     Preempted,
     requeue_slurm_job,
     skip_sigterm_broadcast,
 )
+from ddp_recipes.checkpointing.run_folder import ownership
 from ddp_recipes.checkpointing.vote import StopVote
 from ddp_recipes.storage import Url, location
 
@@ -46,9 +47,10 @@ class LastCheckpoint(Checkpoint):
     says the epoch is over: continuing from it would skip the rest of the epoch (and ``--max-epochs 1`` would
     count it as done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
 
-    The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.ownership`): ``run_id`` (decided on rank 0
-    when fitting starts, :mod:`~ddp_recipes.checkpointing.connector`) goes into every checkpoint the trainer
-    writes. ``words`` is the vocabulary of the messages: a recipe's flags or the library's arguments.
+    The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.run_folder.ownership`): ``run_id``
+    (decided on rank 0 when fitting starts, :mod:`~ddp_recipes.checkpointing.run_folder.rank0_decision`) goes
+    into every checkpoint the trainer writes. ``words`` is the vocabulary of the messages: a recipe's flags or
+    the library's arguments.
 
     A ``Checkpoint`` subclass, so Lightning runs its epoch-end hook after the LightningModule's.
     """
@@ -111,7 +113,7 @@ class LastCheckpoint(Checkpoint):
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self.run_id is not None:  # every checkpoint of the trainer (ModelCheckpoint's too) names its run
-            checkpoint[ownership.RUN_KEY] = {"run_id": self.run_id}
+            checkpoint[RUN_KEY] = {"run_id": self.run_id}
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

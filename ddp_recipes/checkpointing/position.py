@@ -17,7 +17,8 @@ collective), the moment they part:
 All of it is Python integers read at those points; no hook of it runs after a fit's first batch.
 
 :func:`open_next_epoch` and :func:`reopen_cut_epoch` put right the two restores of Lightning 2.6 found to
-break the agreement (:class:`~ddp_recipes.checkpointing.resume.ResumeState` calls them at the training boundary).
+break the agreement (:class:`~ddp_recipes.checkpointing.exact_continuation.ResumeState` calls them at the
+training boundary).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ unchanged. What it changes or adds, each for a reason:
 * ``seed=S``: when training starts (after every set-up hook, so a DataModule's ``random_split`` or
   ``configure_model`` sees the same RNG on every rank), rank r seeds random/numpy/torch with S + r so
   dropout, augmentation and noise differ per rank (``seed_everything`` gives every rank the same stream).
-  With :class:`~ddp_recipes.checkpointing.resume.ResumeState` among the callbacks (``build_trainer`` adds it), that
-  callback does it, and a resumed run gets the checkpoint's streams instead.
+  With :class:`~ddp_recipes.checkpointing.exact_continuation.ResumeState` among the callbacks (``build_trainer``
+  adds it), that callback does it, and a resumed run gets the checkpoint's streams instead.
   ``PL_GLOBAL_SEED`` is left alone on purpose: Lightning seeds the DistributedSampler from it, and a
   per-rank value there would break the disjointness of the shards.
 * SyncBatchNorm on CPU (gloo) too: ``Trainer(sync_batchnorm=True)`` gets :class:`SyncBatchNormPlugin`.
@@ -52,8 +52,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ddp_recipes.checkpointing.exact_continuation import ResumeState, gather_to_rank0
 from ddp_recipes.checkpointing.preemption import Preempted, die_with_launcher, tag_children_with_launcher
-from ddp_recipes.checkpointing.resume import ResumeState, gather_to_rank0
 from ddp_recipes.config.plan import DDPOptions, check_ddp_values
 from ddp_recipes.config.world import check_bf16_device
 from ddp_recipes.data.seeding import seed_rank

@@ -1,8 +1,10 @@
-"""Learning-rate rules for data-parallel training: scale with the global batch, warm up, then cosine.
+"""Learning-rate schedules for data-parallel training: warm up, then cosine (or the torchvision reference's
+schedules), stepped per optimizer step.
 
 Going from 1 to N devices multiplies the global batch by N. The write-up's advice: scale the LR with it
 (linear, Goyal et al. 2017; or sqrt, the gentler rule for adaptive optimizers) from the batch the LR was
-tuned for, and warm up for a few epochs so the large early steps do not blow up training.
+tuned for, which :func:`ddp_recipes.config.plan.scale_lr` does once into the run's plan, and warm up for a
+few epochs (here) so the large early steps do not blow up training.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from ddp_recipes.checkpointing.ownership import ATTEMPTS_DIR
 from ddp_recipes.checkpointing.preemption import Preempted
+from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
 from ddp_recipes.storage import location
 from ddp_recipes.storage.store import listing, read_bytes, write_json_atomic
 

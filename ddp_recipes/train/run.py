@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -17,16 +16,14 @@ from ddp_recipes.checkpointing.checkpoint import (
     plain_data,
     read_checkpoint,
 )
-from ddp_recipes.checkpointing.connector import Continue
-from ddp_recipes.checkpointing.ownership import ATTEMPTS_DIR
-from ddp_recipes.config.cli import writable_dir
+from ddp_recipes.checkpointing.run_folder.output_dir import output_folder
+from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR, refuse_other_runs
+from ddp_recipes.checkpointing.run_folder.rank0_decision import Continue
 from ddp_recipes.config.run_config import RunConfig
-from ddp_recipes.config.world import will_be_global_zero
-from ddp_recipes.storage import Url, is_url, location
+from ddp_recipes.storage import location
 from ddp_recipes.storage.store import write_json_atomic
 from ddp_recipes.train.attempts import AttemptLog, read_attempts, stop_costs, trainer_run_id
 from ddp_recipes.train.callbacks import BatchFitsData, PlannedBatch, ThroughputMeter
-from ddp_recipes.train.checkpoints import note_made, refuse_other_runs
 from ddp_recipes.train.console import LogCadence
 from ddp_recipes.train.perf import (
     flops_summary,
@@ -67,19 +64,6 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, checkp
     kwargs.setdefault("default_root_dir", cfg.output_dir)
     kwargs.setdefault("log_every_n_steps", cfg.log_every_n_steps)
     return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=list(callbacks or []), **kwargs)
-
-
-def output_folder(cfg: RunConfig) -> Path | Url:
-    """The run's output folder; the process that will be rank 0 (the one that writes) creates it and proves it
-    writable (a URL: its store). The other ranks write nothing there, and take rank 0's folder once the process
-    group is up."""
-    if will_be_global_zero():
-        fresh = not is_url(cfg.output_dir) and not Path(cfg.output_dir).exists()
-        folder = writable_dir(cfg.output_dir, "output_dir")
-        if fresh:  # a run that fails before writing anything leaves no empty folder behind
-            note_made(Path(cfg.output_dir))
-        return folder
-    return location(cfg.output_dir)
 
 
 def describe_setup(cfg: RunConfig, trainer: L.Trainer) -> str:

@@ -10,11 +10,12 @@ from typing import Any
 
 import lightning as L
 
+from ddp_recipes.checkpointing.run_folder.output_dir import discard_unused_output_dirs
+from ddp_recipes.checkpointing.run_folder.resume_choice import open_resume
 from ddp_recipes.config.cli import fail
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.unreadable import describe as describe_unreadable
 from ddp_recipes.errors import ConfigError
-from ddp_recipes.train.checkpoints import discard_unused_output_dirs, open_resume
 from ddp_recipes.train.console import quiet_recipe_console
 from ddp_recipes.train.surface import UserSurface, open_surface
 from ddp_recipes.train.userclass import RecipeClasses, follow_checkpoint, resolve_classes

@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from ddp_recipes.checkpointing.resume import completed_epochs
+from ddp_recipes.checkpointing.exact_continuation import completed_epochs
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.train.callbacks import ThroughputMeter
 

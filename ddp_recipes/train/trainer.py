@@ -18,13 +18,13 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, AtomicCheckpointIO
-from ddp_recipes.checkpointing.connector import check_checkpoint_names, find_last_checkpoint
+from ddp_recipes.checkpointing.exact_continuation import PREBUILT, ResumeState
 from ddp_recipes.checkpointing.files import see_published
 from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.checkpointing.position import RunPosition
-from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
+from ddp_recipes.checkpointing.run_folder import ownership
+from ddp_recipes.checkpointing.run_folder.rank0_decision import check_checkpoint_names, find_last_checkpoint
 from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun, launched_per_pod
 from ddp_recipes.data.adopt import adopt_user_loaders

@@ -181,24 +181,6 @@ def test_last_checkpoint_cadence(val_samples, tmp_path, monkeypatch):
     assert saved_step(tmp_path / "checkpoints" / "last.ckpt") == 8
 
 
-def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path, capsys):
-    from ddp_recipes.checkpointing.ownership import newest_checkpoint
-
-    folder = tmp_path / "checkpoints"
-    folder.mkdir()
-    assert newest_checkpoint(tmp_path) is None
-    for name, step in (("last.ckpt", 8), ("best.ckpt", 4)):
-        torch.save({"state_dict": {}, "global_step": step, "epoch": 1}, folder / name)
-    torch.save({"state_dict": {}, "global_step": 10, "epoch": 2}, tmp_path / "hpc_ckpt_1.ckpt")
-    assert newest_checkpoint(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
-    whole = (tmp_path / "hpc_ckpt_1.ckpt").read_bytes()
-    (tmp_path / "hpc_ckpt_2.ckpt").write_bytes(whole[: len(whole) // 2])  # a save cut short (not ours: Lightning's)
-    (folder / ".last.ckpt.tmp-1").write_bytes(whole)  # an unfinished atomic save is never a candidate
-    with pytest.warns(UserWarning, match=r"--resume auto: .*hpc_ckpt_2\.ckpt is a cut or damaged checkpoint .*; "
-                                          r"continuing from hpc_ckpt_1\.ckpt at step 10"):
-        assert newest_checkpoint(tmp_path) == str(tmp_path / "hpc_ckpt_1.ckpt")
-
-
 def _cut(path: Path) -> bytes:
     """``path`` cut in half, as a full disk or a broken copy leaves it; returns the bytes kept."""
     kept = path.read_bytes()[: path.stat().st_size // 2]
@@ -302,7 +284,7 @@ def four_gpus(monkeypatch):
 
 def test_only_the_own_cuda_generator_is_saved_and_restored(four_gpus, tmp_path):
     """Saved by rank 2 of a 4-GPU node (cuda:2), resumed as one SLURM task per GPU (the task sees cuda:0)."""
-    from ddp_recipes.checkpointing.resume import rng_state, set_rng_state
+    from ddp_recipes.checkpointing.exact_continuation import rng_state, set_rng_state
 
     visible, restored = four_gpus
     torch.save(rng_state(torch.device("cuda", 2)), tmp_path / "rng.pt")
@@ -318,7 +300,7 @@ def test_only_the_own_cuda_generator_is_saved_and_restored(four_gpus, tmp_path):
 def test_old_checkpoints_with_every_devices_state_still_load(four_gpus):
     """ddp-recipes <= 0.2 saved every visible device's state in a list: its own entry is restored when the
     process sees as many devices; otherwise a warning, not a crash."""
-    from ddp_recipes.checkpointing.resume import rng_state, set_rng_state
+    from ddp_recipes.checkpointing.exact_continuation import rng_state, set_rng_state
 
     visible, restored = four_gpus
     old = {**rng_state(), "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(4)]}

@@ -1,16 +1,13 @@
 """The second run (issue #30): a user runs again, continues, or built the model first; nothing is lost and
 nothing is silently wrong.
 
-* An output folder belongs to one run: a new run into a folder holding another run's checkpoints is refused
-  in one line, locally and on a bucket, and nothing there changes; the default output dir is a new
-  ``version_N`` for each run.
-* ``--resume auto`` / ``ckpt_path="last"`` continue the folder's own run, never another run's checkpoint
-  whatever its step count; decided on rank 0 (ranks whose disks hold other files fail in one line).
+* (An output folder belonging to one run, ``version_N``, what ``--resume auto`` takes and rank 0's decision:
+  tests/checkpointing/run_folder/.)
 * Continuing past the run's own limit (``--max-steps``, ``--max-epochs``, ``max_time``) is bit-exact.
 * ``build_trainer(seed=...)`` names a model built before it; an iterable loader is split or named.
 * Bad input fails in one line before any rank starts (exit 2, nothing written); the pack's noise is gone.
 
-Fast tests run one process in-process on the real mini-MNIST; 2-rank runs (gloo) are in the slow tier, each
+Fast tests run one process in-process on the real mini-MNIST_CPU; 2-rank runs (gloo) are in the slow tier, each
 with a fast in-process twin for its logic.
 """
 
@@ -31,275 +28,30 @@ from lightning.pytorch.callbacks import Timer
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ddp_recipes import build_trainer
-from ddp_recipes.checkpointing import ownership
-from ddp_recipes.checkpointing.resume import PREBUILT, ResumeState
+from ddp_recipes.checkpointing.exact_continuation import PREBUILT, ResumeState
 from ddp_recipes.errors import ConfigError
 from recipes import mnist
-from tests.helpers import SHARED_DATA, assert_same_weights
+from tests.helpers import MNIST_CPU, assert_same_weights, files_of, last_ckpt, refused_mnist
 from tests.launch import run, saved_step
 from tests.marks import needs_mnist
 from tests.resume_scenario import RESNET, args
 
-MNIST = ["--data-dir", str(SHARED_DATA), "--accelerator", "cpu", "--no-download", "--no-diagnostics",
-         "--logger", "none"]  # 125 steps per epoch at 1 device
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "second_run_scenario.py"
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
 
-def last(out: Path) -> Path:
-    return out / "checkpoints" / "last.ckpt"
-
-
-def files(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def refused(argv: list[str], capsys) -> str:
-    """The one line a refused ``recipes.mnist`` run prints (it must exit 2)."""
-    with pytest.raises(SystemExit) as exc:
-        mnist.main(argv)
-    err = [line for line in capsys.readouterr().err.strip().splitlines() if line]
-    assert exc.value.code == 2 and len(err) == 1, err
-    return err[0]
-
-
-# ---- 1. an output folder belongs to one run ----------------------------------------------------------------
-
-@needs_mnist
-def test_a_new_run_into_a_finished_runs_folder_is_refused_and_touches_nothing(tmp_path, capsys):
-    out = tmp_path / "out"
-    mnist.main([*MNIST, "--max-steps", "6", "--output-dir", str(out)])
-    record = json.loads((out / "checkpoints" / "run.json").read_text())
-    assert torch.load(last(out), weights_only=True)[ownership.RUN_KEY] == {"run_id": record["run_id"]}
-    before = files(out)
-    capsys.readouterr()
-    line = refused([*MNIST, "--max-steps", "2", "--output-dir", str(out)], capsys)
-    assert f"--output-dir {out} holds run {record['run_id']} (last.ckpt at step 6" in line
-    assert "continue it with --resume auto, or pass another --output-dir" in line
-    assert files(out) == before  # last.ckpt, summary.json, run.json: byte for byte
-
-
-@needs_mnist
-def test_a_new_run_into_a_finished_runs_bucket_is_refused_and_touches_nothing(s3, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    out = s3.bucket("owned") + "/run"
-    mnist.main([*MNIST, "--max-steps", "3", "--output-dir", out])
-    keys = s3.keys("owned")
-    bodies = {k: s3.client().get_object(Bucket="owned", Key=k)["Body"].read() for k in keys}
-    manifest = json.loads(bodies["run/checkpoints/last.ckpt.manifest.json"])
-    assert manifest["run_id"] == json.loads(bodies["run/checkpoints/run.json"])["run_id"]
-    capsys.readouterr()
-    line = refused([*MNIST, "--max-steps", "2", "--output-dir", out], capsys)
-    assert f"holds run {manifest['run_id']} (last.ckpt at step 3" in line and "--resume auto" in line
-    assert {k: s3.client().get_object(Bucket="owned", Key=k)["Body"].read() for k in s3.keys("owned")} == bodies
-
-
-@needs_mnist
-def test_default_output_dirs_never_collide(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    first = mnist.main([*MNIST, "--max-steps", "2"])
-    second = mnist.main([*MNIST, "--max-steps", "3"])
-    runs = tmp_path / "runs" / "mnist"
-    assert first["config"]["output_dir"] == str(Path("runs/mnist/version_0"))
-    assert second["config"]["output_dir"] == str(Path("runs/mnist/version_1"))
-    assert saved_step(last(runs / "version_0")) == 2 and saved_step(last(runs / "version_1")) == 3
-    capsys.readouterr()
-    resumed = mnist.main([*MNIST, "--max-steps", "5", "--resume", "auto"])  # the newest run continues
-    assert "--resume auto: continuing the run in runs/mnist/version_1" in capsys.readouterr().out
-    assert resumed["steps"] == 5 and saved_step(last(runs / "version_0")) == 2
-    (runs / "version_2").mkdir()  # another run started a moment ago (its folder is taken, even empty)
-    assert mnist.main([*MNIST, "--max-steps", "1"])["config"]["output_dir"] == str(Path("runs/mnist/version_3"))
-
-
-# ---- 2. --resume auto continues this run -------------------------------------------------------------------
-
-@needs_mnist
-def test_resume_auto_never_takes_another_runs_checkpoint(tmp_path):
-    """Run A (more steps, a best.ckpt) and run B: A's best.ckpt copied into B's folder is skipped, whatever
-    its step count; B continues from its own last.ckpt and ends as B never stopped."""
-    a, b, straight = tmp_path / "a", tmp_path / "b", tmp_path / "straight"
-    # A: 14 steps and a best.ckpt, more steps than B will have
-    mnist.main([*MNIST, "--val-size", "1000", "--batch-size", "500", "--max-epochs", "1", "--output-dir", str(a)])
-    mnist.main([*MNIST, "--max-steps", "4", "--lr", "0.05", "--output-dir", str(b)])
-    mnist.main([*MNIST, "--max-steps", "8", "--lr", "0.05", "--output-dir", str(straight)])
-    shutil.copy(a / "checkpoints" / "best.ckpt", b / "checkpoints" / "best.ckpt")
-    with pytest.warns(UserWarning, match=r"--resume auto: skipping .*best\.ckpt \(best\.ckpt at step 14.*\): "
-                                         r"it belongs to run [0-9a-f]{12}, not to this folder's run"):
-        summary = mnist.main([*MNIST, "--max-steps", "8", "--lr", "0.05", "--output-dir", str(b), "--resume", "auto"])
-    assert summary["resumed_from"] == str(last(b)) and summary["steps"] == 8
-    assert_same_weights(last(b), last(straight))
-
-
-@needs_mnist
-def test_resume_auto_on_a_bucket_never_takes_another_runs_checkpoint(s3, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    client = s3.client()
-    s3.bucket("mixed")
-    a, b = "s3://mixed/a", "s3://mixed/b"
-    mnist.main([*MNIST, "--val-size", "1000", "--batch-size", "500", "--max-epochs", "1", "--output-dir", a])
-    mnist.main([*MNIST, "--max-steps", "4", "--output-dir", b])
-    manifest = json.loads(client.get_object(Bucket="mixed", Key="a/checkpoints/best.ckpt.manifest.json")["Body"].read())
-    for key in ("checkpoints/best.ckpt.manifest.json", f"checkpoints/{manifest['object']}"):
-        client.copy_object(Bucket="mixed", Key=f"b/{key}", CopySource={"Bucket": "mixed", "Key": f"a/{key}"})
-    with pytest.warns(UserWarning, match=r"skipping s3://mixed/b/checkpoints/best\.ckpt .*: it belongs to run"):
-        summary = mnist.main([*MNIST, "--max-steps", "6", "--output-dir", b, "--resume", "auto"])
-    assert summary["resumed_from"] == f"{b}/checkpoints/last.ckpt" and summary["steps"] == 6
-
-
-@needs_mnist
-def test_another_runs_checkpoint_into_an_owned_folder_is_refused(tmp_path, capsys):
-    a, b = tmp_path / "a", tmp_path / "b"
-    mnist.main([*MNIST, "--max-steps", "2", "--output-dir", str(a)])
-    mnist.main([*MNIST, "--max-steps", "2", "--output-dir", str(b)])
-    before = files(b)
-    capsys.readouterr()
-    line = refused([*MNIST, "--max-steps", "4", "--output-dir", str(b), "--resume", str(last(a))], capsys)
-    assert f"--output-dir {b} holds run" in line and "checkpoint: continuing it there would mix two runs" in line
-    assert files(b) == before
-    # Into a new folder it continues run A there (the same run id, so that folder is A's now).
-    summary = mnist.main([*MNIST, "--max-steps", "4", "--output-dir", str(tmp_path / "c"), "--resume", str(last(a))])
-    assert summary["steps"] == 4
-    run_of = lambda out: json.loads((out / "checkpoints" / "run.json").read_text())["run_id"]  # noqa: E731
-    assert run_of(tmp_path / "c") == run_of(a) != run_of(b)
-
-
-def test_a_folder_with_several_runs_and_no_record_is_refused(tmp_path):
-    folder = tmp_path / "checkpoints"
-    folder.mkdir()
-    for name, step, run_id in (("last.ckpt", 4, "aaaaaaaaaaaa"), ("best.ckpt", 9, "bbbbbbbbbbbb")):
-        torch.save({"state_dict": {}, "global_step": step, "epoch": 0, ownership.RUN_KEY: {"run_id": run_id}},
-                   folder / name)
-    found = ownership.survey(folder)
-    with pytest.raises(ConfigError) as info:
-        ownership.newest_of_run(found)
-    text = info.value.cli()
-    assert "holds the checkpoints of 2 runs (run bbbbbbbbbbbb (best.ckpt at step 9" in text
-    assert "pass the one to continue with --resume PATH" in text
-    ownership.claim(folder, "aaaaaaaaaaaa")  # a record decides: the recorded run's newest
-    with pytest.warns(UserWarning, match="skipping .*best.ckpt"):
-        assert ownership.newest_of_run(ownership.survey(folder)).name == "last.ckpt"
-    with pytest.raises(ConfigError, match="was claimed by run aaaaaaaaaaaa"):
-        ownership.claim(folder, "cccccccccccc")
-
-
-class _Strategy:
-    """What agree() needs of a strategy, for one rank of a fake 2-rank group: rank 0's broadcast value."""
-
-    def __init__(self, rank0: dict) -> None:
-        self.rank0 = rank0
-
-    def broadcast(self, obj):
-        if isinstance(obj, tuple):  # the claim's outcome: rank 0 recorded the run
-            return ("claim", None)
-        return self.rank0
-
-
-def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_path, monkeypatch):
-    """rank 1 of 2 (the decision is rank 0's): it reads the checkpoint rank 0 chose, but finds another step there
-    (a node-local disk); the gathered answer fails every rank with one line naming the rank and the fix."""
-    from types import SimpleNamespace
-
-    from ddp_recipes.checkpointing import connector
-    from ddp_recipes.checkpointing.last import LastCheckpoint
-
-    folder = tmp_path / "checkpoints"
-    folder.mkdir()
-    torch.save({"state_dict": {}, "global_step": 3, "epoch": 0, ownership.RUN_KEY: {"run_id": "aaaaaaaaaaaa"}},
-               folder / "last.ckpt")
-    rank0 = {"path": str(folder / "last.ckpt"), "step": 6, "run_id": "aaaaaaaaaaaa", "ckpt_run": "aaaaaaaaaaaa",
-             "folder": str(folder)}
-    trainer = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=_Strategy(rank0), callbacks=[],
-                              fast_dev_run=False)
-    monkeypatch.setattr(connector, "_gather", lambda problem: [None, problem])
-    with pytest.raises(ConfigError) as info:
-        connector.agree(trainer, LastCheckpoint(folder), connector.Continue(), fitting=True)
-    text = info.value.cli()
-    assert (f"rank 0 resumes from {folder / 'last.ckpt'} (step 6 of run aaaaaaaaaaaa), which rank 1 reads as "
-            "step 3") in text
-    assert "every rank must read the same checkpoints: put --output-dir on a filesystem every node shares" in text
-    assert info.value.agreed  # printed by rank 0 only
-    rank0["step"] = 3  # the same file: rank 1 takes rank 0's folder and run id
-    last = LastCheckpoint(tmp_path / "elsewhere")
-    assert connector.agree(trainer, last, connector.Continue(), fitting=True) == str(folder / "last.ckpt")
-    assert last.dirpath == folder and last.run_id == "aaaaaaaaaaaa"
-    assert not (folder / "run.json").exists()  # only rank 0 records the run
-
-
-def test_a_checkpoint_without_a_run_id_continues_at_two_ranks(tmp_path, monkeypatch):
-    """A checkpoint older than run ids (or plain Lightning's, given by path) gets a new run id for this fit;
-    rank 1 must compare its own read of the file with what the file records (no id), not with that new id,
-    or every resume of such a file at 2 ranks failed with the node-local-disk error."""
-    from types import SimpleNamespace
-
-    from ddp_recipes.checkpointing import connector
-    from ddp_recipes.checkpointing.last import LastCheckpoint
-
-    folder = tmp_path / "checkpoints"
-    folder.mkdir()
-    torch.save({"state_dict": {}, "global_step": 7, "epoch": 0}, folder / "last.ckpt")  # no RUN_KEY
-    rank0_trainer = SimpleNamespace(is_global_zero=True, global_rank=0, callbacks=[], checkpoint_callbacks=[],
-                                    fast_dev_run=False, default_root_dir=str(tmp_path))
-    for request in (connector.Continue(), str(folder / "last.ckpt")):
-        decision = connector.decide(rank0_trainer, LastCheckpoint(folder), request, fitting=True)
-        assert decision["ckpt_run"] is None and decision["run_id"], decision
-        assert connector._check_same(decision, 1) is None
-    trainer = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=_Strategy(decision), callbacks=[],
-                              fast_dev_run=False)
-    monkeypatch.setattr(connector, "_gather", lambda problem: [None, problem])
-    last = LastCheckpoint(folder)
-    assert connector.agree(trainer, last, str(folder / "last.ckpt"), fitting=True) == str(folder / "last.ckpt")
-    assert last.run_id == decision["run_id"]
-
-
-def test_a_claim_refused_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
-    """Rank 0 records the run; when that fails (claimed meanwhile, read-only, a denied bucket) the outcome is
-    broadcast, so rank 1 raises too instead of waiting in DDP's set-up for the collective timeout."""
-    from types import SimpleNamespace
-
-    from ddp_recipes.checkpointing import connector
-    from ddp_recipes.checkpointing.last import LastCheckpoint
-
-    class Told:
-        def __init__(self, outcome):
-            self.outcome = outcome
-
-        def broadcast(self, obj):
-            return self.outcome if isinstance(obj, tuple) else obj
-
-    folder = tmp_path / "checkpoints"
-    rank1 = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=Told(("claim", "CheckpointError: taken")),
-                            fast_dev_run=False)
-    with pytest.raises(ConfigError, match="rank 0 could not record the run in .*taken.*every rank stops") as info:
-        connector._claim_on_rank_0(rank1, LastCheckpoint(folder))
-    assert info.value.agreed
-    sent = []
-
-    class Records(Told):
-        def broadcast(self, obj):
-            sent.append(obj)
-            return obj
-
-    ownership.claim(folder, "bbbbbbbbbbbb")
-    last = LastCheckpoint(folder)
-    last.run_id = "aaaaaaaaaaaa"
-    rank0 = SimpleNamespace(is_global_zero=True, global_rank=0, strategy=Records(None), fast_dev_run=False)
-    with pytest.raises(ConfigError, match="was claimed by run bbbbbbbbbbbb"):
-        connector._claim_on_rank_0(rank0, last)
-    assert sent and sent[0][0] == "claim" and "was claimed by run bbbbbbbbbbbb" in sent[0][1]
-
-
-# ---- 3. continuing past the run's own limit is exact ---------------------------------------------------------
+# ---- 1. continuing past the run's own limit is exact ---------------------------------------------------------
 
 @needs_mnist
 def test_continuing_past_max_steps_is_exact(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    mnist.main([*MNIST, "--max-steps", "10", "--output-dir", str(straight)])
-    first = mnist.main([*MNIST, "--max-steps", "5", "--output-dir", str(split)])
-    loops = torch.load(last(split), weights_only=True)["loops"]["fit_loop"]
+    mnist.main([*MNIST_CPU, "--max-steps", "10", "--output-dir", str(straight)])
+    first = mnist.main([*MNIST_CPU, "--max-steps", "5", "--output-dir", str(split)])
+    loops = torch.load(last_ckpt(split), weights_only=True)["loops"]["fit_loop"]
     assert loops["epoch_progress"]["current"]["processed"] == 0  # a mid-epoch checkpoint, not "epoch 0 done"
     assert loops["state_dict"]["combined_loader"][0]["samples_seen"] == 5 * 64
-    mnist.main([*MNIST, "--max-steps", "10", "--output-dir", str(split), "--resume", "auto"])
-    assert_same_weights(last(split), last(straight))
+    mnist.main([*MNIST_CPU, "--max-steps", "10", "--output-dir", str(split), "--resume", "auto"])
+    assert_same_weights(last_ckpt(split), last_ckpt(straight))
     assert first["epochs"] == 0 and first["steps"] == 5
 
 
@@ -308,17 +60,17 @@ def test_continuing_past_max_steps_into_max_epochs_is_exact(tmp_path):
     """Batch 500: 16 steps per epoch. ``--max-steps 5`` then ``--max-epochs 1`` trains the rest of epoch 0 (not
     "max_epochs=1 reached" at step 5); ``--max-epochs 1`` then ``2`` (no validation data, so nothing is left to
     run at the saved epoch end) continues with the next epoch's first batch, once."""
-    big = [*MNIST, "--batch-size", "500"]
+    big = [*MNIST_CPU, "--batch-size", "500"]
     epoch, cut, both = tmp_path / "epoch", tmp_path / "cut", tmp_path / "both"
     mnist.main([*big, "--max-epochs", "1", "--output-dir", str(epoch)])
     mnist.main([*big, "--max-steps", "5", "--output-dir", str(cut)])
     summary = mnist.main([*big, "--max-epochs", "1", "--output-dir", str(cut), "--resume", "auto"])
     assert summary["steps"] == 16 and summary["epochs"] == 1
-    assert_same_weights(last(cut), last(epoch))
+    assert_same_weights(last_ckpt(cut), last_ckpt(epoch))
     mnist.main([*big, "--max-epochs", "2", "--output-dir", str(both)])
     again = mnist.main([*big, "--max-epochs", "2", "--output-dir", str(epoch), "--resume", "auto"])
     assert again["steps"] == 32 and again["epochs"] == 2
-    assert_same_weights(last(epoch), last(both))
+    assert_same_weights(last_ckpt(epoch), last_ckpt(both))
 
 
 class SpendTimeAt(L.Callback):
@@ -340,7 +92,7 @@ def test_continuing_past_max_time_is_exact_and_counts_epochs_alike(tmp_path, sto
     """Stopped by max_time after step ``stop`` (16 steps per epoch: the last batch of epoch 2, or batch 5 of
     epoch 2), the checkpoint resumes at that batch; a run resumed from it with the same, spent max_time stops
     at once and reports the same epochs and steps; continued with time to spare it trains on exactly."""
-    big = [*MNIST, "--batch-size", "500"]  # 16 steps per epoch
+    big = [*MNIST_CPU, "--batch-size", "500"]  # 16 steps per epoch
     timed, straight = tmp_path / "timed", tmp_path / "straight"
     hour, day = {"max_time": datetime.timedelta(hours=1)}, {"max_time": datetime.timedelta(days=1)}
     first = mnist.main([*big, "--max-epochs", "20", "--output-dir", str(timed)], trainer_kwargs=hour,
@@ -351,8 +103,8 @@ def test_continuing_past_max_time_is_exact_and_counts_epochs_alike(tmp_path, sto
     steps = stop + 20  # past the stop, into the next epoch
     mnist.main([*big, "--max-steps", str(steps), "--output-dir", str(timed), "--resume", "auto"], trainer_kwargs=day)
     mnist.main([*big, "--max-steps", str(steps), "--output-dir", str(straight)], trainer_kwargs=day)
-    assert saved_step(last(timed)) == steps
-    assert_same_weights(last(timed), last(straight))
+    assert saved_step(last_ckpt(timed)) == steps
+    assert_same_weights(last_ckpt(timed), last_ckpt(straight))
 
 
 def test_a_schedule_sized_for_the_run_says_so_when_the_limit_changes(tmp_path):
@@ -366,7 +118,7 @@ def test_a_schedule_sized_for_the_run_says_so_when_the_limit_changes(tmp_path):
         resnet.main([*tiny, "--max-steps", "4", "--resume", "auto"])
 
 
-# ---- 4. build_trainer(seed=...) and a model built before it -------------------------------------------------
+# ---- 2. build_trainer(seed=...) and a model built before it -------------------------------------------------
 
 class Net(L.LightningModule):
     def __init__(self) -> None:
@@ -548,7 +300,7 @@ def test_continuing_into_max_epochs_with_max_steps_set_trains_every_epoch(tmp_pa
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
-# ---- 5. iterable loaders ------------------------------------------------------------------------------------
+# ---- 3. iterable loaders ------------------------------------------------------------------------------------
 
 class Counting(IterableDataset):
     def __init__(self, n: int) -> None:
@@ -601,7 +353,7 @@ def test_a_stream_is_split_only_where_its_order_is_fixed():
     assert torch.equal(torch.get_rng_state(), state), "reading the stream leaves the training streams alone"
 
 
-# ---- 6. bad input: one line before any rank starts, exit 2, nothing written -----------------------------------
+# ---- 4. bad input: one line before any rank starts, exit 2, nothing written -----------------------------------
 
 @needs_mnist
 @pytest.mark.parametrize(("extra", "expected"), [
@@ -616,28 +368,16 @@ def test_a_stream_is_split_only_where_its_order_is_fixed():
                                                "validation data; hold some out with --val-size N, or drop it"),
 ], ids=["max_time", "tracking_uri", "run_name", "val_size", "val_size_ranks", "val_check_interval"])
 def test_bad_input_fails_in_one_line_before_anything_is_written(extra, expected, tmp_path, capsys):
-    line = refused([*MNIST, "--max-steps", "2", "--output-dir", str(tmp_path / "out"), *extra], capsys)
+    line = refused_mnist([*MNIST_CPU, "--max-steps", "2", "--output-dir", str(tmp_path / "out"), *extra], capsys)
     assert expected in line, line
     assert not (tmp_path / "out").exists()
-
-
-@needs_mnist
-@needs_mnist
-def test_bad_input_into_the_default_output_dir_leaves_no_version_folder(tmp_path, monkeypatch, capsys):
-    """Without --output-dir the run's folder is runs/mnist/version_N, made before the input is checked; a
-    refused run removes it again (and takes no N): nothing written."""
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as info:
-        mnist.main(["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--val-size", "99999"])
-    assert info.value.code == 2 and "--val-size" in capsys.readouterr().err
-    assert not any((tmp_path / "runs" / "mnist").glob("version_*")), list((tmp_path / "runs").rglob("*"))
 
 
 def test_a_checkpoint_io_plugin_is_refused_by_the_recipe_and_named_by_the_library(tmp_path, capsys):
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
     with pytest.raises(SystemExit):
-        mnist.main([*MNIST, "--max-steps", "2", "--output-dir", str(tmp_path / "out")],
+        mnist.main([*MNIST_CPU, "--max-steps", "2", "--output-dir", str(tmp_path / "out")],
                    trainer_kwargs={"plugins": [TorchCheckpointIO()]})
     assert ("error: main(trainer_kwargs=...) plugins TorchCheckpointIO would replace the recipe's AtomicCheckpointIO"
             in capsys.readouterr().err)
@@ -652,7 +392,7 @@ def test_a_model_checkpoint_writing_the_packs_last_ckpt_is_refused(tmp_path, cap
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     out = tmp_path / "out"
-    line = refused([*MNIST, "--max-steps", "2", "--output-dir", str(out), "--callbacks",
+    line = refused_mnist([*MNIST_CPU, "--max-steps", "2", "--output-dir", str(out), "--callbacks",
                     f"{{class_path: ModelCheckpoint, init_args: {{dirpath: {out / 'checkpoints'}, save_last: true}}}}"],
                    capsys)
     assert ("--callbacks ModelCheckpoint(save_last=True) would write last.ckpt in " in line
@@ -668,16 +408,16 @@ def test_a_model_checkpoint_writing_the_packs_last_ckpt_is_refused(tmp_path, cap
 @needs_mnist
 def test_a_fast_dev_run_writes_nothing_in_a_runs_folder(tmp_path):
     out = tmp_path / "out"
-    mnist.main([*MNIST, "--max-steps", "3", "--output-dir", str(out)])
-    before = files(out)
-    mnist.main([*MNIST, "--output-dir", str(out), "--trainer", "fast_dev_run=2"])
-    assert files(out) == before  # no last.ckpt, summary.json, final.ckpt: a later --resume auto continues the run
+    mnist.main([*MNIST_CPU, "--max-steps", "3", "--output-dir", str(out)])
+    before = files_of(out)
+    mnist.main([*MNIST_CPU, "--output-dir", str(out), "--trainer", "fast_dev_run=2"])
+    assert files_of(out) == before  # no last.ckpt, summary.json, final.ckpt: a later --resume auto continues the run
     fresh = tmp_path / "fresh"
-    mnist.main([*MNIST, "--output-dir", str(fresh), "--trainer", "fast_dev_run=true"])
-    assert not last(fresh).exists() and not (fresh / "summary.json").exists()
+    mnist.main([*MNIST_CPU, "--output-dir", str(fresh), "--trainer", "fast_dev_run=true"])
+    assert not last_ckpt(fresh).exists() and not (fresh / "summary.json").exists()
 
 
-# ---- 6. the pack's own noise -----------------------------------------------------------------------------
+# ---- 5. the pack's own noise -----------------------------------------------------------------------------
 
 def test_looking_for_loader_workers_at_exit_warns_nothing():
     """torch.distributed's deprecated reduce_op is among the gc's objects; isinstance() on it warned."""
@@ -780,10 +520,10 @@ def test_two_ranks_continuing_past_max_steps_with_workers_and_augmentation_is_ex
         assert noise not in stopped.stderr, noise
     one = run([*RESNET, *args(images, 2, "--max-epochs", "1", *common), "--output-dir", split, "--resume", "auto"],
               timeout=600, check=True)
-    assert saved_step(last(split)) == 6 and "max_epochs=1" in one.stdout + one.stderr
+    assert saved_step(last_ckpt(split)) == 6 and "max_epochs=1" in one.stdout + one.stderr
     run([*RESNET, *args(images, 2, "--max-epochs", "2", *common), "--output-dir", split, "--resume", "auto"],
         timeout=600, check=True)
-    assert_same_weights(last(split), last(straight))
+    assert_same_weights(last_ckpt(split), last_ckpt(straight))
 
 
 def test_a_run_resumed_with_another_epoch_length_is_held_to_its_own_limit(tmp_path):

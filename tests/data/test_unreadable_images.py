@@ -56,7 +56,7 @@ def test_only_a_run_that_failed_before_its_first_step_gives_up_the_folder(tmp_pa
     a new run is still refused there."""
     import json
 
-    from ddp_recipes.checkpointing import ownership
+    from ddp_recipes.checkpointing.run_folder import ownership
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()

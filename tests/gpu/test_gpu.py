@@ -434,7 +434,7 @@ def test_resume_restores_the_own_cuda_generator(tmp_path):
     """The rank's device generator alone goes through a weights_only checkpoint round trip; draws repeat."""
     import lightning as L
 
-    from ddp_recipes.checkpointing.resume import rng_state, set_rng_state
+    from ddp_recipes.checkpointing.exact_continuation import rng_state, set_rng_state
     from ddp_recipes.data.images import SyntheticImageDataModule
 
     device = torch.device("cuda", torch.cuda.current_device())

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ddp_recipes.checkpointing.ownership import ATTEMPTS_DIR
+from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
 from ddp_recipes.modules.resnet import ResNetClassifier
 from ddp_recipes.train.attempts import read_attempts, stop_costs
 from recipes import resnet

@@ -9,11 +9,13 @@ preemption, a requeue). The id is recorded twice:
 * in every checkpoint the run writes, under ``checkpoint["ddp_recipes_run"]`` (and on an object store in its
   manifest too), so a checkpoint says whose it is wherever it is copied.
 
-The rules, decided on rank 0 (:mod:`ddp_recipes.checkpointing.connector` sends the decision to every rank):
+The rules, decided on rank 0 (:mod:`~ddp_recipes.checkpointing.run_folder.rank0_decision` sends the decision to
+every rank; a recipe checks them once before it launches, :func:`refuse_other_runs`):
 
 * a new run into a folder that holds a run (a record, or any complete checkpoint) is refused in one line
   naming the run found and the two ways on (:func:`refuse_new_run`);
-* continuing takes the newest checkpoint of the folder's run (:func:`newest_of_run`): the record's id, else
+* continuing takes the newest checkpoint of the folder's run (:meth:`Survey.owner`, and
+  :func:`~ddp_recipes.checkpointing.run_folder.resume_choice.newest_of_run`): the record's id, else
   the one id its checkpoints carry; any other run's checkpoint is skipped with a warning whatever its step
   count, and a folder whose checkpoints name several runs and which has no record is refused;
 * a checkpoint given by path continues its own run; into a folder that holds another run it is refused
@@ -35,17 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_recipes.checkpointing import files
 from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, plain_data, run_of, unreadable_because
-from ddp_recipes.checkpointing.checkpoint import (
-    RUN_KEY as RUN_KEY,  # the checkpoint's entry, set where it is written
-)
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.errors import CheckpointError, lit
 from ddp_recipes.storage import Url, location, same_path
-from ddp_recipes.storage.retry import StorageError
-from ddp_recipes.storage.store import check_store, listing, read_bytes, renames, size, write_new
+from ddp_recipes.storage.store import listing, read_bytes, size, write_new
 
 RUN_FILE = "run.json"
 FORMAT = "ddp-recipes-run/1"
@@ -126,7 +125,7 @@ class Survey:
     @property
     def run_ids(self) -> list[str]:
         """The distinct run ids the checkpoints carry, the newest checkpoint's first."""
-        ordered = sorted(self.checkpoints, key=_newest_key, reverse=True)
+        ordered = sorted(self.checkpoints, key=newest_key, reverse=True)
         return list(dict.fromkeys(c.run_id for c in ordered if c.run_id))
 
     def owner(self) -> str | None:
@@ -144,9 +143,9 @@ class Survey:
         """"run 3f2a9c1e7b40 (last.ckpt at step 189, epoch 3)" for ``run_id`` (default: the owner's)."""
         run_id = run_id or self.owner()
         mine = [c for c in self.checkpoints if c.run_id == run_id] if run_id else list(self.checkpoints)
-        newest = max(mine, key=_newest_key, default=None)
+        newest = max(mine, key=newest_key, default=None)
         where = (newest.describe() if newest is not None else
-                 f"an unreadable {_name(self.unreadable[0][0])}" if self.unreadable else "no checkpoint yet")
+                 f"an unreadable {file_name(self.unreadable[0][0])}" if self.unreadable else "no checkpoint yet")
         if run_id is None:
             return f"a run of an earlier ddp-recipes, which recorded no run id ({where})"
         started = (self.record or {}).get("started") if run_id == self.recorded_run else None
@@ -171,58 +170,11 @@ def survey(folder: str | os.PathLike, extra: list[Path] | None = None, asked: st
     return found
 
 
-def _name(path: str) -> str:
+def file_name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _said_once(message: str) -> None:
-    """A warning of the folder's state, once per process: the recipe reads the folder before the ranks start
-    and rank 0 reads it again once the process group is up; the user is told once."""
-    if message not in _SAID:
-        _SAID.add(message)
-        rank_zero_warn(message)
-
-
-_SAID: set[str] = set()
-
-
-def check_unreadable(found: Survey, newest: Found | None, words: Words = RECIPE, keep: bool = True) -> None:
-    """Continuing a folder that holds an unreadable checkpoint file (cut by a full disk or a broken copy): with
-    a readable checkpoint of the run to continue from, say which, and with ``keep`` (a fit: its saves would
-    write over it) that the caller sets the file aside (:func:`set_aside_unreadable`); with none, refuse in one
-    line naming the file and the ways on, instead of starting from step 0 over it."""
-    if not found.unreadable:
-        return
-    path, why = found.unreadable[0]
-    more = f" (and {len(found.unreadable) - 1} more)" if len(found.unreadable) > 1 else ""
-    if newest is None:
-        raise CheckpointError(f"{lit(path)}{more} {why} and the run in "
-                              f"{_folder_text(found, words)} has no other; nothing was changed: restore it from a "
-                              f"copy, continue from another checkpoint with {words.resume_path}, or start a new run "
-                              f"with another {words.another}", "output_dir" if words.parent else None)
-    if keep and not renames(path):
-        raise CheckpointError(f"{lit(path)}{more} {why}; nothing was changed: restore "
-                              f"it, or continue from {newest.name} with {words.resume_path}")
-    kept = f"the file is kept as {_name(path)}{UNREADABLE}" if keep else "the file is left as it is"
-    _said_once(f"{words.asked}: {path}{more} {why}; continuing from {newest.describe()}; {kept}")
-
-
-UNREADABLE = ".unreadable"  # the suffix an unreadable checkpoint is kept under (never a *.ckpt, never taken)
-
-
-def set_aside_unreadable(found: Survey) -> None:
-    """Rank 0, once continuing from another checkpoint is decided: each unreadable local checkpoint file gets
-    a name no save writes (``last.ckpt.unreadable``, ``.unreadable-2``, ...), so its bytes stay for whoever
-    may restore them."""
-    for path, _ in found.unreadable:
-        target, n = Path(path + UNREADABLE), 1
-        while target.exists():
-            n += 1
-            target = Path(f"{path}{UNREADABLE}-{n}")
-        os.replace(path, target)
-
-
-def _newest_key(found: Found) -> tuple[int, int, tuple[int, int, str]]:
+def newest_key(found: Found) -> tuple[int, int, tuple[int, int, str]]:
     """The order of "newest": optimizer steps, then epochs, then last.ckpt, the newest hpc_ckpt_N, the name.
     It reads what the files say, not their write times (every rank reads the same answer)."""
     name = found.name
@@ -236,32 +188,9 @@ def _newest_key(found: Found) -> tuple[int, int, tuple[int, int, str]]:
     return found.step, found.epoch, tie
 
 
-def _folder_text(found: Survey, words: Words) -> str:
+def folder_text(found: Survey, words: Words) -> str:
     shown = found.folder.parent if words.parent else found.folder
     return f"{words.folder} {lit(shown)}"
-
-
-def newest_of_run(found: Survey, words: Words = RECIPE, keep: bool = True) -> Found | None:
-    """The checkpoint continuing the folder's run takes: the newest of the owner's (see the module
-    docstring); None when it has none yet. Skipped checkpoints of other runs are named in one warning each."""
-    owner = found.owner()
-    if owner is None and len(found.run_ids) > 1:
-        runs = "; ".join(found.describe(run_id) for run_id in found.run_ids)
-        raise CheckpointError(f"{_folder_text(found, words)} holds the checkpoints of {len(found.run_ids)} runs "
-                              f"({runs}) and no {RUN_FILE} saying whose folder it is; pass the one to continue with "
-                              f"{words.resume_path}, or pass another {words.another}")
-    if owner is None:  # no record and no run id on any checkpoint: every checkpoint is the run's
-        mine = list(found.checkpoints)
-    else:
-        mine = [c for c in found.checkpoints if c.run_id == owner]
-        for other in found.checkpoints:
-            if other.run_id != owner:
-                whose = f"run {other.run_id}" if other.run_id else "a run of an earlier ddp-recipes (no run id)"
-                _said_once(f"{words.asked}: skipping {other.path} ({other.describe()}): it belongs to {whose}, "
-                           f"not to this folder's run {owner}")
-    newest = max(mine, key=_newest_key, default=None)
-    check_unreadable(found, newest, words, keep)
-    return newest
 
 
 def ended_before_its_first_checkpoint(found: Survey, words: Words = RECIPE) -> str | None:
@@ -292,7 +221,7 @@ def refuse_new_run(found: Survey, words: Words = RECIPE) -> None:
     """A new run must not start in a folder that holds a run: raise naming the run found and the ways on. A
     run that ended before its first checkpoint holds nothing to protect (:func:`ended_before_its_first_checkpoint`)."""
     if found.holds_a_run() and not ended_before_its_first_checkpoint(found, words):
-        raise CheckpointError(f"{_folder_text(found, words)} holds {found.describe()}: a new run there would overwrite "
+        raise CheckpointError(f"{folder_text(found, words)} holds {found.describe()}: a new run there would overwrite "
                               f"its checkpoints; continue it with {words.resume}, or pass another {words.another}",
                               "output_dir" if words.parent else None)
 
@@ -309,12 +238,13 @@ def refuse_foreign_checkpoint(found: Survey, checkpoint: Found, words: Words = R
     if owner is None and checkpoint.run_id is None and not found.run_ids:
         return  # neither side records a run: nothing tells two runs apart, so the checkpoint may continue
     whose = f"run {checkpoint.run_id}'s" if checkpoint.run_id else "an unrecorded run's"
-    raise CheckpointError(f"{_folder_text(found, words)} holds {found.describe()}, and {lit(checkpoint.path)} is "
+    raise CheckpointError(f"{folder_text(found, words)} holds {found.describe()}, and {lit(checkpoint.path)} is "
                           f"{whose} checkpoint: continuing it there would mix two runs; pass another {words.another} "
                           f"to continue it, or {words.resume} to continue the folder's own run")
 
 
-# ---- a recipe's output folder and --resume ---------------------------------------------------------------
+
+# ---- a recipe's output folder ----------------------------------------------------------------------------
 
 def output_survey(output_dir: str | os.PathLike) -> Survey:
     """What a recipe's output folder holds (:func:`survey`):
@@ -323,32 +253,22 @@ def output_survey(output_dir: str | os.PathLike) -> Survey:
     return survey(out / CHECKPOINT_DIR, extra=files.loose(out, "hpc_ckpt_*.ckpt"))
 
 
-def newest_checkpoint(output_dir: str | os.PathLike, training: bool = True) -> str | None:
-    """The checkpoint ``--resume auto`` takes in a recipe's output folder: the newest complete one of the
-    folder's run (:func:`newest_of_run`: by optimizer step, ties to
-    last.ckpt, then the newest hpc_ckpt_N; another run's checkpoints, truncated and unreadable files are
-    skipped with one warning each); None when there is none. On a URL: from the manifests of complete
-    objects, as the name it was saved under."""
-    found = newest_of_run(output_survey(output_dir), keep=training)
-    return found.path if found is not None else None
-
-
-def resolve_resume(resume: str | None, output_dir: str, training: bool = True) -> str | None:
-    """A recipe's ``--resume``: the checkpoint to resume from: None (fresh), the newest complete one of the output
-    folder's run for "auto" (None when there is none yet; see :func:`newest_checkpoint`), or PATH, which must
-    exist."""
-    if not resume or resume == "none":
-        return None
-    if resume == "auto":
-        # A missing bucket or a refused credential fails here, not as "no checkpoint".
-        check_store(output_dir, "output_dir")
-        return newest_checkpoint(output_dir, training)
-    try:
-        files.resolve(resume)  # raises naming --resume when there is nothing there
-    except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
-        raise err.renamed(output_dir="resume") from err.__cause__
-    return resume
-
+def refuse_other_runs(cfg: RunConfig, resume: str | None, checkpoint: dict[str, Any] | None) -> None:
+    """The output folder belongs to one run: a new run (``--resume none``) into a folder that holds a run, or
+    ``--resume PATH`` of another run into it, fails in one line. Checked on the process that will be rank 0,
+    after every other check of the run's input and before any other rank starts, so the refusal is one line
+    and nothing is launched; rank 0 checks again once the process group is up
+    (:mod:`~ddp_recipes.checkpointing.run_folder.rank0_decision`), for every rank and for a folder that
+    changed meanwhile."""
+    if not will_be_global_zero():
+        return
+    found = output_survey(cfg.output_dir)
+    if cfg.resume in (None, "none"):
+        refuse_new_run(found)
+    elif resume and cfg.resume != "auto":
+        given = Found(resume, int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0)),
+                      run_of(checkpoint))
+        refuse_foreign_checkpoint(found, given)
 
 # ---- the record ------------------------------------------------------------------------------------------
 

@@ -7,9 +7,12 @@ Here ``ckpt_path="last"`` is only noted then; the decision is made in ``resume_s
 reaches after the process group is up (``strategy.setup_environment``) and after every set-up hook, on
 every launcher (Lightning's subprocess launcher, spawn/fork, torchrun, SLURM, one process per pod):
 
-1. rank 0 reads the checkpoint folder and decides, by :mod:`~ddp_recipes.checkpointing.ownership`'s rules:
-   the checkpoint to continue (the newest of the folder's run), or a fresh start (refused when the folder
-   holds another run), or the given path (refused when it is another run's, in a folder that holds one);
+1. rank 0 reads the checkpoint folder and decides, by the rules of
+   :mod:`~ddp_recipes.checkpointing.run_folder.ownership`: the checkpoint to continue (the newest of the
+   folder's run, :mod:`~ddp_recipes.checkpointing.run_folder.resume_choice`), or a fresh start (refused when
+   the folder holds another run), or the given path (refused when it is another run's, in a folder that
+   holds one). A recipe made the same checks before it launched; they are made again here because the
+   library's ``build_trainer`` path has no such step, and the folder may have changed since;
 2. the decision (path, its step and run, the folder, the run id) is broadcast;
 3. every other rank checks that it reads that very checkpoint at that path (same step, same run) and the
    ranks gather their answers: a rank that cannot (a node-local disk holding another copy, or none) fails
@@ -33,8 +36,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from ddp_recipes.checkpointing import ownership
 from ddp_recipes.checkpointing.last import LastCheckpoint
+from ddp_recipes.checkpointing.run_folder import ownership, resume_choice
 from ddp_recipes.errors import CheckpointError, ConfigError, lit
 from ddp_recipes.storage import Url, location
 
@@ -70,9 +73,9 @@ class RunCheckpointConnector(_CheckpointConnector):
             return ckpt_path if isinstance(ckpt_path, Continue) else Continue()  # decided in resume_start
         fitting = state_fn == TrainerFn.FITTING
         survey = _survey(self.trainer, None, ownership.LIBRARY)
-        found = ownership.newest_of_run(survey, ownership.LIBRARY, keep=fitting)
+        found = resume_choice.newest_of_run(survey, ownership.LIBRARY, keep=fitting)
         if found is not None and survey.unreadable and fitting and self.trainer.is_global_zero:
-            ownership.set_aside_unreadable(survey)  # before a ModelCheckpoint's save writes over the bytes
+            resume_choice.set_aside_unreadable(survey)  # before a ModelCheckpoint's save writes over the bytes
         if found is None:
             rank_zero_info('ckpt_path="last": no checkpoint yet; starting from the beginning')
         return found.path if found is not None else None
@@ -135,7 +138,7 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
     debugging = bool(trainer.fast_dev_run)
     step = replaces = None
     if isinstance(request, Continue):
-        newest = ownership.newest_of_run(found, words, keep=fitting and not debugging)
+        newest = resume_choice.newest_of_run(found, words, keep=fitting and not debugging)
         if newest is not None and request.expected is not None and newest.path != request.expected:
             opened = next((c for c in found.checkpoints if c.path == request.expected), None)
             if opened is None or (opened.step, opened.run_id) != (newest.step, newest.run_id):
@@ -169,8 +172,8 @@ def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool
         run_id = given.run_id or found.owner() or ownership.new_run_id()
         step, ckpt_run = given.step, given.run_id
     if found.unreadable and path is not None and fitting and not debugging:
-        ownership.check_unreadable(found, newest if isinstance(request, Continue) else given, words)
-        ownership.set_aside_unreadable(found)  # before this run's first save could write over the bytes
+        resume_choice.check_unreadable(found, newest if isinstance(request, Continue) else given, words)
+        resume_choice.set_aside_unreadable(found)  # before this run's first save could write over the bytes
     # run_id: the run this fit is (and records); ckpt_run: what the checkpoint itself records, which every rank
     # compares with its own read of the file (None for a checkpoint without a run id, plain Lightning's included).
     return {"path": path, "step": step, "run_id": run_id, "ckpt_run": ckpt_run, "folder": str(last.dirpath),
