@@ -43,7 +43,7 @@ from typing_extensions import override
 from ddp_recipes.bench.step_counts import StepCounts, per_step
 from ddp_recipes.config.choices import MNIST_ARCHS
 from ddp_recipes.config.run_config import RunConfig
-from ddp_recipes.data.base import SplitDataModule
+from ddp_recipes.data.base import TensorDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset, keep_batch
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.train.perf import InputWaitProfiler
@@ -112,15 +112,6 @@ class PlainProfiler(InputWaitProfiler):
     profile = Profiler.profile
 
 
-class _Tensors(SplitDataModule):
-    """The pack's data path (resumable loader, exact evaluation) over given in-memory tensors."""
-
-    def __init__(self, train: TensorBatchDataset, val: TensorBatchDataset, batch_size: int, seed: int) -> None:
-        super().__init__()
-        self.train_set, self.val_set, self.test_set = train, val, val
-        self.batch_size, self.seed, self.num_workers, self.pin_memory = batch_size, seed, 0, False
-
-
 def load_data(data_dir: str, val_size: int, samples: int, seed: int) -> tuple[TensorBatchDataset, TensorBatchDataset]:
     """MNIST's train split normalised in memory as the recipe does (``data_dir``), or synthetic tensors of its
     shape; ``val_size`` images held out by a fixed-seed permutation, as MNISTDataModule does."""
@@ -160,7 +151,7 @@ def run_pack(args: argparse.Namespace, train: TensorBatchDataset, val: TensorBat
     cfg = RunConfig(devices=1, accelerator=args.accelerator, max_steps=_length(args, counter),
                     batch_size=args.batch_size, seed=args.seed, output_dir=str(out), num_workers=0)
     timer = StepTimer()
-    data = _Tensors(train, val, args.batch_size, args.seed)
+    data = TensorDataModule(train, val, args.batch_size, args.seed)
     summary = run_fit_test(cfg, lambda: MNISTClassifier(arch=args.arch, lr=cfg.plan.lr), data,
                            callbacks=[*checkpoint_callbacks(cfg, len(val) > 0, MNISTClassifier), timer,
                                       *([counter] if counter else [])],
