@@ -146,6 +146,8 @@ def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path, tag: 
     args["channels_last"] = int(settings.get("channels_last", 0))
     if settings.get("count_steps"):
         args["count_steps"] = int(settings["count_steps"])
+    if settings.get("val_size"):
+        args["val_size"] = int(settings["val_size"])
     if settings.get("without"):
         args["without"] = settings["without"]
     cmd = [sys.executable, "-m", "ddp_recipes.bench.workers", impl, "--out", str(out), "--devices", str(n)]

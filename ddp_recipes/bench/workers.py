@@ -64,7 +64,7 @@ def run_pack(w: Workload, out: str) -> None:
 
         # The recipe's own data path (recipes.mnist): in-memory tensors, resumable sampler.
         trainer.fit(module, datamodule=MNISTDataModule(w.data_dir, batch_size=w.batch_size, seed=w.seed,
-                                                       download=False))
+                                                       val_size=w.val_size, download=False))
     else:
         data = build_dataset(w)
         trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch))
