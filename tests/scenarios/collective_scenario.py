@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressB
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from ddp_recipes.bench.step_counts import StepCounts, compact  # noqa: E402
+from ddp_recipes.bench.runs.step_counts import StepCounts, compact  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH, EPOCHS = 8, 8, 2
 

@@ -3,13 +3,13 @@
     python -m ddp_recipes.bench overhead --data-dir data --val-size 5000 --rounds 3
     python -m ddp_recipes.bench overhead --steps 600 --threads 1 --out bench-results/overhead.json
 
-The one-device MNIST view of ``bench account``'s comparison (:func:`~ddp_recipes.bench.account.measure`): each
+The one-device MNIST view of ``bench account``'s comparison (:func:`~ddp_recipes.bench.account.run.measure`): each
 round runs **plain** (``lightning.Trainer`` as a user writes it for the same LightningModule and in-memory
 tensors: a shuffled ``DataLoader``, the same CSV logger, log cadence and progress bar) and **pack** (the
 recipe's Trainer, the resumable loader over the recipe's in-memory MNIST split), each in a fresh process,
 the order alternating; both timed alike (every training batch end to the next, the warm-up dropped). After
 its timed steps each run counts ``--count-steps`` more whole loop iterations, untimed
-(:class:`~ddp_recipes.bench.step_counts.StepCounts`): host reads and Python ``torch.distributed`` calls per
+(:class:`~ddp_recipes.bench.runs.step_counts.StepCounts`): host reads and Python ``torch.distributed`` calls per
 step, for steps that do not log and for log steps apart.
 
 Writes ``--out`` (JSON: every run, the per-round pack/plain ratio's median and range, the counts) and prints
@@ -25,9 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.account import by_round, measure, spread_of, summarize
-from ddp_recipes.bench.components import LOG_EVERY_N_STEPS
-from ddp_recipes.bench.speedup import BenchConfig
+from ddp_recipes.bench.account.run import by_round, measure, spread_of, summarize
+from ddp_recipes.bench.runs.components import LOG_EVERY_N_STEPS
+from ddp_recipes.bench.speedup.run import BenchConfig
 from ddp_recipes.config.choices import MNIST_ARCHS
 from ddp_recipes.errors import ConfigError
 

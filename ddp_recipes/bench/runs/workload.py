@@ -1,5 +1,5 @@
-"""What one measured run trains, the same for every implementation (:mod:`ddp_recipes.bench.workers`,
-:mod:`ddp_recipes.bench.baselines`): the workload, its LightningModule, its data and its optimizer."""
+"""What one measured run trains, the same for every implementation (:mod:`ddp_recipes.bench.runs.worker`,
+:mod:`ddp_recipes.bench.runs.baselines`): the workload, its LightningModule, its data and its optimizer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from ddp_recipes.bench.synthetic import RankShard
+from ddp_recipes.bench.runs.synthetic import RankShard
 from ddp_recipes.data.samplers import TensorBatchDataset
 
 
@@ -64,7 +64,7 @@ def build_module(w: Workload):
 
 def build_dataset(w: Workload) -> TensorDataset | RankShard:
     """Fixed-seed synthetic samples, enough for every rank to run all steps inside one epoch, of which each
-    rank holds only its own share, on its device (:class:`~ddp_recipes.bench.synthetic.RankShard`); with
+    rank holds only its own share, on its device (:class:`~ddp_recipes.bench.runs.synthetic.RankShard`); with
     ``data_dir`` (mnist) the real images, normalised in memory exactly as the recipe's DataModule does."""
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import load_split

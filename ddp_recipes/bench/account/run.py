@@ -6,13 +6,13 @@
 
 Every round runs, at each N, the raw DDP loop, plain Lightning (``L.Trainer(strategy="ddp")``), the pack (the
 recipe's Trainer) and the pack with each of its parts switched off alone (``--without``, see
-:data:`~ddp_recipes.bench.components.PACK_COMPONENTS`), each in fresh processes, back to back, the order
+:data:`~ddp_recipes.bench.runs.components.PACK_COMPONENTS`), each in fresh processes, back to back, the order
 reversed every other round. What a part costs is the paired difference pack - pack without it, per round;
 Lightning's own loop is plain - raw; the gap is pack - raw. Beside them: the host time inside each part's
 hooks (exact, from the same runs) and the CPU time of threads other than the training thread. The load
 average before and after every run is recorded: a figure taken on a loaded host says so. After its timed
 steps, each raw, plain and pack run counts ``--count-steps`` more whole loop iterations
-(:mod:`ddp_recipes.bench.step_counts`): host reads and collectives per step, on every rank.
+(:mod:`ddp_recipes.bench.runs.step_counts`): host reads and collectives per step, on every rank.
 
 Writes ``--out``/account.json and account.md; ``--doc FILE`` replaces the block between
 ``<!-- bench-account:begin -->`` and ``<!-- bench-account:end -->`` in FILE with the tables.
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench import speedup
-from ddp_recipes.bench.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
+from ddp_recipes.bench.runs.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
+from ddp_recipes.bench.speedup import run as speedup
 from ddp_recipes.errors import ConfigError
 
 PROG = "python -m ddp_recipes.bench account"
@@ -223,7 +223,7 @@ def _measuring_args(argv: list[str]) -> list[str]:
 
 def run_command(args: argparse.Namespace) -> int:
     """``bench account``: measure (or read ``--from``), write account.json/.md, print and rewrite ``--doc``."""
-    from ddp_recipes.bench.account_report import markdown, rewrite_doc
+    from ddp_recipes.bench.account.report import markdown, rewrite_doc
     from ddp_recipes.bench.hostinfo import host_facts
     from ddp_recipes.config.cli import fail
 

@@ -1,6 +1,6 @@
 """The loops the pack is measured against, each as the write-up writes it: ``raw`` (plain PyTorch DDP),
 ``writeup`` (its MNIST script as published) and ``dp`` (``torch.nn.DataParallel``); started by
-``python -m ddp_recipes.bench.workers`` (:mod:`ddp_recipes.bench.workers`)."""
+``python -m ddp_recipes.bench.runs.worker`` (:mod:`ddp_recipes.bench.runs.worker`)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_recipes.bench.measure import (
+from ddp_recipes.bench.runs.measure import (
     StepEnds,
     gather,
     measure_allreduce,
     peak_memory_mb,
     step_stats,
 )
-from ddp_recipes.bench.step_counts import PythonCollectives, WholeIterations, per_step
-from ddp_recipes.bench.workload import (
+from ddp_recipes.bench.runs.step_counts import PythonCollectives, WholeIterations, per_step
+from ddp_recipes.bench.runs.workload import (
     Workload,
     build_dataset,
     build_module,
