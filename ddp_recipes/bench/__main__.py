@@ -8,8 +8,8 @@
     python -m ddp_recipes.bench overhead --data-dir data --val-size 5000   # the pack vs plain Lightning, 1 process
     python -m ddp_recipes.bench account --doc docs/benchmark.md   # where the step time goes: raw, plain, each part
 
-Without a command it measures the speedup (``ddp_recipes.bench.speedup``): every measured run is a fresh
-set of processes (``ddp_recipes.bench.workers``). Output in ``--out``: results.json, report.md (also
+Without a command it measures the speedup (``ddp_recipes.bench.speedup.run``): every measured run is a fresh
+set of processes (``ddp_recipes.bench.runs.worker``). Output in ``--out``: results.json, report.md (also
 printed), speedup.png, and a final one-line summary. ``COMMAND --help`` shows a command's flags.
 """
 
@@ -18,8 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddp_recipes.bench import account, commodel, loader, overhead, speedup, stops
+from ddp_recipes.bench import commodel, loader, stops
+from ddp_recipes.bench.account import overhead
+from ddp_recipes.bench.account import run as account
 from ddp_recipes.bench.cli import OneLineParser, config_parser
+from ddp_recipes.bench.speedup import run as speedup
 from ddp_recipes.config.cli import fail
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.train.peaks import PEAK_PRECISIONS, format_table, peak

@@ -6,7 +6,7 @@ measures it instead: the same single-thread matmul loop, first alone, then in N 
 worker's rate relative to the lone one says how much of a core it got; their sum is the most throughput
 N processes can reach on this host (the ceiling a measured CPU speedup must be read against).
 
-The workers are small numpy scripts (one BLAS thread each; see ``_ceiling_worker.py``), not torch
+The workers are small numpy scripts (one BLAS thread each; see ``ceiling_worker.py``), not torch
 processes: a worker that imports torch, or this package, spends seconds on it on a loaded box, longer
 than the measurement itself. A 256x256 float32 GEMM is the kind of work a CPU training step does, so
 the share of a core it gets is the share a rank gets.
@@ -28,7 +28,7 @@ from typing import Any
 DEFAULT_SECONDS = 0.5
 DEFAULT_MATMUL_SIZE = 256
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-_WORKER = Path(__file__).with_name("_ceiling_worker.py")
+_WORKER = Path(__file__).with_name("ceiling_worker.py")
 
 
 @contextlib.contextmanager

@@ -142,7 +142,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from ddp_recipes.bench.account_report import rewrite_doc
+    from ddp_recipes.bench.account.report import rewrite_doc
 
     root = args.out or Path(tempfile.mkdtemp(prefix="bench-stops-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -70,6 +70,16 @@ class SplitDataModule(L.LightningDataModule):
         return dataset
 
 
+class TensorDataModule(SplitDataModule):
+    """The pack's data path (resumable loader, exact evaluation) over given in-memory datasets: a run's own
+    loop with no files to read, for measuring and testing the loop itself (validation doubles as test)."""
+
+    def __init__(self, train: Dataset, val: Dataset, batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.train_set, self.val_set, self.test_set = train, val, val
+        self.batch_size, self.seed, self.num_workers, self.pin_memory = batch_size, seed, 0, False
+
+
 def known_train_size(datamodule: L.LightningDataModule) -> int | None:
     """The training samples one of the pack's DataModules can tell before ``setup`` (its ``train_size``), or
     None: data still to be downloaded, or anything that fails (the ranks check the loader itself)."""

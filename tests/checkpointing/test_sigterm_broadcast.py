@@ -59,7 +59,7 @@ def test_the_installed_lightning_is_in_the_range_this_was_checked_on():
 
 
 def test_a_pack_fit_runs_without_it_and_other_trainers_keep_it(tmp_path):
-    from ddp_recipes.bench.overhead import _Tensors
+    from ddp_recipes.data.base import TensorDataModule
     from ddp_recipes.modules.mnist import MNISTClassifier
 
     cfg = RunConfig(devices=1, accelerator="cpu", max_steps=2, batch_size=16, output_dir=str(tmp_path), num_workers=0)
@@ -67,7 +67,7 @@ def test_a_pack_fit_runs_without_it_and_other_trainers_keep_it(tmp_path):
     loop = trainer.fit_loop.epoch_loop
     assert SIGTERM_BROADCAST not in vars(loop)  # taken out when fit starts, by the run's LastCheckpoint
     train, val = _data()
-    trainer.fit(MNISTClassifier(), _Tensors(train, val, 16, cfg.seed))
+    trainer.fit(MNISTClassifier(), TensorDataModule(train, val, 16, cfg.seed))
     assert SIGTERM_BROADCAST in vars(loop) and getattr(loop, SIGTERM_BROADCAST)() is None
     plain = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False)
     assert SIGTERM_BROADCAST not in vars(plain.fit_loop.epoch_loop)
@@ -75,14 +75,14 @@ def test_a_pack_fit_runs_without_it_and_other_trainers_keep_it(tmp_path):
 
 @pytest.mark.parametrize("preemption", [True, False])
 def test_build_trainer_takes_it_out_only_with_its_own_stop_vote(tmp_path, preemption):
-    from ddp_recipes.bench.overhead import _Tensors
+    from ddp_recipes.data.base import TensorDataModule
     from ddp_recipes.modules.mnist import MNISTClassifier
     from ddp_recipes.train.trainer import build_trainer
 
     trainer = build_trainer(devices=1, accelerator="cpu", max_steps=1, preemption=preemption, logger=False,
                             default_root_dir=tmp_path, enable_checkpointing=preemption)
     train, val = _data()
-    trainer.fit(MNISTClassifier(), _Tensors(train, val, 16, 0))
+    trainer.fit(MNISTClassifier(), TensorDataModule(train, val, 16, 0))
     # Without the pack's LastCheckpoint, Lightning's own SIGTERM handling (and its broadcast) stays as it is.
     assert (SIGTERM_BROADCAST in vars(trainer.fit_loop.epoch_loop)) is preemption
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ddp_recipes.bench.overhead import _Tensors
-from ddp_recipes.bench.step_counts import HOST_READS, OpCounts, StepCounts
+from ddp_recipes.bench.runs.step_counts import HOST_READS, OpCounts, StepCounts
 from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.data.base import TensorDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
 from ddp_recipes.modules.logging import SyncFreeMean
 from ddp_recipes.modules.mnist import MNISTClassifier
@@ -42,9 +42,9 @@ def _pack(tmp_path, extra: list[Callback] = (), module: type[L.LightningModule] 
     train, val = _data()
     cfg = RunConfig(devices=1, accelerator="cpu", max_steps=START + WINDOW + 2, batch_size=BATCH,
                     output_dir=str(tmp_path / "pack"), num_workers=0, log_every_n_steps=log_every_n_steps)
-    counter = StepCounts(after=START, count=WINDOW)  # the bench's count (bench/step_counts.py)
+    counter = StepCounts(after=START, count=WINDOW)  # the bench's count (bench/runs/step_counts.py)
     # The recipe's own callbacks and logging (recipes.mnist.main, without its flag parsing and test pass).
-    run_fit_test(cfg, lambda: module(lr=cfg.plan.lr), _Tensors(train, val, BATCH, cfg.seed),
+    run_fit_test(cfg, lambda: module(lr=cfg.plan.lr), TensorDataModule(train, val, BATCH, cfg.seed),
                  callbacks=[*checkpoint_callbacks(cfg, True, module), counter, *extra], test=False,
                  save_final=False)
     return counter
@@ -133,7 +133,7 @@ def test_a_per_step_bar_metric_first_logged_later_is_named_at_the_next_log_step(
     kwargs = {} if logger else {"logger": False}
     trainer = make_trainer(cfg, callbacks=[warned], enable_checkpointing=False, limit_train_batches=50, **kwargs)
     with pytest.warns(UserWarning, match=r"\[per-step-read\] 'late_loss'"):
-        trainer.fit(_LateBarLoss(), _Tensors(train, val, BATCH, cfg.seed))
+        trainer.fit(_LateBarLoss(), TensorDataModule(train, val, BATCH, cfg.seed))
     # first logged at step 16's batch (global_step 15 during it): named by step 20's log step (the logger's
     # write is seen at the batch end after it), not at the epoch end (step 50)
     assert warned.step is not None and warned.step <= 21, warned.step
@@ -146,7 +146,7 @@ def test_the_recipes_bar_shows_the_loss_the_logger_wrote(tmp_path):
                     num_workers=0)
     train, val = _data()
     trainer = make_trainer(cfg, enable_checkpointing=False)
-    trainer.fit(MNISTClassifier(), _Tensors(train, val, BATCH, cfg.seed))
+    trainer.fit(MNISTClassifier(), TensorDataModule(train, val, BATCH, cfg.seed))
     bar = trainer.progress_bar_callback
     assert isinstance(bar, LoggedMetricsBar)
     shown = bar.get_metrics(trainer, trainer.lightning_module)

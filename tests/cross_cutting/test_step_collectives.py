@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_recipes.bench.step_counts import DDP_OWN
+from ddp_recipes.bench.runs.step_counts import DDP_OWN
 from tests.launch import run
 
 ROOT = Path(__file__).resolve().parents[2]

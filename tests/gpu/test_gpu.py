@@ -253,7 +253,7 @@ BENCH_TINY = {"recipe": "resnet", "arch": "resnet18", "image_size": 32, "batch_s
 
 @one_gpu
 def test_bench_raw_path_on_one_gpu(tmp_path):
-    from ddp_recipes.bench.speedup import run_worker
+    from ddp_recipes.bench.speedup.run import run_worker
 
     raw = run_worker("raw", 1, BENCH_TINY, tmp_path)
     assert raw["impl"] == "raw" and raw["devices"] == 1 and raw["measured_steps"] == 5
@@ -266,7 +266,7 @@ def test_synthetic_bench_data_fetches_without_a_host_sync():
     "error" mode (any synchronizing call raises) lets a whole batch through."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ddp_recipes.bench.synthetic import RankShard
+    from ddp_recipes.bench.runs.synthetic import RankShard
 
     class CopySources(TorchDispatchMode):
         """Whether each host tensor copied to the device was pinned: a pageable non-blocking copy blocks
@@ -421,7 +421,7 @@ def test_ddp_and_compile_on_nccl_train_like_eager(tmp_path):
 
 @two_gpus
 def test_bench_dp_path_on_two_gpus(tmp_path):
-    from ddp_recipes.bench.speedup import run_worker
+    from ddp_recipes.bench.speedup.run import run_worker
 
     dp = run_worker("dp", 2, BENCH_TINY, tmp_path)
     assert dp["impl"] == "dp" and dp["devices"] == 2 and dp["global_samples_per_s"] > 0

@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressB
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from ddp_recipes.bench.step_counts import StepCounts, compact  # noqa: E402
+from ddp_recipes.bench.runs.step_counts import StepCounts, compact  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH, EPOCHS = 8, 8, 2
 
@@ -96,15 +96,16 @@ def main(out: Path, mode: str) -> None:
                     DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=keep_batch),
                     DataLoader(val, batch_size=BATCH, collate_fn=keep_batch))
         return
-    from ddp_recipes.bench.overhead import _Tensors
     from ddp_recipes.config.run_config import RunConfig
+    from ddp_recipes.data.base import TensorDataModule
     from ddp_recipes.train.checkpoints import checkpoint_callbacks
     from ddp_recipes.train.run import run_fit_test
 
     cfg = RunConfig(devices=2, accelerator="cpu", max_epochs=EPOCHS, batch_size=BATCH, output_dir=str(out / mode),
                     num_workers=0)
     extra = [PerStepVote()] if mode == "pack-per-step-vote" else []
-    run_fit_test(cfg, lambda: MNISTClassifier(arch="cnn", lr=cfg.plan.lr), _Tensors(train, val, BATCH, cfg.seed),
+    data = TensorDataModule(train, val, BATCH, cfg.seed)
+    run_fit_test(cfg, lambda: MNISTClassifier(arch="cnn", lr=cfg.plan.lr), data,
                  callbacks=[*checkpoint_callbacks(cfg, True, MNISTClassifier), *extra, counter],
                  test=False, save_final=False)
 

@@ -8,7 +8,7 @@ import pytest
 
 from ddp_recipes.bench.commodel import predict_table, validate_against_pytorch_benchmark
 from ddp_recipes.bench.hostinfo import host_facts, parallel_ceiling, parallel_warning
-from ddp_recipes.bench.report import (
+from ddp_recipes.bench.speedup.report import (
     compute_speedups,
     markdown_report,
     overhead_ratios,
@@ -82,8 +82,8 @@ def test_without_matplotlib_the_report_is_written_and_the_bench_names_the_extra(
     import dataclasses
     import sys
 
-    from ddp_recipes.bench import speedup
-    from ddp_recipes.bench.report import PLOT_NEEDS
+    from ddp_recipes.bench.speedup import run as speedup
+    from ddp_recipes.bench.speedup.report import PLOT_NEEDS
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     paths = write_report(_results(), tmp_path / "out")
@@ -138,7 +138,7 @@ def _full_results() -> dict:
 
 def test_prediction_groups_merge_links_that_predict_the_same_curve():
     from ddp_recipes.bench.commodel import LINKS
-    from ddp_recipes.bench.report import prediction_groups
+    from ddp_recipes.bench.speedup.report import prediction_groups
 
     rows = _full_results()["prediction"]["rows"]
     groups = prediction_groups(rows)
@@ -158,7 +158,7 @@ def test_prediction_groups_merge_links_that_predict_the_same_curve():
 def test_plot_draws_efficiency_with_one_line_per_distinct_prediction(tmp_path):
     import matplotlib.pyplot as plt
 
-    from ddp_recipes.bench.report import plot_speedup, prediction_groups, speedup_figure
+    from ddp_recipes.bench.speedup.report import plot_speedup, prediction_groups, speedup_figure
 
     results = _full_results()
     fig = speedup_figure(results)

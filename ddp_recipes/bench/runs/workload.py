@@ -1,5 +1,5 @@
-"""What one measured run trains, the same for every implementation (:mod:`ddp_recipes.bench.workers`,
-:mod:`ddp_recipes.bench.baselines`): the workload, its LightningModule, its data and its optimizer."""
+"""What one measured run trains, the same for every implementation (:mod:`ddp_recipes.bench.runs.worker`,
+:mod:`ddp_recipes.bench.runs.baselines`): the workload, its LightningModule, its data and its optimizer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from ddp_recipes.bench.synthetic import RankShard
+from ddp_recipes.bench.runs.synthetic import RankShard
 from ddp_recipes.data.samplers import TensorBatchDataset
 
 
@@ -32,6 +32,7 @@ class Workload:
     seed: int = 0  # seed of the synthetic data and the model
     allreduce_iters: int = 5  # raw: timed all-reduces of the gradient's size, after the steps
     data_dir: str = ""  # mnist: real MNIST (torchvision layout) instead of synthetic tensors
+    val_size: int = 0  # mnist with data_dir: images held out as the recipe's --val-size (trained on by no run)
     without: str = ""  # pack: parts switched off, comma list of bench.components.PACK_COMPONENTS
     compile: int = 0  # torch.compile the model (pack: as --compile does; raw: the DDP-wrapped module)
     channels_last: int = 0  # resnet: NHWC weights and inputs (tensor-core convolutions under AMP)
@@ -63,12 +64,16 @@ def build_module(w: Workload):
 
 def build_dataset(w: Workload) -> TensorDataset | RankShard:
     """Fixed-seed synthetic samples, enough for every rank to run all steps inside one epoch, of which each
-    rank holds only its own share, on its device (:class:`~ddp_recipes.bench.synthetic.RankShard`); with
+    rank holds only its own share, on its device (:class:`~ddp_recipes.bench.runs.synthetic.RankShard`); with
     ``data_dir`` (mnist) the real images, normalised in memory exactly as the recipe's DataModule does."""
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import load_split
 
-        return TensorBatchDataset(*load_split(w.data_dir, train=True))
+        images, labels = load_split(w.data_dir, train=True)
+        if w.val_size:  # MNISTDataModule's hold-out (same seed, same permutation): every run trains on its rows
+            keep = torch.randperm(len(labels), generator=torch.Generator().manual_seed(w.seed))[w.val_size:]
+            images, labels = images[keep], labels[keep]
+        return TensorBatchDataset(images, labels)
     shape = (1, 28, 28) if w.recipe == "mnist" else (3, w.image_size, w.image_size)
     return RankShard((w.run_steps + 1) * w.batch_size * w.devices, shape, w.seed, device=w.accelerator)
 

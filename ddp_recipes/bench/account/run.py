@@ -6,13 +6,13 @@
 
 Every round runs, at each N, the raw DDP loop, plain Lightning (``L.Trainer(strategy="ddp")``), the pack (the
 recipe's Trainer) and the pack with each of its parts switched off alone (``--without``, see
-:data:`~ddp_recipes.bench.components.PACK_COMPONENTS`), each in fresh processes, back to back, the order
+:data:`~ddp_recipes.bench.runs.components.PACK_COMPONENTS`), each in fresh processes, back to back, the order
 reversed every other round. What a part costs is the paired difference pack - pack without it, per round;
 Lightning's own loop is plain - raw; the gap is pack - raw. Beside them: the host time inside each part's
 hooks (exact, from the same runs) and the CPU time of threads other than the training thread. The load
 average before and after every run is recorded: a figure taken on a loaded host says so. After its timed
 steps, each raw, plain and pack run counts ``--count-steps`` more whole loop iterations
-(:mod:`ddp_recipes.bench.step_counts`): host reads and collectives per step, on every rank.
+(:mod:`ddp_recipes.bench.runs.step_counts`): host reads and collectives per step, on every rank.
 
 Writes ``--out``/account.json and account.md; ``--doc FILE`` replaces the block between
 ``<!-- bench-account:begin -->`` and ``<!-- bench-account:end -->`` in FILE with the tables.
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench import speedup
-from ddp_recipes.bench.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
+from ddp_recipes.bench.runs.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
+from ddp_recipes.bench.speedup import run as speedup
 from ddp_recipes.errors import ConfigError
 
 PROG = "python -m ddp_recipes.bench account"
@@ -49,12 +49,13 @@ def _load() -> float | None:
         return None
 
 
-def measure(settings: dict[str, Any], components: list[str], rounds: int, out: Path,
+def measure(settings: dict[str, Any], runs: list[str], rounds: int, out: Path,
             progress: Any = print) -> list[dict[str, Any]]:
-    """Every (round, label, N) run, interleaved as the speedup bench's (:func:`speedup.interleaved_schedule`),
-    each by its runner (:func:`speedup.run_worker`); each row: the run's figures and the load around it."""
+    """Every (round, label, N) run of the ``runs`` labels (:func:`labels`), interleaved as the speedup bench's
+    (:func:`speedup.interleaved_schedule`), each by its runner (:func:`speedup.run_worker`); each row: the run's
+    figures and the load around it. ``bench overhead`` is the same comparison with only plain and pack."""
     devices = settings["devices"]
-    plan = [(label, n) for n in devices for label in labels(components)]
+    plan = [(label, n) for n in devices for label in runs]
     schedule = speedup.interleaved_schedule(plan, rounds)
     rows = []
     for i, (round_no, label, n) in enumerate(schedule, 1):
@@ -69,7 +70,8 @@ def measure(settings: dict[str, Any], components: list[str], rounds: int, out: P
             rows.append({"round": round_no, "label": label, "devices": n, "error": str(err)[-2000:]})
             continue
         row = {"round": round_no, "label": label, "devices": n, "step_ms": run["step_ms_median"],
-               "samples_per_s": run["global_samples_per_s"], "threads": run.get("threads_per_rank"),
+               "samples_per_s": run["global_samples_per_s"], "input_wait": run.get("input_wait_fraction"),
+               "threads": run.get("threads_per_rank"),
                "hooks": run.get("hook_ms_per_step_per_rank"), "counts": run.get("step_counts_per_rank"),
                "load_before": before, "load_after": _load(),
                "wall_s": round(time.perf_counter() - start, 1)}
@@ -79,22 +81,24 @@ def measure(settings: dict[str, Any], components: list[str], rounds: int, out: P
     return rows
 
 
-def _stats(values: list[float]) -> dict[str, float] | None:
+def spread_of(values: list[float]) -> dict[str, float] | None:
+    """Median, least, most and how many; None for no values."""
     if not values:
         return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def _by_round(rows: list[dict[str, Any]], label: str, n: int, key: str = "step_ms") -> dict[int, float]:
+def by_round(rows: list[dict[str, Any]], label: str, n: int, key: str = "step_ms") -> dict[int, float]:
+    """{round: the ``key`` figure} of the ``label`` runs at N=``n``."""
     return {r["round"]: r[key] for r in rows if r["label"] == label and r["devices"] == n and key in r}
 
 
 def paired(rows: list[dict[str, Any]], a: str, b: str, n: int, key: str = "step_ms", ratio: bool = False
            ) -> dict[str, float] | None:
     """a - b (or a / b) per round where both ran, summarised."""
-    ra, rb = _by_round(rows, a, n, key), _by_round(rows, b, n, key)
+    ra, rb = by_round(rows, a, n, key), by_round(rows, b, n, key)
     values = [ra[k] / rb[k] if ratio else ra[k] - rb[k] for k in ra if k in rb and (not ratio or rb[k])]
-    return _stats(values)
+    return spread_of(values)
 
 
 # A part measured inside another one (the vote is part of LastCheckpoint): not added twice.
@@ -110,7 +114,7 @@ def _hook_ms(rows: list[dict[str, Any]], n: int, names: tuple[str, ...]) -> dict
     for r in rows:
         if r["label"] == "pack" and r["devices"] == n and r.get("hooks"):
             values.append(max(sum(rank.get(name, 0.0) for name in names) for rank in r["hooks"] if rank))
-    return _stats(values)
+    return spread_of(values)
 
 
 def _threads(rows: list[dict[str, Any]], label: str, n: int) -> dict[str, Any] | None:
@@ -119,7 +123,7 @@ def _threads(rows: list[dict[str, Any]], label: str, n: int) -> dict[str, Any] |
     if not runs or not all(runs):
         return None
     return {"threads": max(t["threads"] for run in runs for t in run),
-            "other_cpu_ms": _stats([max(t["other_threads_cpu_ms_per_step"] for t in run) for run in runs])}
+            "other_cpu_ms": spread_of([max(t["other_threads_cpu_ms_per_step"] for t in run) for run in runs])}
 
 
 COUNTED = ("reads", "python", "issued")  # bench.step_counts.per_step's per-step means
@@ -148,7 +152,7 @@ def _counts(rows: list[dict[str, Any]], label: str, n: int) -> list[dict[str, An
 def summarize(rows: list[dict[str, Any]], devices: list[int], components: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in devices:
-        step = {label: _stats(list(_by_round(rows, label, n).values())) for label in labels(components)}
+        step = {label: spread_of(list(by_round(rows, label, n).values())) for label in labels(components)}
         gap = paired(rows, "pack", "raw", n)
         parts = {c: {"delta_ms": paired(rows, "pack", f"pack-without-{c}", n),
                      "hook_ms": _hook_ms(rows, n, HOOKS[c]) if c in HOOKS else None} for c in components}
@@ -168,7 +172,7 @@ def summarize(rows: list[dict[str, Any]], devices: list[int], components: list[s
             "counts": {label: _counts(rows, label, n) for label in BASELINES},
         }
     loads = [r[k] for r in rows for k in ("load_before", "load_after") if r.get(k) is not None]
-    out["load"] = _stats(loads)
+    out["load"] = spread_of(loads)
     return out
 
 
@@ -219,7 +223,7 @@ def _measuring_args(argv: list[str]) -> list[str]:
 
 def run_command(args: argparse.Namespace) -> int:
     """``bench account``: measure (or read ``--from``), write account.json/.md, print and rewrite ``--doc``."""
-    from ddp_recipes.bench.account_report import markdown, rewrite_doc
+    from ddp_recipes.bench.account.report import markdown, rewrite_doc
     from ddp_recipes.bench.hostinfo import host_facts
     from ddp_recipes.config.cli import fail
 
@@ -244,7 +248,7 @@ def run_command(args: argparse.Namespace) -> int:
         started = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
         command = " ".join([PROG, *_measuring_args(args.command_argv)])
         load_start = _load()
-        rows = measure(settings, components, args.rounds, out,
+        rows = measure(settings, labels(components), args.rounds, out,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
         result = {"command": command, "started": started, "host": host_facts(), "settings": settings,
                   "components": components, "rounds": args.rounds, "load_start": load_start, "load_end": _load(),

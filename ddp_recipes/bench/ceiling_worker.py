@@ -5,7 +5,7 @@ with it torch and Lightning) plus the caller's ``__main__``, seconds per worker 
 needs only numpy. Protocol on stdin/stdout, one line each: it prints ``ready`` after a warm-up, then for
 every ``run`` line it gets, runs the loop for SECONDS and prints the matmuls per second; EOF ends it.
 
-Usage: python _ceiling_worker.py SIZE SECONDS
+Usage: python ceiling_worker.py SIZE SECONDS
 """
 
 import sys

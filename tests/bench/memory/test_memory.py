@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ddp_recipes.bench.memory import main
+from ddp_recipes.bench.memory.run import main
 
 TOY = ["--arch", "resnet18", "--batch-size", "2", "--image-size", "32", "--steps", "1", "--threads", "1",
        "--accelerator", "cpu"]

@@ -1,6 +1,6 @@
 """The loops the pack is measured against, each as the write-up writes it: ``raw`` (plain PyTorch DDP),
 ``writeup`` (its MNIST script as published) and ``dp`` (``torch.nn.DataParallel``); started by
-``python -m ddp_recipes.bench.workers`` (:mod:`ddp_recipes.bench.workers`)."""
+``python -m ddp_recipes.bench.runs.worker`` (:mod:`ddp_recipes.bench.runs.worker`)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_recipes.bench.measure import (
+from ddp_recipes.bench.runs.measure import (
     StepEnds,
     gather,
     measure_allreduce,
     peak_memory_mb,
     step_stats,
-    sync_point,
 )
-from ddp_recipes.bench.step_counts import PythonCollectives, WholeIterations, per_step
-from ddp_recipes.bench.workload import (
+from ddp_recipes.bench.runs.step_counts import PythonCollectives, WholeIterations, per_step
+from ddp_recipes.bench.runs.workload import (
     Workload,
     build_dataset,
     build_module,
@@ -174,8 +173,8 @@ def _writeup_rank(rank: int, w: Workload, out: str) -> None:
     loader = DataLoader(data, batch_size=w.batch_size, sampler=sampler, num_workers=4)
     model = nn.parallel.DistributedDataParallel(build_module(w).model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    ends: list[float] = []
-    epoch = 0
+    timer = StepEnds(torch.device("cpu"), w.warmup_steps, w.total_steps)
+    ends, epoch = timer.ends, 0
     while len(ends) < w.total_steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
@@ -183,7 +182,7 @@ def _writeup_rank(rank: int, w: Workload, out: str) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            ends.append(sync_point(torch.device("cpu")))
+            timer.step_end()
             if len(ends) >= w.total_steps:
                 break
         epoch += 1
@@ -248,7 +247,8 @@ def dp_loop(w: Workload, device: torch.device, out: str, parallel: Any = nn.Data
     loader = DataLoader(data, batch_size=w.batch_size * w.devices, shuffle=True, collate_fn=keep_batch)
     optimizer = module_optimizer(module)
     autocast, scaler = mixed_precision(w.precision, device)
-    ends = []
+    timer = StepEnds(device, w.warmup_steps, w.total_steps)
+    ends = timer.ends
     for step, (x, y) in enumerate(loader):
         if step >= w.total_steps:
             break
@@ -257,7 +257,7 @@ def dp_loop(w: Workload, device: torch.device, out: str, parallel: Any = nn.Data
         optimizer.zero_grad(set_to_none=True)
         backward_and_step(loss, optimizer, scaler)
         probe.close()
-        ends.append(sync_point(device))
+        timer.step_end()
     peaks = [round(torch.cuda.max_memory_allocated(i) / 2**20, 1) for i in range(w.devices)] \
         if device.type == "cuda" else [round(peak_memory_mb(device), 1)]
     write_json(out, {"impl": "dp", "devices": w.devices, "workload": asdict(w), "peak_mem_mb_per_rank": peaks,

@@ -1,4 +1,4 @@
-"""The bench's whole-iteration count (``bench/step_counts.py``) and the fields ``bench overhead`` and the bench
+"""The bench's whole-iteration count (``bench/runs/step_counts.py``) and the fields ``bench overhead`` and the bench
 workers report from it (counts only: nothing here is timed)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_recipes.bench import step_counts
-from ddp_recipes.bench.step_counts import PythonCollectives, WholeIterations, per_step
+from ddp_recipes.bench.runs import step_counts
+from ddp_recipes.bench.runs.step_counts import PythonCollectives, WholeIterations, per_step
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def _overhead(tmp_path, count_steps: int) -> dict:
     from ddp_recipes.bench.__main__ import main
 
     out = tmp_path / "overhead.json"
-    assert main(["overhead", "--steps", "4", "--warmup-steps", "2", "--rounds", "2", "--samples", "2048",
+    assert main(["overhead", "--steps", "4", "--warmup-steps", "2", "--rounds", "2", "--batch-size", "16",
                  "--count-steps", str(count_steps), "--out", str(out)]) == 0
     return json.loads(out.read_text())
 
@@ -71,29 +71,32 @@ def test_bench_overhead_counts_reads_and_collectives_per_step_for_pack_and_plain
     result = _overhead(tmp_path, count_steps=20)
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "host reads per step pack 0 (log steps " in line and "Python collectives per step pack 0" in line
-    for r in result["rounds"]:
-        for impl in ("pack", "plain"):
-            counts = r[impl]["counts"]
-            assert counts["quiet"]["iterations"] == 18 and counts["log"]["iterations"] == 2  # steps 3..22
-            assert counts["quiet"]["python"] == counts["log"]["python"] == 0  # one process: no group
-        assert r["pack"]["counts"]["quiet"]["reads"] == 0  # the contract, seen by the bench
-        # The timed fits are as long as without counting: 2 + 4 steps, 3 intervals after the warm-up.
-        assert r["pack"]["steps"] == r["plain"]["steps"] == 3
-    summary = result["summary"]["counts"]
-    assert summary["pack"]["quiet"]["iterations"] == 36 and summary["pack"]["quiet"]["reads"]["max"] == 0
-    assert summary["plain"]["log"]["reads"]["median"] >= 1  # a log step reads what the logger writes
-    assert "run" not in result["config"]  # the CLI's handler is not written as a setting
+    assert "best of each " in line and "overhead pack/plain " in line
+    assert sorted(r["label"] for r in result["rows"]) == ["pack", "pack", "plain", "plain"]  # 2 rounds each
+    for row in result["rows"]:
+        (counts,) = row["counts"]  # one rank
+        assert counts["quiet"]["iterations"] == 18 and counts["log"]["iterations"] == 2  # steps 7..26
+        assert counts["quiet"]["python"] == counts["log"]["python"] == 0  # one process: no group
+        if row["label"] == "pack":
+            assert counts["quiet"]["reads"] == 0  # the contract, seen by the bench
+    summary = result["summary"]
+    assert summary["pack_over_plain"]["n"] == 2  # a ratio per round
+    (pack,) = summary["counts"]["pack"]
+    assert pack["quiet"]["iterations"] == 36 and pack["quiet"]["reads"]["max"] == 0
+    (plain,) = summary["counts"]["plain"]
+    assert plain["log"]["reads"]["min"] >= 1  # a log step reads what the logger writes
+    assert "run" not in result["settings"]  # the CLI's handler is not written as a setting
 
 
 def test_bench_overhead_without_counting_says_so(tmp_path, capsys):
     result = _overhead(tmp_path, count_steps=0)
-    assert "counts" not in result["rounds"][0]["pack"] and result["summary"]["counts"]["pack"] is None
+    assert result["rows"][0]["counts"] is None and result["summary"]["counts"]["pack"] is None
     assert "host reads per step pack not counted" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("impl", ["raw", "pack", "plain"])
 def test_a_bench_worker_counts_after_its_timed_steps_and_times_as_many_as_without(tmp_path, impl):
-    from ddp_recipes.bench.workers import main
+    from ddp_recipes.bench.runs.worker import main
 
     out = tmp_path / f"{impl}.json"
     main([impl, "--out", str(out), "--recipe", "mnist", "--arch", "mlp", "--batch-size", "8", "--steps", "3",

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp_recipes.bench.cli import config_from, config_parser
-from ddp_recipes.bench.memory_report import markdown_table, summarize, summary_line
-from ddp_recipes.bench.memory_worker import METHOD, NUM_CLASSES, VARIANTS, measure_variant
+from ddp_recipes.bench.memory.report import markdown_table, summarize, summary_line
+from ddp_recipes.bench.memory.worker import METHOD, NUM_CLASSES, VARIANTS, measure_variant
 from ddp_recipes.config.choices import ACCELERATORS, check_choice
 from ddp_recipes.config.cli import fail, opt, writable_dir
 from ddp_recipes.config.world import resolve_accelerator
@@ -174,7 +174,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out_dir / 'memory.json'}")
     print(summary_line(results["summary"]))
     return 0 if not results["errors"] and results["runs"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddp_recipes.bench.__main__ import main
-from ddp_recipes.bench.speedup import BenchConfig
+from ddp_recipes.bench.speedup.run import BenchConfig
 from tests import launch
 
 
@@ -93,7 +93,7 @@ def test_predict_subcommand_prints_json(capsys):
 
 def test_repeats_interleave_pairs_and_report_the_median_ratio(tmp_path, monkeypatch):
     """Rounds alternate pack/raw at each N; a burst of host load in one round cannot decide the verdict."""
-    from ddp_recipes.bench import speedup as bench
+    from ddp_recipes.bench.speedup import run as bench
 
     calls = []
     slow_round = 1  # the host is 3x slower for all of round 1
@@ -120,7 +120,7 @@ def test_repeats_interleave_pairs_and_report_the_median_ratio(tmp_path, monkeypa
     rows = {(r["impl"], r["devices"]): r for r in results["runs"]}
     assert rows[("raw", 2)]["global_samples_per_s"] == 200.0 and rows[("raw", 2)]["rounds"] == 3
     assert rows[("raw", 2)]["samples_per_s_range"] == [pytest.approx(200 / 3), 200.0]
-    from ddp_recipes.bench.report import markdown_report
+    from ddp_recipes.bench.speedup.report import markdown_report
 
     assert "median of 3 interleaved pairs" in markdown_report(results)
 

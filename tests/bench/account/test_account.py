@@ -8,9 +8,10 @@ import json
 import pytest
 
 from ddp_recipes.bench import __main__ as bench
-from ddp_recipes.bench import account, speedup
-from ddp_recipes.bench.account_report import BEGIN, END, rewrite_doc
-from ddp_recipes.bench.components import PACK_COMPONENTS, parse_without
+from ddp_recipes.bench.account import run as account
+from ddp_recipes.bench.account.report import BEGIN, END, rewrite_doc
+from ddp_recipes.bench.runs.components import PACK_COMPONENTS, parse_without
+from ddp_recipes.bench.speedup import run as speedup
 
 COST = {"vote": 0.0, "diagnostics": 0.2, "bucket-view": -3.0}  # ms a part adds to the pack's step at N=2
 
@@ -121,7 +122,7 @@ def test_thread_cpu_sees_a_busy_thread_and_hook_clock_times_only_the_window():
     import threading
     import time
 
-    from ddp_recipes.bench.measure import HookClock, thread_cpu, thread_cpu_delta
+    from ddp_recipes.bench.runs.measure import HookClock, thread_cpu, thread_cpu_delta
 
     before = thread_cpu()
     if not before:
