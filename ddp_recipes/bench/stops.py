@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.proctree import tree
 from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
 
 KINDS = ("sigterm", "sigkill", "lost-rank")
@@ -64,13 +63,18 @@ def _reached(out: Path) -> int:
 
 
 def _rank1(launcher: int) -> int | None:
-    for pid in tree(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
+    """The job's rank 1: the launcher leads a session of its own, and Lightning starts the other ranks in its
+    process group (field 3 after the name in ``/proc/PID/stat``)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == launcher:
             continue
-        if b"LOCAL_RANK=1" in env and pid != launcher:
-            return pid
+        try:
+            group = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if group == launcher and b"LOCAL_RANK=1" in env:
+            return int(entry.name)
     return None
 
 

@@ -8,7 +8,7 @@ ending as one of four verdicts.
 * ``no verdict``: it cannot run on this machine (fewer GPUs than it needs, no toolchain for
   ``torch.compile``, no CUDA at all), with the reason.
 
-Every command runs under :mod:`ddp_recipes.bench.proctree`'s shepherd, so a timeout kills the whole tree,
+Every command runs under :mod:`tests.gpucheck.proctree`'s shepherd, so a timeout kills the whole tree,
 also the children that started their own session, and whatever a check leaves running is killed when it
 ends (it would skew the next check's figures).
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.proctree import TAG_VAR, kill_tree, tree
+from tests.gpucheck.proctree import TAG_VAR, kill_tree, tree
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: every check runs from it, from source
 VERDICTS = ("pass", "fail", "incomplete", "no verdict")
@@ -101,7 +101,7 @@ def run_one(check: Check, timeout_s: float, work: Path, budget_cut: bool) -> Res
     log, proc_report = work / "output.log", work / "processes.json"
     proc_report.unlink(missing_ok=True)
     tag = f"gpucheck-{os.getpid()}-{check.name}-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "ddp_recipes.bench.proctree", "--parent", str(os.getpid()), "--report",
+    cmd = [sys.executable, "-m", "tests.gpucheck.proctree", "--parent", str(os.getpid()), "--report",
            str(proc_report), "--", *(part.replace("{work}", str(work)) for part in check.cmd)]
     started = time.monotonic()
     killed: set[int] = set()

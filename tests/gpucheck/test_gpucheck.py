@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_recipes.bench.proctree import alive
 from tests.gpucheck import check as gc
 from tests.gpucheck import report, runner
 from tests.gpucheck.machine import Driver, Machine, compile_problem
+from tests.gpucheck.proctree import alive
 from tests.launch import ROOT, run, start
 
 PY = sys.executable
@@ -493,14 +493,20 @@ def stoppable(tmp_path: Path, case: str):
     return start([script, tmp_path, case], port=False, quiet=None)
 
 
-def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path):
-    """SIGTERM (the slot ending) while a check runs: its tree dies, the report says incomplete, exit 3."""
-    proc = stoppable(tmp_path, "hang")
-    proc.wait_until(lambda: (tmp_path / "hang.pids").exists(), timeout=120, what="the check's children")
+def stopped(tmp_path: Path, case: str, mark: str, what: str) -> dict[str, Any]:
+    """Run the interruptible gpu-check ``case``, SIGTERM it once ``mark`` exists, and return its saved report
+    after checking that it exited 3 (incomplete)."""
+    proc = stoppable(tmp_path, case)
+    proc.wait_until(lambda: (tmp_path / mark).exists(), timeout=120, what=what)
     proc.signal(signal.SIGTERM)
     done = proc.finish(timeout=120)
     assert done.returncode == 3, done.stderr[-2000:]
-    saved = json.loads((tmp_path / "out" / "gpu-report.json").read_text())
+    return json.loads((tmp_path / "out" / "gpu-report.json").read_text())
+
+
+def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path):
+    """SIGTERM (the slot ending) while a check runs: its tree dies, the report says incomplete, exit 3."""
+    saved = stopped(tmp_path, "hang", "hang.pids", "the check's children")
     assert saved["verdict"] == "incomplete" and [c["verdict"] for c in saved["checks"]] == ["incomplete"] * 2
     assert "stopped (SIGTERM)" in saved["checks"][0]["reason"]
     assert all_gone(pids_of(tmp_path / "hang.pids"))
@@ -510,24 +516,14 @@ def test_a_stopped_gpu_check_kills_the_running_tree_and_says_incomplete(tmp_path
 def test_a_signal_while_gpu_check_itself_works_still_stops_it(tmp_path):
     """SIGTERM between checks (a judge reading results, the FLOP count): it must not be taken for that step's
     own error (a failed check, a missing MFU) and the run go on; it stops the run, incomplete."""
-    proc = stoppable(tmp_path, "judge")
-    proc.wait_until(lambda: (tmp_path / "judging").exists(), timeout=120, what="the judge at work")
-    proc.signal(signal.SIGTERM)
-    done = proc.finish(timeout=60)
-    assert done.returncode == 3, done.stderr[-2000:]
-    saved = json.loads((tmp_path / "out" / "gpu-report.json").read_text())
+    saved = stopped(tmp_path, "judge", "judging", "the judge at work")
     assert [c["verdict"] for c in saved["checks"]] == ["incomplete"] * 2, saved["checks"]
 
 
 def test_a_stop_while_the_machine_is_inspected_still_leaves_a_report(tmp_path):
     """Inspecting the machine (nvidia-smi, the C toolchain's probe) can take minutes: a SIGTERM then is a stop
     like any other, with a report that says incomplete, not a death that leaves none."""
-    proc = stoppable(tmp_path, "inspect")
-    proc.wait_until(lambda: (tmp_path / "inspecting").exists(), timeout=120, what="the machine's inspection")
-    proc.signal(signal.SIGTERM)
-    done = proc.finish(timeout=60)
-    assert done.returncode == 3, done.stderr[-2000:]
-    saved = json.loads((tmp_path / "out" / "gpu-report.json").read_text())
+    saved = stopped(tmp_path, "inspect", "inspecting", "the machine's inspection")
     assert saved["verdict"] == "incomplete" and saved["finished"] is True
     assert [(c["name"], c["verdict"]) for c in saved["checks"]] == [
         ("machine", "incomplete"), ("hang", "incomplete"), ("after", "incomplete")]
@@ -544,6 +540,7 @@ def test_a_killed_gpu_check_takes_the_running_tree_with_it(tmp_path):
     proc.signal(signal.SIGKILL)
     proc.finish(timeout=60)
     assert all_gone(pids, within_s=30), "the check outlived gpu-check"
+
 
 def gpu_check(tmp_path: Path, env: dict[str, str]) -> tuple[int, dict, str]:
     """The real command, as on a machine: it inspects the machine itself."""

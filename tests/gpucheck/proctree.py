@@ -1,6 +1,6 @@
 """Every process a command started, found and killed, including those that left its session or its tree.
 
-    python -m ddp_recipes.bench.proctree [--parent PID] --report FILE -- COMMAND [ARGS...]
+    python -m tests.gpucheck.proctree [--parent PID] --report FILE -- COMMAND [ARGS...]
 
 A process group (``killpg``) misses children that started their own session (the test launcher does, and so
 may a user's script), and a parent chain breaks when a middle process dies (its orphans go to init). This
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["--parent"] and len(args) > 1 and args[1].isdigit():
         parent, args = int(args[1]), args[2:]
     if len(args) < 4 or args[0] != "--report" or args[2] != "--":
-        print("usage: python -m ddp_recipes.bench.proctree [--parent PID] --report FILE -- COMMAND [ARGS...]",
+        print("usage: python -m tests.gpucheck.proctree [--parent PID] --report FILE -- COMMAND [ARGS...]",
               file=sys.stderr)
         return 2
     return shepherd(args[3:], Path(args[1]), parent)
