@@ -238,25 +238,3 @@ def decoders_agree(x, reference) -> tuple[bool, float, float]:
     diff = (x.cpu().float() - reference.cpu().float()).abs() / DECODE_LEVEL
     mean, worst = float(diff.mean()), float(diff.max())
     return mean < 1.5 and worst < 48, mean, worst
-
-
-def tiny_module_and_data(samples: int = 32, batch_size: int = 8) -> tuple[Any, Any]:
-    """A user's smallest LightningModule (a linear layer, SGD) and a loader of ``samples`` random rows."""
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Net(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.layer(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    data = TensorDataset(torch.randn(samples, 4), torch.randint(0, 2, (samples,)))
-    return Net(), DataLoader(data, batch_size=batch_size)
-

@@ -1,6 +1,6 @@
 """The resume scenario several test modules share: a tiny image folder, the ResNet recipe's flags over it at 1
 or 2 ranks (random crops decoded in a loader worker, dropout, warm-up), and the uninterrupted run an interrupted
-one must end equal to. Its fixtures are imported by the modules that use them."""
+one must end equal to. Its fixtures are imported by tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from tests.launch import run, saved_step
 CAPTURED_STEP_LIMIT_S = 240
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: the folder is only read, and the straight runs over it are shared by every module that compares
+# against them (each is a 2-process ResNet run; module scope ran straight(2) once per module).
+@pytest.fixture(scope="session")
 def images(tmp_path_factory) -> Path:
     """A tiny ImageFolder tree: 2 classes x 24 train / 6 val noise images of 20 px (random crops to 16)."""
     root = tmp_path_factory.mktemp("imgs")
@@ -43,7 +45,7 @@ RESNET = ["-m", "recipes.resnet"]
 RUNS = {2: ["--max-epochs", "2"], 1: ["--max-epochs", "2", "--accumulate-grad-batches", "2"]}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight(images, tmp_path_factory):
     """``straight(devices)``: the uninterrupted run (12 steps) an interrupted one must end equal to; each
     world size is run once, when a test first asks for it."""

@@ -320,7 +320,7 @@ def test_a_cut_last_ckpt_of_a_users_model_checkpoint_is_kept_too(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ddp_recipes import build_trainer
-    from tests.helpers import tiny_module_and_data
+    from tests.tiny_modules import tiny_module_and_data
 
     def fit(steps: int) -> None:
         saver = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, every_n_train_steps=1)

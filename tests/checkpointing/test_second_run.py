@@ -35,6 +35,7 @@ from tests.helpers import MNIST_CPU, assert_same_weights, files_of, last_ckpt, r
 from tests.launch import run, saved_step
 from tests.marks import needs_mnist
 from tests.resume_scenario import RESNET, args
+from tests.tiny_modules import TinyNet
 
 SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "second_run_scenario.py"
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
@@ -120,16 +121,9 @@ def test_a_schedule_sized_for_the_run_says_so_when_the_limit_changes(tmp_path):
 
 # ---- 2. build_trainer(seed=...) and a model built before it -------------------------------------------------
 
-class Net(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2))
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+def _net() -> TinyNet:
+    """A user's module with dropout: the global stream it draws from shows any extra draw."""
+    return TinyNet(4, 2, 8, dropout=0.2)
 
 
 def _loader(batch_size: int = 8) -> DataLoader:
@@ -142,9 +136,9 @@ def _fit(root: Path, model_first: bool) -> tuple[dict[str, torch.Tensor], list[s
     os.environ.pop("PL_GLOBAL_SEED", None)  # the previous run's seed_everything set it (the test restores it)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        model = Net() if model_first else None
+        model = _net() if model_first else None
         trainer = build_trainer(accelerator="cpu", seed=0, max_steps=3, default_root_dir=str(root), **QUIET)
-        model = model or Net()
+        model = model or _net()
         trainer.fit(model, _loader())
     return ({k: v.clone() for k, v in model.state_dict().items()},
             [str(w.message) for w in seen if "was built before build_trainer" in str(w.message)])
@@ -159,7 +153,8 @@ def test_seed_names_a_model_built_before_build_trainer(tmp_path, monkeypatch):
     assert not said and all(torch.equal(after_1[k], after_2[k]) for k in after_1)  # seeded: the same, run after run
     torch.seed()
     _, said = _fit(tmp_path / "b", model_first=True)
-    assert len(said) == 1 and said[0].startswith("Net was built before build_trainer(seed=0) seeded the random streams")
+    assert len(said) == 1
+    assert said[0].startswith("TinyNet was built before build_trainer(seed=0) seeded the random streams")
     assert "build the model after build_trainer(...), or call lightning.seed_everything(seed) before" in said[0]
     L.seed_everything(0, verbose=False)  # the script seeded before building it: nothing to say
     _, said = _fit(tmp_path / "c", model_first=True)
@@ -172,7 +167,7 @@ def test_a_trainer_that_names_a_prebuilt_model_still_pickles_into_spawned_ranks(
     built before build_trainer(seed=...) travels with both (a set of the modules did not pickle at all)."""
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     torch.seed()
-    model = Net()
+    model = _net()
     trainer = build_trainer(accelerator="cpu", seed=0, **QUIET)
     state = next(c for c in trainer.callbacks if isinstance(c, ResumeState))
     in_rank = pickle.loads(pickle.dumps((state, model)))
@@ -203,7 +198,7 @@ def _fit_steps(root: Path, ckpt_path: str | None = None, save_after: Path | None
     steps = Steps()
     trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(root), callbacks=[steps], **limits,
                             **QUIET)
-    model = Net()
+    model = _net()
     trainer.fit(model, DataLoader(Batches(), batch_size=None) if stream else _loader(), ckpt_path=ckpt_path)
     if save_after is not None:
         trainer.save_checkpoint(save_after)
@@ -276,12 +271,12 @@ def test_a_stop_at_an_epochs_last_batch_resumes_with_the_whole_next_epoch(tmp_pa
                             callbacks=[SaveAndDie(8, tmp_path / "stop.ckpt")], **QUIET)
     data = DataLoader(Batches(), batch_size=None) if stream else _loader()
     with pytest.raises(Died):
-        trainer.fit(Net(), data)
+        trainer.fit(_net(), data)
     assert trainer.global_step == 8 and (tmp_path / "stop.ckpt").exists()
     steps = Steps()
     trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path / "split"), max_epochs=3,
                             callbacks=[steps], **QUIET)
-    model = Net()
+    model = _net()
     data = DataLoader(Batches(), batch_size=None) if stream else _loader(batch_size=batch_size)
     trainer.fit(model, data, ckpt_path=str(tmp_path / "stop.ckpt"))
     assert steps.seen == [(2, b) for b in range(32 // batch_size)]
@@ -401,7 +396,7 @@ def test_a_model_checkpoint_writing_the_packs_last_ckpt_is_refused(tmp_path, cap
     with pytest.raises(ConfigError, match=r"callbacks: ModelCheckpoint\(save_last=True\) would write last.ckpt in .*"
                                           r"the pack's own last.ckpt .*build_trainer\(checkpoint_dir=...\)"):
         build_trainer(accelerator="cpu", max_steps=1, default_root_dir=str(tmp_path / "lib"), **QUIET,
-                      callbacks=[ModelCheckpoint(save_last=True)]).fit(Net(), _loader())
+                      callbacks=[ModelCheckpoint(save_last=True)]).fit(_net(), _loader())
     assert not (tmp_path / "lib" / "checkpoints").exists()
 
 
@@ -530,12 +525,12 @@ def test_a_run_resumed_with_another_epoch_length_is_held_to_its_own_limit(tmp_pa
     """Epoch 0 at batch 8 (4 steps), continued at batch 2 (16 steps an epoch) to max_epochs=2, max_steps=10: the
     run ends at step 10 with no RunPositionError (the checkpoint's 4-step epochs alone would imply 8)."""
     trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path), max_epochs=1, **QUIET)
-    trainer.fit(Net(), _loader())
+    trainer.fit(_net(), _loader())
     trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
     steps = Steps()
     trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path), max_epochs=2, max_steps=10,
                             callbacks=[steps], **QUIET)
-    trainer.fit(Net(), _loader(batch_size=2), ckpt_path=str(tmp_path / "epoch0.ckpt"))
+    trainer.fit(_net(), _loader(batch_size=2), ckpt_path=str(tmp_path / "epoch0.ckpt"))
     assert trainer.global_step == 10 and steps.seen == [(1, b) for b in range(6)]
 
 
@@ -543,10 +538,10 @@ def test_a_stream_resumed_at_another_accumulation_is_not_held_to_an_unknown_epoc
     """A loader without a length never says how many steps an epoch has: resumed at accumulation 2 from an
     accumulation-1 checkpoint, the fit ends at its own limit with no RunPositionError ("x -1 steps per epoch")."""
     trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path), max_epochs=1, **QUIET)
-    trainer.fit(Net(), DataLoader(Batches(), batch_size=None))
+    trainer.fit(_net(), DataLoader(Batches(), batch_size=None))
     trainer.save_checkpoint(tmp_path / "epoch0.ckpt")
     trainer = build_trainer(accelerator="cpu", seed=0, default_root_dir=str(tmp_path), max_epochs=2,
                             accumulate_grad_batches=2, **QUIET)
-    trainer.fit(Net(), DataLoader(Batches(), batch_size=None), ckpt_path=str(tmp_path / "epoch0.ckpt"))
+    trainer.fit(_net(), DataLoader(Batches(), batch_size=None), ckpt_path=str(tmp_path / "epoch0.ckpt"))
     assert trainer.global_step == 6
 

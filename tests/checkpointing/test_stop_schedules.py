@@ -118,9 +118,19 @@ def _published_step(s3) -> int:
     return int(json.loads(body)["global_step"])
 
 
+@pytest.fixture(scope="module")
+def chaos_straight(images, tmp_path_factory) -> Path:
+    """The uninterrupted 48-step run both backends' schedules must end equal to: always written locally, so the
+    same run serves both (it was run once per backend)."""
+    straight = tmp_path_factory.mktemp("chaos-straight")
+    run(["-m", "recipes.resnet", *flags(images, straight, epochs=CHAOS_EPOCHS)], timeout=900, check=True, **CLEAN)
+    return straight / "checkpoints" / "last.ckpt"
+
+
 @pytest.mark.slow  # 11 two-rank attempts per backend
+
 @pytest.mark.parametrize("backend", ["local", "bucket"])
-def test_a_seeded_chaos_schedule_of_stops_ends_bit_identical(backend, images, tmp_path, request):
+def test_a_seeded_chaos_schedule_of_stops_ends_bit_identical(backend, images, chaos_straight, tmp_path, request):
     """10 stops (every kind in chaos_scenario.py, and on a bucket a frozen store), each followed by the same
     command with --resume auto (on a bucket from an empty cache: another machine): the run ends at 48 steps with
     the uninterrupted run's weights. The seed and every stop's moment are printed; CHAOS_SEED replays one."""
@@ -129,8 +139,6 @@ def test_a_seeded_chaos_schedule_of_stops_ends_bit_identical(backend, images, tm
     seed = int(os.environ.get("CHAOS_SEED", "43"))
     plan = chaos_schedule(seed, bucket=backend == "bucket")
     print(f"chaos seed {seed} ({backend}): " + ", ".join(f"{kind}+{after}" for kind, after in plan))
-    straight = tmp_path / "straight"
-    run(["-m", "recipes.resnet", *flags(images, straight, epochs=CHAOS_EPOCHS)], timeout=900, check=True, **CLEAN)
     options: dict = dict(CLEAN)
     s3 = None
     if backend == "bucket":
@@ -170,4 +178,4 @@ def test_a_seeded_chaos_schedule_of_stops_ends_bit_identical(backend, images, tm
         if kind in TERMS:  # saved where it stopped
             assert stop["how"] == "preempted by SIGTERM" and stop["steps_redone"] == 0, stop
         assert stop["steps_redone"] <= 2, stop  # a checkpoint every step
-    assert_same_weights(final, straight / "checkpoints" / "last.ckpt")
+    assert_same_weights(final, chaos_straight)

@@ -5,10 +5,8 @@ from __future__ import annotations
 import time
 import types
 
-import lightning as L
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_recipes.modules.mnist import MNISTClassifier
@@ -18,6 +16,7 @@ from ddp_recipes.train.callbacks import ThroughputMeter
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.trainer import build_trainer
 from tests.helpers import weights
+from tests.tiny_modules import TinyNet
 
 
 def test_tf32_switches_and_what_the_setup_print_says(monkeypatch, restore_tf32):
@@ -109,27 +108,14 @@ class SlowImages(Dataset):
         return torch.full((8,), float(i % 7)), i % 2
 
 
-class Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Linear(8, 2)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 STEP_S = 0.02  # Busy's step on the test's clock
 
 
-class Busy(Tiny):
-    """Tiny whose step costs ``STEP_S`` on the test's clock (the device's share of a step)."""
+class Busy(TinyNet):
+    """The suite's tiny net whose step costs ``STEP_S`` on the test's clock (the device's share of a step)."""
 
     def __init__(self, clock: HostClock) -> None:
-        super().__init__()
+        super().__init__(features=8)
         self.clock = clock
 
     def training_step(self, batch, batch_idx):
@@ -200,29 +186,27 @@ def test_lightning_compiles_the_step_methods_not_only_forward(tmp_path):
     """What the pack's --compile comments and docs state (train/run.py, bench/runs/worker.py): Lightning unwraps a
     ``torch.compile``d module and compiles its forward *and* its training/validation step methods, so the
     loss and the step's own code are traced too, and the first step's compile time covers them."""
-    import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
     from ddp_recipes.train.trainer import build_trainer
 
-    class Steps(L.LightningModule):
+    class Steps(TinyNet):
+        """Records whether each method ran under the compiler."""
+
         def __init__(self) -> None:
             super().__init__()
-            self.net, self.traced = torch.nn.Linear(4, 2), {}
+            self.traced = {}
 
         def forward(self, x):
             self.traced["forward"] = torch.compiler.is_compiling()
-            return self.net(x)
+            return super().forward(x)
 
         def training_step(self, batch, batch_idx):
             self.traced["training_step"] = torch.compiler.is_compiling()
-            return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+            return super().training_step(batch, batch_idx)
 
         def validation_step(self, batch, batch_idx):
             self.traced["validation_step"] = torch.compiler.is_compiling()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     module = Steps()
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
@@ -288,7 +272,10 @@ def test_a_toy_steps_sub_millisecond_wait_is_not_input_bound():
     assert "input-bound" in diag.checked and not diag.findings
 
 
-class _ValidatingTiny(Tiny):
+class _SlowValidation(TinyNet):
+    def __init__(self) -> None:
+        super().__init__(features=8)
+
     def validation_step(self, batch, batch_idx):
         time.sleep(0.01)
 
@@ -300,6 +287,6 @@ def test_validation_inside_an_epoch_is_not_step_time(tmp_path):
                             default_root_dir=tmp_path, val_check_interval=5, num_sanity_val_steps=0,
                             limit_val_batches=2)
     data = DataLoader(SlowImages(400), batch_size=8)
-    trainer.fit(_ValidatingTiny(), data, data)
+    trainer.fit(_SlowValidation(), data, data)
     # 30 steps give 29 intervals; each of the 5 validations inside the epoch (after steps 5..25) drops one.
     assert len(meter.intervals) == 29 - 5

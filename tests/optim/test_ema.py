@@ -17,7 +17,7 @@ from torch.optim.swa_utils import AveragedModel
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.optim.ema import ModelEMA, adjusted_decay, ema_state_dict
 from tests.launch import run
-from tests.scenarios.ema_scenarios import FEATURES, TinyClassifier, data, loader
+from tests.tiny_modules import CLASSES, FEATURES, TinyClassifier, TinyNet, classifier_data, classifier_loader
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scenarios" / "ema_scenarios.py"
 
@@ -84,7 +84,7 @@ def test_updates_every_k_optimizer_steps_with_accumulation():
     ema = ModelEMA(decay=decay, update_every=every)
     record = Recorder()
     # 64 samples / batch 4 = 16 batches, accumulated in pairs: 6 optimizer steps in one epoch.
-    trainer([record, ema], max_steps=6, accumulate_grad_batches=2).fit(module(), loader(64, 4))
+    trainer([record, ema], max_steps=6, accumulate_grad_batches=2).fit(module(), classifier_loader(64, 4))
     assert sorted(record.weights) == [1, 2, 3, 4, 5, 6]  # one record per optimizer step, not per batch
     expected = record.weights[2]  # the first update copies
     for step in (4, 6):
@@ -100,7 +100,7 @@ def test_warmup_copies_then_averages():
     ema = ModelEMA(decay=decay, update_every=1, warmup_epochs=1.0)
     record = Recorder(ema)
     # 16 samples / batch 4: 4 optimizer steps per epoch, so the warm-up is steps 1..4.
-    trainer([ema, record], max_steps=7).fit(module(), loader(16, 4))
+    trainer([ema, record], max_steps=7).fit(module(), classifier_loader(16, 4))
     for step in range(1, 6):  # the warm-up's updates and the first one after it copy
         assert_state_equal(record.averages[step], record.weights[step])
     assert [record.n_averaged[s] for s in range(1, 8)] == [0, 0, 0, 0, 1, 2, 3]
@@ -113,7 +113,7 @@ def test_average_lives_outside_the_module_without_grads():
     lit = module()
     keys = sorted(lit.state_dict())
     ema = ModelEMA(decay=0.9, update_every=1)
-    trainer([ema], max_steps=2).fit(lit, loader(16, 4))
+    trainer([ema], max_steps=2).fit(lit, classifier_loader(16, 4))
     assert sorted(lit.state_dict()) == keys  # nothing DDP would broadcast or checkpoint as the module's
     assert not any(isinstance(m, AveragedModel) for m in lit.modules())
     assert not any(p.requires_grad for p in ema.network.parameters())
@@ -122,19 +122,10 @@ def test_average_lives_outside_the_module_without_grads():
 
 
 def test_needs_a_model_attribute():
-    class NoModel(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = nn.Linear(FEATURES, 2)
-
-        def training_step(self, batch, batch_idx):
-            return self.body(batch[0]).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+    no_model = TinyNet(FEATURES, CLASSES)  # a user's module: its network is .body, not .model
+    assert not hasattr(no_model, "model")
     with pytest.raises(ConfigError, match="model") as err:
-        trainer([ModelEMA()], max_steps=1).fit(NoModel(), loader(8, 4))
+        trainer([ModelEMA()], max_steps=1).fit(no_model, classifier_loader(8, 4))
     assert err.value.cli().startswith("--model-ema averages")
 
 
@@ -173,7 +164,7 @@ def test_resume_continues_the_average_exactly(tmp_path):
         # 4 steps per epoch, a 2-step warm-up, updates at 3 (the first: a copy), 6, 9, 12: the epoch-0
         # checkpoint (step 4) falls between two updates, with n_averaged 1 to carry over.
         t = trainer(callbacks, max_epochs=3, enable_checkpointing=ckpt_dir is not None)
-        t.fit(lit, loader(16, 4), ckpt_path=ckpt_path)
+        t.fit(lit, classifier_loader(16, 4), ckpt_path=ckpt_path)
         return ema, lit, t
 
     full, full_module, _ = run(tmp_path)
@@ -198,7 +189,7 @@ def test_ema_state_dict_absent():
 # ---- evaluation with the average ------------------------------------------------------------------------
 
 def evaluate(net: nn.Module, n: int = 32, seed: int = 1) -> tuple[float, float]:
-    x, y = data(n, seed).tensors
+    x, y = classifier_data(n, seed).tensors
     with torch.no_grad():
         logits = net.eval()(x)
     return (logits.argmax(1) == y).float().mean().item(), F.cross_entropy(logits, y).item()
@@ -206,13 +197,13 @@ def evaluate(net: nn.Module, n: int = 32, seed: int = 1) -> tuple[float, float]:
 
 def test_validation_and_test_log_ema_metrics(tmp_path):
     without = module()
-    plain = trainer([]).validate(without, loader(32, 8, seed=1), verbose=False)[0]
+    plain = trainer([]).validate(without, classifier_loader(32, 8, seed=1), verbose=False)[0]
     assert "val_acc_ema" not in plain and not hasattr(without, "val_metrics_ema")
 
     lit = module()
     ema = ModelEMA(decay=0.5, update_every=1)
     t = trainer([ema], max_steps=4)
-    t.fit(lit, loader(32, 8), val_dataloaders=loader(32, 8, seed=1))
+    t.fit(lit, classifier_loader(32, 8), val_dataloaders=classifier_loader(32, 8, seed=1))
     metrics = {k: float(v) for k, v in t.callback_metrics.items()}
     acc, loss = evaluate(ema.network)
     assert metrics["val_acc_ema"] == pytest.approx(acc, abs=1e-7)
@@ -220,7 +211,7 @@ def test_validation_and_test_log_ema_metrics(tmp_path):
     assert metrics["val_acc"] == pytest.approx(evaluate(lit.model)[0], abs=1e-7)
     assert abs(metrics["val_loss_ema"] - metrics["val_loss"]) > 1e-6  # really another network
 
-    tested = t.test(lit, loader(32, 8, seed=1), verbose=False)[0]
+    tested = t.test(lit, classifier_loader(32, 8, seed=1), verbose=False)[0]
     assert tested["test_acc_ema"] == pytest.approx(acc, abs=1e-7)
     assert tested["test_loss_ema"] == pytest.approx(loss, rel=1e-5)
 
@@ -234,11 +225,11 @@ def test_validation_and_test_log_ema_metrics(tmp_path):
 
 def test_old_checkpoint_without_ema_then_validated_with_ema(tmp_path):
     t = trainer([], max_steps=2)
-    t.fit(module(), loader(16, 4))
+    t.fit(module(), classifier_loader(16, 4))
     path = tmp_path / "plain.ckpt"
     t.save_checkpoint(path)
     lit = TinyClassifier.load_from_checkpoint(path, weights_only=True)  # strict
-    out = trainer([ModelEMA()]).validate(lit, loader(32, 8, seed=1), verbose=False)[0]
+    out = trainer([ModelEMA()]).validate(lit, classifier_loader(32, 8, seed=1), verbose=False)[0]
     # A fresh average is a copy of the weights: its metrics are the network's.
     assert out["val_acc_ema"] == out["val_acc"] and out["val_loss_ema"] == pytest.approx(out["val_loss"], rel=1e-6)
 

@@ -29,7 +29,7 @@ from ddp_recipes.optim.schedules import (
     lightning_reference_scheduler,
     reference_scheduler,
 )
-from tests.scenarios.ema_scenarios import TinyClassifier, loader
+from tests.tiny_modules import TinyClassifier, classifier_loader
 
 # ---- optimizers ------------------------------------------------------------------------------------------
 
@@ -302,7 +302,7 @@ def test_lightning_fit_steps_per_optimizer_step():
                         callbacks=[record])
     torch.manual_seed(0)
     # 16 samples / batch 4 = 4 batches, accumulated in pairs: 2 optimizer steps per epoch.
-    trainer.fit(ReferenceRecipe(lr=0.2), loader(16, 4))
+    trainer.fit(ReferenceRecipe(lr=0.2), classifier_loader(16, 4))
     factors = [0.25, 0.625, 1.0, 1.0, 0.5, 0.5]
     assert record.lrs == pytest.approx([0.2 * f for f in factors], rel=1e-12)
     assert math.isclose(trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[1]["weight_decay"], 0.0)

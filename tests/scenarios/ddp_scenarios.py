@@ -14,14 +14,13 @@ import random
 import sys
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddp_recipes import TunedDDPStrategy, build_trainer  # noqa: E402
+from tests.tiny_modules import TinyNet  # noqa: E402
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 64, 16, 4
 
@@ -33,13 +32,12 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, y, torch.arange(N_SAMPLES))
 
 
-class Net(L.LightningModule):
-    def __init__(self, batchnorm: bool = False, aux_head: bool = False, lr: float = 0.1) -> None:
-        super().__init__()
-        norm = nn.BatchNorm1d(32) if batchnorm else nn.Identity()
-        self.body = nn.Sequential(nn.Linear(N_FEATURES, 32), norm, nn.Tanh(), nn.Linear(32, N_CLASSES))
-        self.aux_head = nn.Linear(32, 2) if aux_head else None  # never in the loss: DDP's unused parameter
-        self.lr = lr
+class Net(TinyNet):
+    """The suite's tiny net recording what the DDP tests compare: initial weights, draws, losses, samples."""
+
+    def __init__(self, batchnorm: bool = False, aux_head: bool = False) -> None:
+        super().__init__(N_FEATURES, N_CLASSES, 32, batchnorm=batchnorm, activation="tanh", aux_head=aux_head,
+                         momentum=0.9)
         self.record: dict = {"losses": []}
 
     def setup(self, stage: str) -> None:
@@ -50,10 +48,9 @@ class Net(L.LightningModule):
     def training_step(self, batch, batch_idx):
         if "draws" not in self.record:  # training: per-rank streams (seed + rank)
             self.record["draws"] = (random.random(), float(np.random.rand()), torch.rand(3).tolist())
-        x, y, index = batch
-        loss = nn.functional.cross_entropy(self.body(x), y)
+        loss = super().training_step(batch, batch_idx)
         self.record["losses"].append(loss.item())
-        self.record.setdefault("indices", []).append(index.tolist())
+        self.record.setdefault("indices", []).append(batch[2].tolist())
         return loss
 
     def on_train_end(self) -> None:
@@ -62,9 +59,6 @@ class Net(L.LightningModule):
             self.record["comm_hook"] = ddp._get_ddp_logging_data().get("comm_hook")
         self.record["precision"] = self.trainer.precision
         self.record["world_size"] = self.trainer.world_size
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
 class UserStrategy(TunedDDPStrategy):

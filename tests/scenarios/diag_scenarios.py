@@ -19,14 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ddp_recipes import build_trainer  # noqa: E402
 from ddp_recipes.train.diagnostics import DDPDiagnostics  # noqa: E402
+from tests.tiny_modules import TinyNet  # noqa: E402
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 64, 16, 4
 
@@ -44,24 +43,17 @@ class FrozenEpochSampler(DistributedSampler):
         pass
 
 
-class Net(L.LightningModule):
-    def __init__(self, unused_head: bool, drift: bool) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(N_FEATURES, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, N_CLASSES))
-        self.aux_head = nn.Linear(32, 2) if unused_head else None
-        self.drift = drift
+class Net(TinyNet):
+    """The suite's tiny net with BatchNorm; ``drift``: rank 1 edits a weight outside DDP after its first step."""
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.body(x), y)
+    def __init__(self, unused_head: bool, drift: bool) -> None:
+        super().__init__(N_FEATURES, N_CLASSES, 32, batchnorm=True, activation="tanh", aux_head=unused_head, lr=0.05)
+        self.drift = drift
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if self.drift and self.global_rank == 1 and self.global_step == 1:
             with torch.no_grad():  # a weight edit outside DDP, on one rank only
                 self.body[-1].bias[0] += 20.0
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def main() -> None:

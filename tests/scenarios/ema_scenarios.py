@@ -1,4 +1,4 @@
-"""A tiny ImageClassifier for the EMA tests, and their 2-rank run: ``python tests/scenarios/ema_scenarios.py OUT``.
+"""The EMA tests' 2-rank run of the tiny ImageClassifier: ``python tests/scenarios/ema_scenarios.py OUT``.
 
 Lightning's launcher re-runs this command line for rank 1; every rank writes ``OUT/rank<r>.pt`` with its
 averaged network, its model and the metrics it logged.
@@ -10,43 +10,9 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from ddp_recipes.modules.classifier import ImageClassifier  # noqa: E402
-
-FEATURES, CLASSES = 8, 3
-
-
-class TinyClassifier(ImageClassifier):
-    """Linear -> BatchNorm -> ReLU -> Linear: parameters, float buffers and an integer buffer to average."""
-
-    def __init__(self, lr: float = 0.2, momentum: float = 0.9, warmup_epochs: float = 0.0, cosine: bool = False,
-                 num_classes: int = CLASSES, width: int = 16) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.model = self.build_model()
-        self.init_metrics()
-
-    def build_model(self) -> nn.Module:
-        width = self.hparams.width
-        return nn.Sequential(nn.Linear(FEATURES, width), nn.BatchNorm1d(width), nn.ReLU(),
-                             nn.Linear(width, self.hparams.num_classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-
-def data(n: int, seed: int = 0) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, FEATURES, generator=g)
-    y = (x[:, :CLASSES].argmax(1) + (x[:, CLASSES] > 0.5).long()) % CLASSES
-    return TensorDataset(x, y)
-
-
-def loader(n: int, batch: int, seed: int = 0) -> DataLoader:
-    return DataLoader(data(n, seed), batch_size=batch, shuffle=False)
+from tests.tiny_modules import TinyClassifier, classifier_loader  # noqa: E402
 
 
 def main() -> None:
@@ -61,7 +27,7 @@ def main() -> None:
     torch.manual_seed(0)
     module = TinyClassifier()
     # 64 samples, 8 per rank per batch: 4 optimizer steps per epoch; validation: 16 samples per rank.
-    trainer.fit(module, train_dataloaders=loader(64, 8), val_dataloaders=loader(32, 8, seed=1))
+    trainer.fit(module, train_dataloaders=classifier_loader(64, 8), val_dataloaders=classifier_loader(32, 8, seed=1))
     out.mkdir(parents=True, exist_ok=True)
     network = ema.network
     torch.save({"ema": {k: v.detach().clone() for k, v in network.state_dict().items()},

@@ -27,20 +27,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ddp_recipes  # noqa: E402
+from tests.tiny_modules import TinyNet  # noqa: E402
 
 STEPS_PER_EPOCH, EPOCHS, BATCH = 6, 2, 4
 
 
-class Signalling(L.LightningModule):
+class Signalling(TinyNet):
+    """The suite's tiny net, sending the plan's signals to its own process at the plan's moments."""
+
     def __init__(self, plan: list[tuple[int, int, str, int]], accumulate: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        super().__init__(8, 2, 16, activation="relu")
         self.plan, self.accumulate = plan, accumulate
         self.micro = 0
 
@@ -58,8 +58,7 @@ class Signalling(L.LightningModule):
         step = self._step_in_progress()
         if step is not None:
             self._maybe_signal("forward", step)
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        return super().training_step(batch, batch_idx)
 
     def on_after_backward(self) -> None:
         step = self._step_in_progress()
@@ -77,11 +76,7 @@ class Signalling(L.LightningModule):
         for rank, at, when, _ in self.plan:
             if when == "validation" and rank == self.global_rank and self.global_step >= at:
                 self._maybe_signal("validation", at)
-        x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True, batch_size=len(y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        super().validation_step(batch, batch_idx)
 
 
 def parse_plan(text: str) -> list[tuple[int, int, str, int]]:

@@ -21,27 +21,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset  # noqa: E402
 
 import ddp_recipes  # noqa: E402
+from tests.tiny_modules import TinyNet  # noqa: E402
 
 
-class Net(L.LightningModule):
+class Net(TinyNet):
+    """The suite's tiny net, keeping the ids of the samples it trained on."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        super().__init__(4, 2, 16, activation="relu")
         self.seen: list[int] = []
 
     def training_step(self, batch, batch_idx):
-        x, y, ids = batch
-        self.seen += ids.tolist()
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        self.seen += batch[2].tolist()
+        return super().training_step(batch, batch_idx)
 
 
 def data(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,13 +11,13 @@ import fractions
 import json
 import sys
 
-import lightning as L
 import pytest
 import torch
 
 from tests.helpers import SHARED_DATA
 from tests.marks import needs_mnist
 from tests.s3server import object_upload
+from tests.tiny_modules import TinyNet
 
 MNIST = ["--accelerator", "cpu", "--data-dir", str(SHARED_DATA), "--no-download", "--batch-size", "64",
          "--no-diagnostics"]
@@ -274,21 +274,6 @@ def test_urls_join_like_paths_and_stay_plain_strings_in_checkpoints():
     assert type(str(out)) is str and b"Url" not in pickle.dumps(str(out))
 
 
-class Tiny(L.LightningModule):
-    """A user's own module, for build_trainer's path."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 2)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.layer(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def test_build_trainer_on_a_bucket_continues_with_ckpt_path_last(s3, tmp_path, monkeypatch):
     """A user's script: ``default_root_dir`` a URL, ``fit(ckpt_path="last")`` finds the bucket's newest."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -303,7 +288,7 @@ def test_build_trainer_on_a_bucket_continues_with_ckpt_path_last(s3, tmp_path, m
         trainer = build_trainer(devices=1, accelerator="cpu", seed=0, max_steps=max_steps, default_root_dir=root,
                                 logger=False, enable_progress_bar=False, enable_model_summary=False,
                                 checkpoint_every_n_steps=2, diagnostics=False)
-        trainer.fit(Tiny(), DataLoader(data, batch_size=8), ckpt_path="last")
+        trainer.fit(TinyNet(), DataLoader(data, batch_size=8), ckpt_path="last")
         return trainer.global_step, trainer.ckpt_path
 
     assert fit(2) == (2, None) and "run/checkpoints/last.ckpt.manifest.json" in s3.keys("library")
@@ -390,7 +375,7 @@ def test_a_users_model_checkpoint_on_a_bucket_keeps_every_checkpoint_it_keeps_lo
         trainer = build_trainer(devices=1, accelerator="cpu", seed=0, max_steps=6, default_root_dir=root,
                                 logger=False, enable_progress_bar=False, enable_model_summary=False,
                                 diagnostics=False, callbacks=[mine])
-        trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+        trainer.fit(TinyNet(), DataLoader(data, batch_size=8))
         return sorted(path.rsplit("/", 1)[-1] for path in mine.best_k_models)
 
     local = kept(str(tmp_path / "local"))

@@ -53,7 +53,7 @@ def test_a_batch_that_fits_passes():
 
 def test_build_trainer_refuses_it_at_the_first_step(tmp_path):
     from ddp_recipes import build_trainer
-    from tests.helpers import tiny_module_and_data
+    from tests.tiny_modules import tiny_module_and_data
 
     trainer = build_trainer(accelerator="cpu", max_steps=2, default_root_dir=str(tmp_path), logger=False,
                             enable_progress_bar=False, enable_model_summary=False)

@@ -7,7 +7,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 from ddp_recipes.train.hooks import PER_BATCH, SkipUnusedHooks, touched, unused_hooks
 from ddp_recipes.train.trainer import build_trainer
-from tests.helpers import tiny_module_and_data
+from tests.tiny_modules import tiny_module_and_data
 
 
 class Actions(PassThroughProfiler):

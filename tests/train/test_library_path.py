@@ -15,7 +15,6 @@ import signal
 from datetime import timedelta
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -28,6 +27,7 @@ from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError
 from tests.helpers import assert_same_weights
 from tests.launch import Background, saved_step, start
+from tests.tiny_modules import TinyNet
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = ROOT / "tests" / "scenarios" / "library_scenario.py"
@@ -184,53 +184,33 @@ def test_the_strategy_accepts_every_ddpstrategy_argument():
 
 # ---- in-process, one device: what the adopted loaders are ---------------------------------------------
 
-class Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(2, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 class Stream(IterableDataset):
     def __iter__(self):
-        return iter([(torch.ones(2),)] * 4)
+        return iter([(torch.ones(4), torch.tensor(0))] * 4)
 
 
 def test_a_plain_loader_becomes_resumable_and_an_iterable_one_is_named(tmp_path):
-    data = TensorDataset(torch.randn(8, 2))
+    data = TensorDataset(torch.randn(8, 4), torch.arange(8) % 2)
     trainer = build_trainer(accelerator="cpu", max_steps=2, default_root_dir=str(tmp_path), **QUIET)
-    trainer.fit(Tiny(), DataLoader(data, batch_size=2, shuffle=True))
+    trainer.fit(TinyNet(), DataLoader(data, batch_size=2, shuffle=True))
     assert isinstance(trainer.train_dataloader, ResumableDataLoader)
     assert trainer.train_dataloader.sampler.shuffle and trainer.train_dataloader.dataset.dataset is data
     trainer = build_trainer(accelerator="cpu", max_steps=2, default_root_dir=str(tmp_path / "b"), **QUIET)
     with pytest.warns(UserWarning, match=r"train_dataloader: an IterableDataset \(Stream\): it cannot be repositioned"):
-        trainer.fit(Tiny(), DataLoader(Stream(), batch_size=2))
+        trainer.fit(TinyNet(), DataLoader(Stream(), batch_size=2))
 
 
-class DropoutNet(L.LightningModule):
+class DropoutNet(TinyNet):
     """Dropout draws from the global torch RNG every step: any extra draw on resume changes the weights."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 2))
+        super().__init__(4, 2, 16, dropout=0.5)
 
     def training_step(self, batch, batch_idx):
         if self.global_step == 6 and os.environ.get("_TEST_SIGTERM_AT_6") and self.trainer.training:
             os.environ.pop("_TEST_SIGTERM_AT_6")
             os.kill(os.getpid(), signal.SIGTERM)
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def validation_step(self, batch, batch_idx):
-        self.log("v", self.net(batch[0]).sum())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return super().training_step(batch, batch_idx)
 
 
 def _fit_dropout_net(root: Path) -> dict[str, torch.Tensor]:
