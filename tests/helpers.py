@@ -238,3 +238,20 @@ def decoders_agree(x, reference) -> tuple[bool, float, float]:
     diff = (x.cpu().float() - reference.cpu().float()).abs() / DECODE_LEVEL
     mean, worst = float(diff.mean()), float(diff.max())
     return mean < 1.5 and worst < 48, mean, worst
+
+
+def run_recipe_with(callback: Any, argv: list[str]) -> None:
+    """``python -m recipes.<argv[0]> <argv[1:]>`` with ``callback`` added to every Trainer the recipe builds (its
+    own ``make_trainer``, wrapped): how a scenario puts a fault or a stop inside a real recipe run."""
+    import importlib
+
+    import ddp_recipes.train.run as runner
+
+    recipe = importlib.import_module(f"recipes.{argv[0]}")
+    make_trainer = runner.make_trainer
+
+    def with_callback(cfg: Any, callbacks: list | None = None, **kwargs: Any) -> Any:
+        return make_trainer(cfg, callbacks=[*(callbacks or []), callback], **kwargs)
+
+    runner.make_trainer = with_callback
+    recipe.main(argv[1:])

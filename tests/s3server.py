@@ -9,6 +9,7 @@ can then be killed mid-write; moto never receives the object, as S3 never shows 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -132,6 +133,23 @@ class S3Server:
         """Answer no request for ``seconds`` from now, then all of them (as a SIGSTOPped, then SIGCONTed
         server would: connections open, nothing said)."""
         self.faults.frozen_until = time.monotonic() + seconds
+
+    @contextlib.contextmanager
+    def checking_credentials(self) -> Iterator[None]:
+        """Every request authenticated while inside (moto's own switch, through its control API), so the
+        tests' fake keys are refused; anonymous again after."""
+        self._reset_auth("0")  # from the next request on
+        try:
+            yield
+        finally:
+            self._reset_auth("inf")
+
+    def _reset_auth(self, after: str) -> None:
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=after.encode(), method="POST",
+                                         headers={"Content-Type": "text/plain"})
+        urllib.request.urlopen(request, timeout=30).read()
 
     def reset_faults(self) -> None:
         with self.faults.lock:

@@ -22,7 +22,6 @@ acts, so every attempt's log says where it started and where it was stopped.
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import sys
@@ -33,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-import ddp_recipes.train.run as runner  # noqa: E402
 from ddp_recipes.checkpointing import files, last  # noqa: E402
+from tests.helpers import run_recipe_with  # noqa: E402
 
 KIND = os.environ.get("CHAOS_KIND", "")
 AFTER = int(os.environ.get("CHAOS_AFTER", "1"))
@@ -137,14 +136,7 @@ class _Cut:
 
 
 def main() -> None:
-    recipe = importlib.import_module(f"recipes.{sys.argv[1]}")
-    make_trainer = runner.make_trainer
-
-    def with_chaos(cfg, callbacks=None, **kwargs):
-        return make_trainer(cfg, callbacks=[*(callbacks or []), Chaos()], **kwargs)
-
-    runner.make_trainer = with_chaos
-    recipe.main(sys.argv[2:])
+    run_recipe_with(Chaos(), sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ AtomicCheckpointIO, but stalls after the first MiB written (creating READY), so 
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-import ddp_recipes.train.run as runner  # noqa: E402
+from tests.helpers import run_recipe_with  # noqa: E402
 
 
 class Fault(Callback):
@@ -106,14 +105,7 @@ def main() -> None:
     if sys.argv[1] == "slow-save":
         slow_save(Path(sys.argv[2]), Path(sys.argv[3]))
         return
-    recipe = importlib.import_module(f"recipes.{sys.argv[1]}")
-    make_trainer = runner.make_trainer
-
-    def with_fault(cfg, callbacks=None, **kwargs):
-        return make_trainer(cfg, callbacks=[*(callbacks or []), Fault()], **kwargs)
-
-    runner.make_trainer = with_fault
-    recipe.main(sys.argv[2:])
+    run_recipe_with(Fault(), sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -194,54 +194,31 @@ def test_a_missing_bucket_is_one_line_naming_the_flag_and_exit_2(s3, tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
-def test_refused_credentials_fail_before_training_naming_the_flag(s3, tmp_path, monkeypatch, capsys):
-    """The server checks credentials (moto's own switch, through its control API): the fake keys are refused."""
-    import urllib.request
-
+def _refused_line(s3, capsys, argv: list[str]) -> str:
+    """The one error line of a recipe run while the server checks credentials (the fake keys are refused)."""
     from recipes import resnet
 
-    def authenticate(after: str) -> None:
-        request = urllib.request.Request(f"{s3.endpoint}/moto-api/reset-auth", data=after.encode(), method="POST",
-                                         headers={"Content-Type": "text/plain"})
-        urllib.request.urlopen(request, timeout=30).read()
-
-    monkeypatch.chdir(tmp_path)
-    s3.bucket("locked")
-    authenticate("0")  # from the next request on, every request is authenticated
-    try:
-        with pytest.raises(SystemExit) as info:
-            resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", "--output-dir",
-                         "s3://locked/run", "--resume", "auto"])
-    finally:
-        authenticate("inf")
+    with s3.checking_credentials(), pytest.raises(SystemExit) as info:
+        resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", *argv])
     assert info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def test_refused_credentials_fail_before_training_naming_the_flag(s3, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    s3.bucket("locked")
+    line = _refused_line(s3, capsys, ["--output-dir", "s3://locked/run", "--resume", "auto"])
     assert line.startswith("python -m recipes.resnet: error: --output-dir s3://locked/run: access denied (")
     assert "check the credentials" in line and line.endswith("or pass another --output-dir")
 
 
 def test_a_refused_resume_url_names_resume_not_output_dir(s3, tmp_path, monkeypatch, capsys):
     """``--resume s3://...`` with a local ``--output-dir``: a refused read is about ``--resume``."""
-    import urllib.request
-
-    from recipes import resnet
-
-    def authenticate(after: str) -> None:
-        request = urllib.request.Request(f"{s3.endpoint}/moto-api/reset-auth", data=after.encode(), method="POST",
-                                         headers={"Content-Type": "text/plain"})
-        urllib.request.urlopen(request, timeout=30).read()
-
     monkeypatch.chdir(tmp_path)
     s3.bucket("locked-resume")
-    authenticate("0")
-    try:
-        with pytest.raises(SystemExit) as info:
-            resnet.main(["--accelerator", "cpu", "--data", "synthetic", "--max-steps", "2", "--output-dir",
-                         str(tmp_path / "out"), "--resume", "s3://locked-resume/run/checkpoints/last.ckpt"])
-    finally:
-        authenticate("inf")
-    assert info.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    line = _refused_line(s3, capsys, ["--output-dir", str(tmp_path / "out"), "--resume",
+                                      "s3://locked-resume/run/checkpoints/last.ckpt"])
     assert line.startswith("python -m recipes.resnet: error: --resume: lookup of "
                            "s3://locked-resume/run/checkpoints/"), line
     assert "--output-dir" not in line
