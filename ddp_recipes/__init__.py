@@ -28,6 +28,10 @@ _EXPORTS = {
     "convert_sync_batchnorm": "ddp_recipes.ddp.syncbn",
     "revert_sync_batchnorm": "ddp_recipes.ddp.syncbn",
     "build_trainer": "ddp_recipes.train.trainer",
+    # The two callbacks a plain L.Trainer (or LightningCLI) adds for last.ckpt and an exact resume: named from
+    # the package, so a user's import does not follow the folders they live in.
+    "LastCheckpoint": "ddp_recipes.checkpointing.last",
+    "ResumeState": "ddp_recipes.checkpointing.exact_continuation",
     "ImageClassifier": "ddp_recipes.modules.classifier",
     "MNISTClassifier": "ddp_recipes.modules.mnist",
     "MNISTDataModule": "ddp_recipes.data.mnist",

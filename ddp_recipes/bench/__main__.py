@@ -9,7 +9,7 @@
     python -m ddp_recipes.bench account --doc docs/benchmark.md   # where the step time goes: raw, plain, each part
 
 Without a command it measures the speedup (``ddp_recipes.bench.speedup.run``): every measured run is a fresh
-set of processes (``ddp_recipes.bench.runs.worker``). Output in ``--out``: results.json, report.md (also
+set of processes (``ddp_recipes.bench.harness.worker``). Output in ``--out``: results.json, report.md (also
 printed), speedup.png, and a final one-line summary. ``COMMAND --help`` shows a command's flags.
 """
 

@@ -95,6 +95,7 @@ class BackboneFineTuning(LightningModule):
         # a preemption, or the --checkpoint-every-n-steps cadence), Lightning starts the next epoch as a
         # restart and calls no on_train_epoch_start for it: the switch is also checked before each batch.
         # Every rank restored the same checkpoint, so all of them re-wrap at the same batch. One compare.
+        super().on_train_batch_start(batch, batch_idx)
         if self.backbone_frozen:
             self._unfreeze_if_due()
 

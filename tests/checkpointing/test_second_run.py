@@ -500,7 +500,7 @@ def test_a_model_built_before_build_trainer_is_named_once_at_two_ranks(tmp_path)
 
 
 @pytest.mark.slow
-def test_two_ranks_continuing_past_max_steps_with_workers_and_augmentation_is_exact(images, tmp_path):  # noqa: F811
+def test_two_ranks_continuing_past_max_steps_with_workers_and_augmentation_is_exact(images, tmp_path):
     """ResNet on ImageFolder PNGs, RandomResizedCrop in 1 loader worker per rank, dropout, warm-up (a schedule
     that does not depend on the run's length), 2 gloo ranks: stopped by --max-steps 3 mid-epoch (6 steps per
     epoch), then --max-epochs 1 ends that epoch at step 6, and --max-epochs 2 ends as the run that had

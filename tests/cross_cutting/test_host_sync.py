@@ -5,7 +5,7 @@ and ``aten.is_nonzero`` (``bool(t)``, ``if t:``) over whole loop iterations, fro
 to the next one's: every hook of every callback, Lightning's own batch-end work (its logger connector, the
 progress bar), the optimizer step and the next batch's fetch and transfer. Each iteration is counted on its
 own, for the MNIST recipe's path (``run_fit_test`` with the recipe's callbacks, ``build_trainer``, resumable
-loader, diagnostics), by the bench's own counter (``ddp_recipes/bench/step_counts.py`` ``StepCounts``, what
+loader, diagnostics), by the bench's own counter (``ddp_recipes/bench/harness/step_counts.py`` ``StepCounts``, what
 ``bench overhead`` and ``bench account`` report). On CPU these reads cost little, but each is a stream stall on
 CUDA. The same count at 2 ranks is tests/cross_cutting/test_step_collectives.py's.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ddp_recipes.bench.runs.step_counts import HOST_READS, OpCounts, StepCounts
+from ddp_recipes.bench.harness.step_counts import HOST_READS, OpCounts, StepCounts
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.base import TensorDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
@@ -42,7 +42,7 @@ def _pack(tmp_path, extra: list[Callback] = (), module: type[L.LightningModule] 
     train, val = _data()
     cfg = RunConfig(devices=1, accelerator="cpu", max_steps=START + WINDOW + 2, batch_size=BATCH,
                     output_dir=str(tmp_path / "pack"), num_workers=0, log_every_n_steps=log_every_n_steps)
-    counter = StepCounts(after=START, count=WINDOW)  # the bench's count (bench/runs/step_counts.py)
+    counter = StepCounts(after=START, count=WINDOW)  # the bench's count (bench/harness/step_counts.py)
     # The recipe's own callbacks and logging (recipes.mnist.main, without its flag parsing and test pass).
     run_fit_test(cfg, lambda: module(lr=cfg.plan.lr), TensorDataModule(train, val, BATCH, cfg.seed),
                  callbacks=[*checkpoint_callbacks(cfg, True, module), counter, *extra], test=False,

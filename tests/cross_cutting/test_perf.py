@@ -183,7 +183,7 @@ def test_compile_one_device_reports_compile_time_and_keeps_plain_checkpoint_keys
 
 
 def test_lightning_compiles_the_step_methods_not_only_forward(tmp_path):
-    """What the pack's --compile comments and docs state (train/run.py, bench/runs/worker.py): Lightning unwraps a
+    """What the pack's --compile comments and docs state (train/run.py, bench/harness/worker.py): Lightning unwraps a
     ``torch.compile``d module and compiles its forward *and* its training/validation step methods, so the
     loss and the step's own code are traced too, and the first step's compile time covers them."""
     from torch.utils.data import DataLoader, TensorDataset

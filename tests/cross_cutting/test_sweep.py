@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_recipes.bench.runs import baselines, workload
+from ddp_recipes.bench.harness import baselines, workload
 from ddp_recipes.optim.schedules import lightning_scheduler
 from ddp_recipes.train.diagnostic_rules import batch_size_of
 

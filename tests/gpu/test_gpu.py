@@ -266,7 +266,7 @@ def test_synthetic_bench_data_fetches_without_a_host_sync():
     "error" mode (any synchronizing call raises) lets a whole batch through."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ddp_recipes.bench.runs.synthetic import RankShard
+    from ddp_recipes.bench.harness.synthetic import RankShard
 
     class CopySources(TorchDispatchMode):
         """Whether each host tensor copied to the device was pinned: a pageable non-blocking copy blocks

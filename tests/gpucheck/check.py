@@ -98,8 +98,8 @@ def bench_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def worker_cmd(impl: str, settings: dict[str, Any]) -> list[str]:
-    """``ddp_recipes.bench.runs.worker`` on one GPU, as ``bench.run_worker`` runs it (but under our timeout)."""
-    cmd = [sys.executable, "-m", "ddp_recipes.bench.runs.worker", impl, "--out", "{work}/run.json", "--devices", "1"]
+    """``ddp_recipes.bench.harness.worker`` on one GPU, as ``bench.run_worker`` runs it (but under our timeout)."""
+    cmd = [sys.executable, "-m", "ddp_recipes.bench.harness.worker", impl, "--out", "{work}/run.json", "--devices", "1"]
     for key, value in settings.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]
     return cmd
@@ -238,7 +238,7 @@ def plan_checks(args: argparse.Namespace, gpus: int) -> list[Check | Derived]:
 def resnet50_flops(batch_size: int) -> int | None:
     import torch
 
-    from ddp_recipes.bench.runs.workload import Workload, build_module
+    from ddp_recipes.bench.harness.workload import Workload, build_module
     from ddp_recipes.train.perf import training_flops_per_sample
 
     w = Workload(recipe="resnet", arch="resnet50", image_size=224, channels_last=1)

@@ -66,7 +66,7 @@ def sync_debug(steps: int, warmup: int, batch: int, out: Path, log_every: int = 
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader
 
-    from ddp_recipes.bench.runs.workload import Workload, build_dataset, build_module
+    from ddp_recipes.bench.harness.workload import Workload, build_dataset, build_module
     from ddp_recipes.data.samplers import keep_batch
     from ddp_recipes.train.trainer import build_trainer
 

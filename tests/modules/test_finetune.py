@@ -17,6 +17,7 @@ import random
 import signal
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -28,6 +29,7 @@ from torchvision.transforms import InterpolationMode
 
 from ddp_recipes.ddp.syncbn import CPUSyncBatchNorm, SyncBatchNormPlugin
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.modules.classifier import ImageClassifier
 from ddp_recipes.modules.pretrained import load_pretrained, resolve_weights
 from ddp_recipes.modules.resnet import ResNetClassifier
 from recipes import resnet
@@ -191,6 +193,47 @@ def test_weights_eval_transforms_become_the_defaults(folder):
     size, steps = eval_steps("--image-size", "160")  # another crop keeps the weights' resize ratio
     assert size == 160 and steps["Resize"].size == [round(160 * 232 / 224)]
     assert eval_steps("--image-size", "32")[0] == 32  # given, even at the size used without --weights
+
+
+class _Hooks(L.LightningModule):
+    """A user's mixin after the pack's class in the MRO: the fine-tuning part passes every hook it implements on."""
+
+    def setup(self, stage):
+        self.calls = [*getattr(self, "calls", []), "setup"]
+
+    def on_train_epoch_start(self):
+        self.calls.append("on_train_epoch_start")
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.calls.append("on_train_batch_start")
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["user"] = 1
+
+    def on_load_checkpoint(self, checkpoint):
+        self.calls.append(f"on_load_checkpoint {checkpoint['user']}")
+
+
+class WithUserHooks(ImageClassifier, _Hooks):
+    def __init__(self) -> None:
+        super().__init__()
+        self.save_hyperparameters({"num_classes": 2, "lr": 0.1, "freeze_backbone": True})
+        self.model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        self.init_metrics()
+
+
+def test_a_users_mixin_after_the_pack_class_gets_every_hook_and_the_backbone_still_freezes():
+    model = WithUserHooks()
+    model.setup("fit")
+    model.on_train_epoch_start()
+    checkpoint: dict = {}
+    model.on_save_checkpoint(checkpoint)
+    model.on_load_checkpoint(checkpoint)
+    model.backbone_frozen = False  # (frozen, the batch hook would look for the unfreeze epoch on a trainer)
+    model.on_train_batch_start(None, 0)
+    assert model.calls == ["setup", "on_train_epoch_start", "on_load_checkpoint 1", "on_train_batch_start"]
+    assert checkpoint == {"user": 1, "backbone_frozen": True}
+    assert not any(p.requires_grad for m in model.backbone_modules() for p in m.parameters())
 
 
 class ShallowFreeze(ResNetClassifier):
@@ -388,7 +431,7 @@ def val_acc_by_epoch(out: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def straight(hub, folder, tmp_path_factory) -> tuple[Path, str]:
+def two_phase_straight(hub, folder, tmp_path_factory) -> tuple[Path, str]:
     """The two-phase run never stopped (2 gloo ranks, 2 steps per epoch, the switch before step 5)."""
     out = tmp_path_factory.mktemp("straight")
     done = run(["-m", "recipes.resnet", *args(folder, *TWO_PHASE), "--output-dir", str(out)],
@@ -397,10 +440,10 @@ def straight(hub, folder, tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.mark.slow
-def test_two_ranks_frozen_phase_learns_then_the_backbone_trains(hub, straight):
+def test_two_ranks_frozen_phase_learns_then_the_backbone_trains(hub, two_phase_straight):
     """Epochs 0-1 train the head on the frozen backbone, epoch 2 everything (DDP wrapped again, SyncBN for the
     unfrozen layers); the ranks never drift apart (the pack's param-drift check compares them every epoch)."""
-    out, log = straight
+    out, log = two_phase_straight
     assert "epoch 2: backbone unfrozen" in log and "param-drift" not in log
     assert val_acc_by_epoch(out)[1] >= 0.75, "the head did not learn on the frozen backbone"
     tuning = json.loads((out / "summary.json").read_text())["fine_tuning"]
@@ -414,7 +457,7 @@ def test_two_ranks_frozen_phase_learns_then_the_backbone_trains(hub, straight):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["frozen", "trainable"])
-def test_two_ranks_kill_and_resume_across_the_unfreeze_point_is_exact(phase, hub, folder, straight, tmp_path):
+def test_two_ranks_kill_and_resume_across_the_unfreeze_point_is_exact(phase, hub, folder, two_phase_straight, tmp_path):
     """SIGKILL in the frozen phase (the checkpoint's backbone is the file's, bit for bit, after steps on 2
     ranks; the resumed run crosses the switch) or after the switch (the resumed run wraps DDP once, everything
     trainable): either way --resume auto ends bit for bit with the run never stopped."""
@@ -431,7 +474,7 @@ def test_two_ranks_kill_and_resume_across_the_unfreeze_point_is_exact(phase, hub
     if phase == "frozen":
         assert_backbone_is(last, hub)
     run([*argv, "--resume", "auto"], env=env, timeout=600, check=True)
-    assert_same_weights(straight[0] / "checkpoints" / "last.ckpt", last)
+    assert_same_weights(two_phase_straight[0] / "checkpoints" / "last.ckpt", last)
 
 
 def test_fine_tuning_refuses_what_the_run_around_it_cannot_combine_with():

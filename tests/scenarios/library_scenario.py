@@ -19,13 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 import ddp_recipes  # noqa: E402
-from tests.tiny_modules import TinyNet  # noqa: E402
 
 TRAIN, VAL = 48, 15  # 48 / (batch 4 x 2 ranks) = 6 steps per epoch; 15 = an odd validation set
 
@@ -41,20 +42,31 @@ class Noise(Dataset):
         return len(self.y)
 
     def __getitem__(self, i: int):
-        return self.crop(self.x[i]).flatten(), self.y[i]  # cropped like an image, fed to linear layers
+        return self.crop(self.x[i]), self.y[i]
 
 
-class UserModule(TinyNet):
-    """The suite's tiny net with BatchNorm and dropout; ``SCENARIO_STEP_S`` slows its steps."""
+class UserModule(L.LightningModule):
+    """A user's own module, not the suite's tiny net: a convolution, 2-D BatchNorm and dropout are what the
+    library path must carry exactly (their buffers and random draws)."""
 
     def __init__(self) -> None:
-        super().__init__(3 * 10 * 10, 3, 8, batchnorm=True, activation="relu", dropout=0.3, momentum=0.9)
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3),
+                                 nn.Flatten(), nn.Linear(8 * 8 * 8, 3))
 
     def training_step(self, batch, batch_idx):
         step_s = float(os.environ.get("SCENARIO_STEP_S", "0"))
         if step_s:
             time.sleep(step_s)
-        return super().training_step(batch, batch_idx)
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_seen", float(len(y)), reduce_fx="sum", sync_dist=True, batch_size=len(y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 def main(out: Path, epochs: int, every_n_steps: int) -> None:

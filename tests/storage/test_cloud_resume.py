@@ -54,7 +54,7 @@ def leftovers(work: Path) -> list[Path]:
 
 
 def test_sigterm_mid_epoch_then_resume_auto_from_the_bucket_on_a_new_node_is_exact(
-        s3, images, straight, tmp_path):  # noqa: F811
+        s3, images, straight, tmp_path):
     bucket = "spot"
     out = s3.bucket(bucket) + "/run"
     argv = [*RESNET, *args(images, 2, "--max-epochs", "2", "--checkpoint-every-n-steps", "2"), "--output-dir", out]

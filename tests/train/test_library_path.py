@@ -49,7 +49,7 @@ def last_of(out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
+def library_straight(tmp_path_factory) -> Path:
     """The uninterrupted run's last.ckpt (step 12)."""
     out = tmp_path_factory.mktemp("straight")
     rc, err = finish(scenario(out, every_n_steps=1))
@@ -60,7 +60,7 @@ def straight(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow  # a long multi-process run: make test-slow (keeps make test near 10 min)
-def test_sigterm_to_the_launcher_saves_exits_143_and_ckpt_path_last_is_exact(straight, tmp_path):
+def test_sigterm_to_the_launcher_saves_exits_143_and_ckpt_path_last_is_exact(library_straight, tmp_path):
     proc = scenario(tmp_path, every_n_steps=1, step_s=0.3)
     seen = proc.wait_for_step(last_of(tmp_path), 2, timeout=WAIT_S)
     proc.signal(signal.SIGTERM)  # the process Lightning launched the other rank from, as a job controller does
@@ -73,13 +73,13 @@ def test_sigterm_to_the_launcher_saves_exits_143_and_ckpt_path_last_is_exact(str
     assert seen <= step < STEPS and f"at step {step} " in lines[0]
     rc, err = finish(scenario(tmp_path, every_n_steps=1))  # the same command: fit(ckpt_path="last") continues
     assert rc == 0, err[-3000:]
-    assert_same_weights(last_of(tmp_path), straight)
+    assert_same_weights(last_of(tmp_path), library_straight)
     assert json.loads((tmp_path / "result.json").read_text()) == {"val_seen": 15.0, "global_step": STEPS}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["epoch-end", "mid-epoch"])
-def test_sigkill_then_ckpt_path_last_is_exact(where, straight, tmp_path):
+def test_sigkill_then_ckpt_path_last_is_exact(where, library_straight, tmp_path):
     """Epoch end: only epoch-end checkpoints, killed during epoch 1 (the augmentation-in-workers case);
     mid-epoch: a checkpoint every step, killed in epoch 0."""
     every, at = (0, 6) if where == "epoch-end" else (1, 3)
@@ -89,7 +89,7 @@ def test_sigkill_then_ckpt_path_last_is_exact(where, straight, tmp_path):
     assert seen < STEPS
     rc, err = finish(scenario(tmp_path, every_n_steps=every))
     assert rc == 0, err[-3000:]
-    assert_same_weights(last_of(tmp_path), straight)
+    assert_same_weights(last_of(tmp_path), library_straight)
 
 
 # ---- in-process: arguments ----------------------------------------------------------------------------

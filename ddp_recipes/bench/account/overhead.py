@@ -9,7 +9,7 @@ tensors: a shuffled ``DataLoader``, the same CSV logger, log cadence and progres
 recipe's Trainer, the resumable loader over the recipe's in-memory MNIST split), each in a fresh process,
 the order alternating; both timed alike (every training batch end to the next, the warm-up dropped). After
 its timed steps each run counts ``--count-steps`` more whole loop iterations, untimed
-(:class:`~ddp_recipes.bench.runs.step_counts.StepCounts`): host reads and Python ``torch.distributed`` calls per
+(:class:`~ddp_recipes.bench.harness.step_counts.StepCounts`): host reads and Python ``torch.distributed`` calls per
 step, for steps that do not log and for log steps apart.
 
 Writes ``--out`` (JSON: every run, the per-round pack/plain ratio's median and range, the counts) and prints
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_recipes.bench.account.run import by_round, measure, spread_of, summarize
-from ddp_recipes.bench.runs.components import LOG_EVERY_N_STEPS
+from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS
 from ddp_recipes.bench.speedup.run import BenchConfig
 from ddp_recipes.config.choices import MNIST_ARCHS
 from ddp_recipes.errors import ConfigError
@@ -37,12 +37,17 @@ RUNS = ["plain", "pack"]
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     """The runs' settings, checked as ``make bench``'s (one device, MNIST, full precision as plain's default)."""
-    if args.val_size < 0 or args.count_steps < 0 or args.rounds < 1:
-        raise ConfigError("{val_size} and {count_steps} must be >= 0 and {rounds} >= 1")
+    if args.val_size < 0 or args.count_steps < 0 or args.threads < 0 or args.rounds < 1:
+        raise ConfigError("{val_size}, {count_steps} and {threads} must be >= 0 and {rounds} >= 1")
+    # Checked here, not by the speedup bench's config: there 0 means "fitted to the host", and its flags are
+    # named otherwise (--threads-per-rank).
+    for name in ("batch_size", "steps"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"{{{name}}} must be >= 1 (got {getattr(args, name)})")
     settings = BenchConfig(recipe="mnist", arch=args.arch, devices="1", steps=args.steps,
                            warmup_steps=args.warmup_steps, batch_size=args.batch_size, precision="32-true",
                            accelerator=args.accelerator, threads_per_rank=args.threads, data_dir=args.data_dir,
-                           seed=args.seed).resolve()
+                           seed=args.seed, repeats=args.rounds).resolve()
     if args.val_size and not args.data_dir:
         raise ConfigError("{val_size} holds out real images: it needs {data_dir}")
     return {**settings, "val_size": args.val_size, "count_steps": args.count_steps}
@@ -83,16 +88,17 @@ def _count_text(ranks: list[dict[str, Any]] | None, key: str) -> str:
 def summary_line(result: dict[str, Any]) -> str:
     s = result["summary"]
 
-    def med(stats: dict[str, float] | None, spread: bool = False) -> str:
+    def med(stats: dict[str, float] | None, spread: bool = False, digits: int = 4) -> str:
         if not stats:
             return "-"
-        mid = round(stats["median"], 4)
-        return f"{mid} ({round(stats['min'], 4)}-{round(stats['max'], 4)})" if spread else f"{mid}"
+        mid = round(stats["median"], digits)
+        return f"{mid} ({round(stats['min'], digits)}-{round(stats['max'], digits)})" if spread else f"{mid}"
     counts = s["counts"]
     return (f"overhead pack/plain {med(s['pack_over_plain'], True)} over {result['rounds']} rounds, best of each "
-            f"{s['pack_over_plain_best_of_each']}; samples/s pack {med(s['pack_samples_per_s'])} "
-            f"plain {med(s['plain_samples_per_s'])}; pack input wait {med(s['pack_input_wait'], True)} of step "
-            f"time; host reads per step pack {_count_text(counts['pack'], 'reads')} "
+            f"{s['pack_over_plain_best_of_each']}; samples/s pack {med(s['pack_samples_per_s'], digits=1)} "
+            f"plain {med(s['plain_samples_per_s'], digits=1)}; pack input wait "
+            f"{med(s['pack_input_wait'], True)} of step time; host reads per step pack "
+            f"{_count_text(counts['pack'], 'reads')} "
             f"plain {_count_text(counts['plain'], 'reads')}; Python collectives per step pack "
             f"{_count_text(counts['pack'], 'python')} plain {_count_text(counts['plain'], 'python')}")
 

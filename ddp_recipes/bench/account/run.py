@@ -6,13 +6,13 @@
 
 Every round runs, at each N, the raw DDP loop, plain Lightning (``L.Trainer(strategy="ddp")``), the pack (the
 recipe's Trainer) and the pack with each of its parts switched off alone (``--without``, see
-:data:`~ddp_recipes.bench.runs.components.PACK_COMPONENTS`), each in fresh processes, back to back, the order
+:data:`~ddp_recipes.bench.harness.components.PACK_COMPONENTS`), each in fresh processes, back to back, the order
 reversed every other round. What a part costs is the paired difference pack - pack without it, per round;
 Lightning's own loop is plain - raw; the gap is pack - raw. Beside them: the host time inside each part's
 hooks (exact, from the same runs) and the CPU time of threads other than the training thread. The load
 average before and after every run is recorded: a figure taken on a loaded host says so. After its timed
 steps, each raw, plain and pack run counts ``--count-steps`` more whole loop iterations
-(:mod:`ddp_recipes.bench.runs.step_counts`): host reads and collectives per step, on every rank.
+(:mod:`ddp_recipes.bench.harness.step_counts`): host reads and collectives per step, on every rank.
 
 Writes ``--out``/account.json and account.md; ``--doc FILE`` replaces the block between
 ``<!-- bench-account:begin -->`` and ``<!-- bench-account:end -->`` in FILE with the tables.
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.runs.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
+from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
 from ddp_recipes.bench.speedup import run as speedup
 from ddp_recipes.errors import ConfigError
 
@@ -69,7 +69,8 @@ def measure(settings: dict[str, Any], runs: list[str], rounds: int, out: Path,
             progress(f"[{i}/{len(schedule)}] {label} N={n}: failed: {str(err).splitlines()[0]}")
             rows.append({"round": round_no, "label": label, "devices": n, "error": str(err)[-2000:]})
             continue
-        row = {"round": round_no, "label": label, "devices": n, "step_ms": run["step_ms_median"],
+        row = {"round": round_no, "label": label, "devices": n, "steps": run.get("measured_steps"),
+               "step_ms": run["step_ms_median"],
                "samples_per_s": run["global_samples_per_s"], "input_wait": run.get("input_wait_fraction"),
                "threads": run.get("threads_per_rank"),
                "hooks": run.get("hook_ms_per_step_per_rank"), "counts": run.get("step_counts_per_rank"),
@@ -126,7 +127,7 @@ def _threads(rows: list[dict[str, Any]], label: str, n: int) -> dict[str, Any] |
             "other_cpu_ms": spread_of([max(t["other_threads_cpu_ms_per_step"] for t in run) for run in runs])}
 
 
-COUNTED = ("reads", "python", "issued")  # bench.step_counts.per_step's per-step means
+COUNTED = ("reads", "python", "issued")  # bench.harness.step_counts.per_step's per-step means
 
 
 def _counts(rows: list[dict[str, Any]], label: str, n: int) -> list[dict[str, Any]] | None:

@@ -3,7 +3,7 @@
     python -m ddp_recipes.bench                                   # defaults fitted to the host (see docs/benchmark.md)
     python -m ddp_recipes.bench --devices 1,2,4 --recipe resnet --arch resnet50 --image-size 224
 
-Every measured run is a fresh set of processes (``ddp_recipes.bench.runs.worker``). Output in ``--out``:
+Every measured run is a fresh set of processes (``ddp_recipes.bench.harness.worker``). Output in ``--out``:
 results.json, report.md (also printed), speedup.png (with the ``plot`` extra), and a final one-line summary.
 """
 
@@ -150,7 +150,7 @@ def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path, tag: 
         args["val_size"] = int(settings["val_size"])
     if settings.get("without"):
         args["without"] = settings["without"]
-    cmd = [sys.executable, "-m", "ddp_recipes.bench.runs.worker", impl, "--out", str(out), "--devices", str(n)]
+    cmd = [sys.executable, "-m", "ddp_recipes.bench.harness.worker", impl, "--out", str(out), "--devices", str(n)]
     for key, value in args.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONWARNINGS": "ignore"}
@@ -299,7 +299,7 @@ def _flops(results: dict[str, Any], settings: dict[str, Any]) -> None:
     device's peak is known (never on CPU)."""
     import torch
 
-    from ddp_recipes.bench.runs.workload import Workload, build_module
+    from ddp_recipes.bench.harness.workload import Workload, build_module
     from ddp_recipes.train.perf import peak_flops, training_flops_per_sample
 
     w = Workload(recipe=settings["recipe"], arch=settings["arch"], image_size=settings["image_size"])
@@ -362,7 +362,7 @@ def _prediction(results: dict[str, Any], raw_by_n: dict[int, dict]) -> None:
 
 
 def _count_params(config: dict[str, Any]) -> int:
-    from ddp_recipes.bench.runs.workload import Workload, build_module
+    from ddp_recipes.bench.harness.workload import Workload, build_module
 
     w = Workload(recipe=config["recipe"], arch=config["arch"], image_size=config["image_size"])
     return sum(p.numel() for p in build_module(w).parameters() if p.requires_grad)

@@ -10,14 +10,15 @@ import pytest
 from ddp_recipes.bench import __main__ as bench
 from ddp_recipes.bench.account import run as account
 from ddp_recipes.bench.account.report import BEGIN, END, rewrite_doc
-from ddp_recipes.bench.runs.components import PACK_COMPONENTS, parse_without
+from ddp_recipes.bench.harness.components import PACK_COMPONENTS, parse_without
 from ddp_recipes.bench.speedup import run as speedup
 
 COST = {"vote": 0.0, "diagnostics": 0.2, "bucket-view": -3.0}  # ms a part adds to the pack's step at N=2
 
 
 def _counts(impl: str, round_no: int) -> dict:
-    """One rank's bench.step_counts.per_step: plain Lightning's flag broadcast and read; a read more in round 3."""
+    """One rank's bench.harness.step_counts.per_step: plain Lightning's flag broadcast and read; one read more
+    in round 3."""
     def cell(reads: float, python: int, names: list[str]) -> dict:
         return {"iterations": 9, "reads": reads, "reads_max": reads, "python": python, "python_max": python,
                 "python_names": names, "issued": 4 + python}
@@ -122,7 +123,7 @@ def test_thread_cpu_sees_a_busy_thread_and_hook_clock_times_only_the_window():
     import threading
     import time
 
-    from ddp_recipes.bench.runs.measure import HookClock, thread_cpu, thread_cpu_delta
+    from ddp_recipes.bench.harness.measure import HookClock, thread_cpu, thread_cpu_delta
 
     before = thread_cpu()
     if not before:

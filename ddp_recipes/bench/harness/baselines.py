@@ -1,6 +1,6 @@
 """The loops the pack is measured against, each as the write-up writes it: ``raw`` (plain PyTorch DDP),
 ``writeup`` (its MNIST script as published) and ``dp`` (``torch.nn.DataParallel``); started by
-``python -m ddp_recipes.bench.runs.worker`` (:mod:`ddp_recipes.bench.runs.worker`)."""
+``python -m ddp_recipes.bench.harness.worker`` (:mod:`ddp_recipes.bench.harness.worker`)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_recipes.bench.runs.measure import (
+from ddp_recipes.bench.harness.measure import (
     StepEnds,
     gather,
     measure_allreduce,
     peak_memory_mb,
     step_stats,
 )
-from ddp_recipes.bench.runs.step_counts import PythonCollectives, WholeIterations, per_step
-from ddp_recipes.bench.runs.workload import (
+from ddp_recipes.bench.harness.step_counts import PythonCollectives, WholeIterations, per_step
+from ddp_recipes.bench.harness.workload import (
     Workload,
     build_dataset,
     build_module,
@@ -114,7 +114,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
     timer = StepEnds(device, w.warmup_steps, w.total_steps)
     ends, start = timer.ends, timer.start
     with PythonCollectives() as calls:
-        # Its iterations counted as Lightning's are (bench.step_counts): from the batch on the device to the
+        # Its iterations counted as Lightning's are (bench.harness.step_counts): from the batch on the device to the
         # next one on the device; it logs nothing, so it has no log step.
         counted = WholeIterations(calls, after=w.total_steps, count=w.count_steps)
         for step, (x, y) in enumerate(loader):

@@ -1,5 +1,5 @@
-"""What one measured run trains, the same for every implementation (:mod:`ddp_recipes.bench.runs.worker`,
-:mod:`ddp_recipes.bench.runs.baselines`): the workload, its LightningModule, its data and its optimizer."""
+"""What one measured run trains, the same for every implementation (:mod:`ddp_recipes.bench.harness.worker`,
+:mod:`ddp_recipes.bench.harness.baselines`): the workload, its LightningModule, its data and its optimizer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from ddp_recipes.bench.runs.synthetic import RankShard
+from ddp_recipes.bench.harness.synthetic import RankShard
 from ddp_recipes.data.samplers import TensorBatchDataset
 
 
@@ -33,10 +33,10 @@ class Workload:
     allreduce_iters: int = 5  # raw: timed all-reduces of the gradient's size, after the steps
     data_dir: str = ""  # mnist: real MNIST (torchvision layout) instead of synthetic tensors
     val_size: int = 0  # mnist with data_dir: images held out as the recipe's --val-size (trained on by no run)
-    without: str = ""  # pack: parts switched off, comma list of bench.components.PACK_COMPONENTS
+    without: str = ""  # pack: parts switched off, comma list of bench.harness.components.PACK_COMPONENTS
     compile: int = 0  # torch.compile the model (pack: as --compile does; raw: the DDP-wrapped module)
     channels_last: int = 0  # resnet: NHWC weights and inputs (tensor-core convolutions under AMP)
-    count_steps: int = 0  # whole loop iterations counted after the timed steps (bench.step_counts; 0: none)
+    count_steps: int = 0  # whole loop iterations counted after the timed steps (bench.harness.step_counts; 0: none)
 
     @property
     def total_steps(self) -> int:
@@ -64,7 +64,7 @@ def build_module(w: Workload):
 
 def build_dataset(w: Workload) -> TensorDataset | RankShard:
     """Fixed-seed synthetic samples, enough for every rank to run all steps inside one epoch, of which each
-    rank holds only its own share, on its device (:class:`~ddp_recipes.bench.runs.synthetic.RankShard`); with
+    rank holds only its own share, on its device (:class:`~ddp_recipes.bench.harness.synthetic.RankShard`); with
     ``data_dir`` (mnist) the real images, normalised in memory exactly as the recipe's DataModule does."""
     if w.recipe == "mnist" and w.data_dir:
         from ddp_recipes.data.mnist import load_split

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_recipes.bench.runs.baselines import AutocastForward, autocast_dtype, dp_loop
-from ddp_recipes.bench.runs.synthetic import RankShard, shard_size
-from ddp_recipes.bench.runs.workload import Workload, build_dataset
+from ddp_recipes.bench.harness.baselines import AutocastForward, autocast_dtype, dp_loop
+from ddp_recipes.bench.harness.synthetic import RankShard, shard_size
+from ddp_recipes.bench.harness.workload import Workload, build_dataset
 
 
 class SeesDtype(nn.Module):

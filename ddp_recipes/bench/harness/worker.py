@@ -1,15 +1,15 @@
-"""The measured runs, each in fresh processes: ``python -m ddp_recipes.bench.runs.worker {pack,plain,raw,dp} ...``.
+"""The measured runs, each in fresh processes: ``python -m ddp_recipes.bench.harness.worker {pack,plain,raw,dp} ...``.
 
 * ``pack``: the library's path: the recipe's LightningModule and Trainer (``make_trainer``: TunedDDPStrategy
   at N > 1, every callback a recipe run has), Lightning launching the ranks; ``--without`` switches parts
-  off (:mod:`ddp_recipes.bench.runs.components`).
+  off (:mod:`ddp_recipes.bench.harness.components`).
 * ``plain``: plain Lightning, ``L.Trainer(strategy="ddp")``, on the same LightningModule and data.
 * ``raw``: the write-up's plain PyTorch DDP loop (init_process_group, DDP wrap, DistributedSampler, the
   same loop) on the same network, synthetic data, batch, precision and thread budget.
 * ``dp``: torch.nn.DataParallel over N GPUs in one process (the write-up's DP-vs-DDP comparison).
 * ``writeup``: the write-up's MNIST script as published (per-sample PIL transforms, 4 loader workers).
 
-Every path times a step the same way (``ddp_recipes.bench.runs.measure``: barrier + cuda.synchronize at the end
+Every path times a step the same way (``ddp_recipes.bench.harness.measure``: barrier + cuda.synchronize at the end
 of every step, wall time between consecutive step ends, warm-up steps dropped). Rank 0 writes one JSON
 file (``--out``).
 """
@@ -23,14 +23,14 @@ from dataclasses import asdict
 import torch
 from torch.utils.data import DataLoader
 
-from ddp_recipes.bench.runs.baselines import run_dp, run_raw, run_writeup
-from ddp_recipes.bench.runs.workload import Workload, build_dataset, build_module, data_facts
+from ddp_recipes.bench.harness.baselines import run_dp, run_raw, run_writeup
+from ddp_recipes.bench.harness.workload import Workload, build_dataset, build_module, data_facts
 from ddp_recipes.data.samplers import keep_batch
 
 
 def run_pack(w: Workload, out: str) -> None:
     """The recipe's Trainer (make_trainer) with the parts ``w.without`` names switched off."""
-    from ddp_recipes.bench.runs.components import (
+    from ddp_recipes.bench.harness.components import (
         LOG_EVERY_N_STEPS,
         finish,
         parse_without,
@@ -78,7 +78,7 @@ def run_plain(w: Workload, out: str) -> None:
     from lightning.pytorch.callbacks import TQDMProgressBar
     from lightning.pytorch.loggers import CSVLogger
 
-    from ddp_recipes.bench.runs.components import (
+    from ddp_recipes.bench.harness.components import (
         LOG_EVERY_N_STEPS,
         PROGRESS_REFRESH,
         finish,
@@ -105,7 +105,7 @@ def run_plain(w: Workload, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ddp_recipes.bench.runs.worker")
+    parser = argparse.ArgumentParser(prog="python -m ddp_recipes.bench.harness.worker")
     parser.add_argument("impl", choices=["pack", "plain", "raw", "dp", "writeup", "pack-compiled", "plain-compiled",
                                          "raw-compiled"])
     parser.add_argument("--out", required=True)

@@ -1,4 +1,4 @@
-"""The bench's whole-iteration count (``bench/runs/step_counts.py``) and the fields ``bench overhead`` and the bench
+"""The bench's whole-iteration count (``bench/harness/step_counts.py``) and the fields ``bench overhead`` and the bench
 workers report from it (counts only: nothing here is timed)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_recipes.bench.runs import step_counts
-from ddp_recipes.bench.runs.step_counts import PythonCollectives, WholeIterations, per_step
+from ddp_recipes.bench.harness import step_counts
+from ddp_recipes.bench.harness.step_counts import PythonCollectives, WholeIterations, per_step
 
 
 @pytest.fixture
@@ -79,6 +79,7 @@ def test_bench_overhead_counts_reads_and_collectives_per_step_for_pack_and_plain
         assert counts["quiet"]["python"] == counts["log"]["python"] == 0  # one process: no group
         if row["label"] == "pack":
             assert counts["quiet"]["reads"] == 0  # the contract, seen by the bench
+        assert row["steps"] == 4  # the timed steps are as many as without counting
     summary = result["summary"]
     assert summary["pack_over_plain"]["n"] == 2  # a ratio per round
     (pack,) = summary["counts"]["pack"]
@@ -96,7 +97,7 @@ def test_bench_overhead_without_counting_says_so(tmp_path, capsys):
 
 @pytest.mark.parametrize("impl", ["raw", "pack", "plain"])
 def test_a_bench_worker_counts_after_its_timed_steps_and_times_as_many_as_without(tmp_path, impl):
-    from ddp_recipes.bench.runs.worker import main
+    from ddp_recipes.bench.harness.worker import main
 
     out = tmp_path / f"{impl}.json"
     main([impl, "--out", str(out), "--recipe", "mnist", "--arch", "mlp", "--batch-size", "8", "--steps", "3",

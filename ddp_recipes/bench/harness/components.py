@@ -1,4 +1,4 @@
-"""The bench's Lightning runs (``pack`` and ``plain`` in :mod:`ddp_recipes.bench.runs.worker`): the pack's parts
+"""The bench's Lightning runs (``pack`` and ``plain`` in :mod:`ddp_recipes.bench.harness.worker`): the pack's parts
 that ``--without`` switches off, and what both runs time and write.
 
 * ``pack``: what a recipe run trains with (:func:`~ddp_recipes.train.run.make_trainer`): ``TunedDDPStrategy`` at
@@ -11,9 +11,9 @@ that ``--without`` switches off, and what both runs time and write.
   ``L.Trainer(strategy="ddp")`` (``"auto"`` at one device), a shuffled ``DataLoader`` (Lightning inserts its
   ``DistributedSampler``), the same CSV logger, log cadence and progress bar.
 
-Both are timed by :class:`~ddp_recipes.bench.runs.measure.StepEnds` at every training batch end, as the raw loop
+Both are timed by :class:`~ddp_recipes.bench.harness.measure.StepEnds` at every training batch end, as the raw loop
 is after every step; after the timed steps, ``count_steps`` whole loop iterations are counted
-(:class:`~ddp_recipes.bench.runs.step_counts.StepCounts`: host reads and collectives per step, per rank).
+(:class:`~ddp_recipes.bench.harness.step_counts.StepCounts`: host reads and collectives per step, per rank).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ddp_recipes.bench.runs.measure import HookClock, StepEnds, gather, peak_memory_mb, step_stats, wait_fraction
-from ddp_recipes.bench.runs.step_counts import StepCounts, compact, per_step
+from ddp_recipes.bench.harness.measure import HookClock, StepEnds, gather, peak_memory_mb, step_stats, wait_fraction
+from ddp_recipes.bench.harness.step_counts import StepCounts, compact, per_step
 
 LOG_EVERY_N_STEPS = 10  # the recipes' default (RunConfig.log_every_n_steps)
 PROGRESS_REFRESH = 20  # make_trainer's progress bar
