@@ -126,9 +126,8 @@ def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
                   f"ImageFolder there first: {CONVERT}")
     if isinstance(where, Path) and not where.is_dir():
         raise MissingDataError(f"{{data_dir}} {lit(where)} does not exist; pass the DEST of {CONVERT}", "data_dir")
-    try:
-        text = _read(where / CLASSES_FILE)
-    except FileNotFoundError:
+    text = _read(where / CLASSES_FILE)
+    if text is None:
         raise MissingDataError(no_dataset.replace("{what}", f"no {CLASSES_FILE}"), "data_dir") from None
     try:
         record = json.loads(text)
@@ -143,16 +142,17 @@ def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
-def _read(path: Path | Url) -> bytes:
+def _read(path: Path | Url) -> bytes | None:
+    """The file's bytes, None when there is none; a missing bucket or refused credentials: one line."""
     if isinstance(path, Path):
-        return read_bytes(path)  # FileNotFoundError: no classes.json
+        return read_bytes(path) if path.is_file() else None
     fs, inside = filesystem(path, "data_dir")
     bucket = inside.strip("/").split("/", 1)[0]
     try:
         return retrying(f"read of {path}", lambda: fs.cat_file(inside), param="data_dir")
     except StorageError as err:
         cause = err.__cause__
-        folder = path.parent.parent
+        folder = path.parent
         if isinstance(cause, PermissionError) or "credentials" in str(cause).lower():
             raise MissingDataError(f"{{data_dir}} {lit(folder)}: access denied ({lit(reason(cause))}); check the "
                                    "credentials (AWS_ACCESS_KEY_ID/AWS_PROFILE, the pod's service account) or pass "
@@ -162,7 +162,7 @@ def _read(path: Path | Url) -> bytes:
         if not _bucket_exists(fs, bucket):
             raise MissingDataError(f"{{data_dir}} {lit(folder)}: bucket {lit(bucket)} does not exist; pass the "
                                    f"DEST of {CONVERT}", "data_dir") from None
-        raise FileNotFoundError(path) from None
+        return None
 
 
 def _bucket_exists(fs: Any, bucket: str) -> bool:
