@@ -207,6 +207,7 @@ class StreamImageDataModule(ImageFolderDataModule):
     @override
     def check_layout(self) -> None:
         """A one-line :class:`MissingDataError` naming ``--data-dir`` unless it holds a converted stream."""
+        import_litdata("--data stream")  # the missing extra is one line here too, not one per rank later
         self.record  # noqa: B018 - read and checked
 
     @override

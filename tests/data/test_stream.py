@@ -153,7 +153,8 @@ def test_a_url_or_folder_without_a_dataset_is_one_line_naming_data_dir(s3, tmp_p
     s3.bucket("empty")
     line = refused(stream_argv("s3://empty/nothing", tmp_path / "out"), capsys)
     assert line.startswith("--data-dir s3://empty/nothing holds no dataset written by the converter (no "
-                           "classes.json); convert an ImageFolder there first: python -m ddp_recipes.data.convert"), line
+                           "classes.json); convert an ImageFolder there first: python -m ddp_recipes.data.convert"), \
+        line
     (tmp_path / "folder").mkdir()
     line = refused(stream_argv(str(tmp_path / "folder"), tmp_path / "out"), capsys)
     assert "holds no dataset written by the converter (no classes.json)" in line
