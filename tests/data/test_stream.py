@@ -129,6 +129,17 @@ def test_a_stream_run_ends_with_the_weights_of_the_folder_run(where, request, fo
     assert_same_weights(folder_run, last_ckpt(tmp_path))
 
 
+def test_decode_gpu_on_a_stream_ends_with_the_weights_of_decode_gpu_on_the_folder(local_stream, images, tmp_path):
+    """``--decode gpu``'s path (workers hand over bytes and draws; the decoder runs in the training process), here on
+    the CPU: the stream feeds EncodedImageFolder the same bytes the folder's files hold."""
+    runs = {}
+    for data, data_dir in (("imagefolder", images), ("stream", local_stream)):
+        resnet([*RUN, "--decode", "gpu", "--data", data, "--data-dir", str(data_dir), "--output-dir",
+                str(tmp_path / data)])
+        runs[data] = last_ckpt(tmp_path / data)
+    assert_same_weights(runs["imagefolder"], runs["stream"])
+
+
 def refused(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as stopped:
         resnet(argv)
