@@ -74,9 +74,11 @@ class ResNetConfig(RunConfig):
     arch: str = opt("resnet18", "any torchvision classification model: the ResNet family (resnet18..resnet152, "
                                 "resnext*, wide_resnet*) with every feature; others (efficientnet_b0, vit_b_16, ...) "
                                 "without --cifar-stem and --grad-checkpointing")
-    data: ResNetData = opt("synthetic", "synthetic (offline, fixed seed), cifar10 or imagefolder "
-                                        "(--data-dir/{train,val})")
-    data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it)")
+    data: ResNetData = opt("synthetic", "synthetic (offline, fixed seed), cifar10, imagefolder "
+                                        "(--data-dir/{train,val}) or stream (a folder or bucket URL written by "
+                                        "python -m ddp_recipes.data.convert)")
+    data_dir: str = opt("data", "dataset folder (cifar10 downloads there on rank 0; imagefolder reads it) or, with "
+                                "--data stream, the converted dataset's folder or URL (s3://bucket/prefix)")
     image_size: int | None = opt(None, "input side in pixels (default: 32, or with --weights and --data imagefolder "
                                        "the weights' crop, e.g. 224; cifar10 is always 32)")
     num_classes: int | None = opt(None, "classes (default: from the data; 10 for cifar10 and synthetic)")
@@ -95,10 +97,10 @@ class ResNetConfig(RunConfig):
     channels_last: bool = opt(False, "NHWC memory format (faster convolutions under AMP on tensor cores)")
     grad_checkpointing: bool = opt(False, "recompute the residual stages in backward: less memory, more compute")
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
-    decode: Decode = opt("cpu", "where --data imagefolder's images are decoded and augmented: cpu (PIL in the loader "
-                                "workers) or gpu (workers read the bytes and draw the crops; decode_jpeg decodes on "
-                                "the training device, nvJPEG on CUDA, and the crops, flips and policy are applied "
-                                "there)")
+    decode: Decode = opt("cpu", "where --data imagefolder's (and stream's) images are decoded and augmented: cpu "
+                                "(PIL in the loader workers) or gpu (workers read the bytes and draw the crops; "
+                                "decode_jpeg decodes on the training device, nvJPEG on CUDA, and the crops, flips and "
+                                "policy are applied there)")
     output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), "
                                        "owned by one run (default: runs/resnet/version_N, a new N for each run)")
     # torchvision's classification reference (references/classification/train.py), same flag names.
@@ -202,7 +204,8 @@ class ResNetConfig(RunConfig):
             self.__dict__["_pretrained"] = resolve_weights(self.arch, self.weights)
             preset = self.pretrained.eval_preset()
             if self.image_size is None:
-                self.image_size = preset.crop_size if preset and self.data == "imagefolder" else 32
+                files = self.data in ("imagefolder", "stream")
+                self.image_size = preset.crop_size if preset and files else 32
 
     @property
     def ema(self) -> EMAArgs:

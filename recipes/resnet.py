@@ -1,10 +1,11 @@
-"""ResNet on CIFAR-10, an ImageFolder tree or synthetic data: ``python -m recipes.resnet``.
+"""ResNet on CIFAR-10, an ImageFolder tree (or its converted stream) or synthetic data: ``python -m recipes.resnet``.
 
     python -m recipes.resnet --devices 1 --data synthetic --max-steps 20
     python -m recipes.resnet --devices 4 --data cifar10 --max-epochs 30 --lr-scaling linear --warmup-epochs 2
     python -m recipes.resnet --devices 4 --data imagefolder --data-dir /data/imagenet --arch resnet50 \\
         --image-size 224 --precision bf16-mixed --channels-last --sync-batchnorm --resume auto
     torchrun --nproc-per-node 4 -m recipes.resnet --data cifar10
+    python -m recipes.resnet --devices 4 --data stream --data-dir s3://bucket/imagenet --arch resnet50 --resume auto
     python -m recipes.resnet --devices 4 --data imagefolder --data-dir /data/pets --weights IMAGENET1K_V1 \
         --freeze-backbone --unfreeze-at-epoch 2 --backbone-lr-mult 0.1 --lr 0.01 --max-epochs 10
 
@@ -76,9 +77,12 @@ def build_datamodule(cfg: ResNetConfig, cls: type[L.LightningDataModule] | None 
                                         num_workers=workers, val_samples=cfg.synthetic_val_samples)
     if cfg.data == "cifar10":
         return CIFAR10DataModule(data_dir=cfg.data_dir, batch_size=batch, num_workers=workers, seed=cfg.seed, **augment)
-    dm = ImageFolderDataModule(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size,
-                               num_workers=workers, min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment,
-                               **crops, **weights_eval, decode=cfg.decode, channels_last=cfg.channels_last)
+    files = ImageFolderDataModule
+    if cfg.data == "stream":  # the converter's ImageFolder in a folder or bucket: same pipelines, same order
+        from ddp_recipes.data.stream import StreamImageDataModule as files
+    dm = files(data_dir=cfg.data_dir, batch_size=batch, image_size=cfg.image_size, num_workers=workers,
+               min_crop_scale=cfg.min_crop_scale, seed=cfg.seed, **augment, **crops, **weights_eval,
+               decode=cfg.decode, channels_last=cfg.channels_last)
     dm.check_layout()  # before any process starts: a wrong --data-dir fails here, in one line
     return dm
 
@@ -132,6 +136,8 @@ def eval_sets(cfg: ResNetConfig, run: RunStart, datamodule: L.LightningDataModul
 
     if run.classes.datamodule is None:
         has_val = cfg.data != "synthetic" or cfg.synthetic_val_samples > 0
+        if cfg.data == "stream":
+            has_val = datamodule.has_split("val")  # the converter writes val/ when the folder had one
         return has_val, has_val
     return has_loader(datamodule, "val"), has_loader(datamodule, "test")
 

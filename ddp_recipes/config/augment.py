@@ -55,16 +55,17 @@ class AugmentArgs:
                 raise ConfigError(f"{{{name}}} must be >= 1 (got {value})", name)
 
     def check_data(self, data: str) -> None:
-        """Refuse what the pack's own ``data`` (synthetic, cifar10 or imagefolder) would not read."""
+        """Refuse what the pack's own ``data`` (synthetic, cifar10, imagefolder or stream) would not read."""
+        files = data in ("imagefolder", "stream")  # image files: a converted stream holds the folder's files
         refuse_unused(self, [(data == "synthetic", ("auto_augment", "random_erase", "interpolation"),
                               "image data ({data} cifar10 or imagefolder, or {datamodule_class})"),
                              (data == "cifar10" and self.auto_augment is None, ("interpolation",),
                               "{auto_augment} on CIFAR-10 (its crops do not resample)"),
                              (data == "cifar10", ("train_crop_size", "val_resize_size", "val_crop_size"),
                               "{data} imagefolder (CIFAR-10 is 32 px)"),
-                             (data != "imagefolder", ("min_crop_scale",),
+                             (not files, ("min_crop_scale",),
                               "{data} imagefolder (the other data take no RandomResizedCrop)"),
-                             (data != "imagefolder", ("decode",),
+                             (not files, ("decode",),
                               "{data} imagefolder (CIFAR-10 and synthetic data are in memory, not image files)")])
 
     def policy(self) -> dict:

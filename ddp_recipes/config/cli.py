@@ -71,7 +71,8 @@ class _FlagParser(argparse.ArgumentParser):
 def build_parser(cls: type, prog: str | None = None, description: str | None = None,
                  config_flags: bool = False) -> argparse.ArgumentParser:
     """An argparse parser with one flat kebab-case flag per field of the config dataclass (plus the field's
-    ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``); ``config_flags`` adds ``--config`` and
+    ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``; a field with ``positional=True`` is an
+    operand instead, such as ``SRC``); ``config_flags`` adds ``--config`` and
     ``--print-config`` (what :func:`parse_config` reads)."""
     parser = _FlagParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.names = _key_names(cls)
@@ -81,6 +82,9 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         names = [flag(f.name), *f.metadata.get("aliases", ())]
         help_text = f.metadata.get("help", "")
+        if f.metadata.get("positional"):  # a required operand (a converter's SRC DEST), not a --flag
+            parser.add_argument(f.name, type=kind, help=help_text, metavar=f.metadata.get("metavar", f.name.upper()))
+            continue
         if kind in (dict, list):
             # Repeatable; parse_config puts the values on top of the config file's (a dict by key, a list after it).
             parser.add_argument(*names, dest=f.name, action="append", default=None, help=help_text,

@@ -265,9 +265,14 @@ class EncodedImageFolder(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[bytes, int, Draws | None, str]:
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        """Sample ``index``'s encoded bytes, label and path (what errors name): a file of the folder here; a
+        subclass reads them elsewhere (:class:`~ddp_recipes.data.stream.EncodedStream`: a converted stream)."""
         path, label = self.samples[index]
-        data = Path(path).read_bytes()
+        return Path(path).read_bytes(), label, path
+
+    def __getitem__(self, index: int) -> tuple[bytes, int, Draws | None, str]:
+        data, label, path = self.read(index)
         draws = None
         name = relative_name(path, self.root)
         if isinstance(self.pipeline, TrainPipeline):

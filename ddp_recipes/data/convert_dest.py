@@ -1,0 +1,152 @@
+"""The converter's destination side: what DEST already holds, publishing a staged split, and ``classes.json``.
+
+DEST (a local folder or a bucket prefix, through :mod:`ddp_recipes.storage.store`) holds only what the
+converter writes: ``<split>/`` (litdata's ``chunk-*.bin`` files and ``index.json``), ``classes.json``, and
+for a local DEST the ``.staging`` folder of a conversion under way. Anything else means DEST is someone
+else's folder, and it is refused, never overwritten.
+
+Publishing order is what makes a stop anywhere safe: a split's chunks, then its ``index.json`` (a reader
+finds no dataset until the index names only chunks that are there), then ``classes.json`` last; a split
+counts as converted only when ``classes.json`` lists it and its index is there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+from ddp_recipes.data.convert_source import SPLITS, Source
+from ddp_recipes.errors import DataError, lit
+from ddp_recipes.storage import Url, absolute, is_url
+from ddp_recipes.storage.store import check_store, listing, put_file, read_bytes, remove, size, write_json_atomic
+
+CLASSES_FILE = "classes.json"
+FORMAT = "ddp-recipes imagefolder stream"  # classes.json's mark: this converter wrote the folder
+STAGING = ".staging"  # a local DEST's default staging folder
+SPLIT_FILES = ("chunk-*.bin", "index.json")
+
+
+@dataclass
+class Dest:
+    """DEST as found: where it is, its ``classes.json`` (None before the first split is published) and the
+    splits already converted there."""
+
+    where: Path | Url
+    record: dict[str, Any] | None
+    done: set[str] = field(default_factory=set)
+
+    def samples(self, split: str) -> int:
+        return int(self.record["splits"][split]["samples"]) if self.record else 0
+
+
+def inspect_dest(dest: str, source: Source) -> Dest:
+    """DEST checked before anything is written: its store reachable (a bucket exists and takes a write), and
+    nothing in it this converter did not write; a :class:`DataError` naming ``{dest}`` otherwise."""
+    where = absolute(dest)
+    if isinstance(where, Path):
+        if where.exists() and not where.is_dir():
+            raise DataError(f"{{dest}} {lit(where)} is a file; pass a folder (new or empty) or a bucket URL", "dest")
+        if where == source.root or source.root in where.parents or where in source.root.parents:
+            raise DataError(f"{{dest}} {lit(where)} overlaps SRC {lit(source.root)}; pass a folder outside SRC",
+                            "dest")
+    check_store(where, "dest")
+    names = listing(where)
+    foreign = [n for n in names if n not in (*SPLITS, CLASSES_FILE, STAGING)]
+    for split in set(SPLITS) & set(names):
+        foreign += [f"{split}/{n}" for n in listing(where / split) if not any(fnmatch(n, p) for p in SPLIT_FILES)]
+    record = _read_record(where) if CLASSES_FILE in names else None
+    if record is None and CLASSES_FILE in names:
+        foreign.append(CLASSES_FILE)
+    if foreign:
+        shown = ", ".join(sorted(foreign)[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise DataError(f"{{dest}} {lit(where)} holds files this converter did not write ({lit(shown)}); pass a "
+                        "new or empty DEST (nothing was changed there)", "dest")
+    if record is not None and record["classes"] != source.classes:
+        raise DataError(f"{{dest}} {lit(where)} holds a conversion of other classes ({len(record['classes'])}: "
+                        f"{lit(', '.join(record['classes'][:4]))}...) than SRC's {len(source.classes)}; pass "
+                        "another DEST", "dest")
+    done = {s for s in (record or {}).get("splits", {}) if size(where / s / "index.json") is not None}
+    return Dest(where, record, done)
+
+
+def _read_record(where: Path | Url) -> dict[str, Any] | None:
+    try:
+        record = json.loads(read_bytes(where / CLASSES_FILE))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    ours = isinstance(record, dict) and record.get("format") == FORMAT and isinstance(record.get("classes"), list)
+    return record if ours else None
+
+
+def publish(staged: Path, target: Path | Url) -> int:
+    """Put the staged split ``staged`` (litdata's output) at ``target``: chunks, then ``index.json``; returns
+    its sample count. On the same local file system a chunk is renamed into place (no second copy of the
+    dataset); anywhere else it is uploaded through the store. Rerun after a stop, it finishes the job: the
+    index names every chunk, and each is either still staged or already at ``target``."""
+    index = json.loads((staged / "index.json").read_text("utf-8"))
+    chunks = [c["filename"] for c in index["chunks"]]
+    wanted = {*chunks, "index.json"}
+    for name in listing(target):  # an earlier attempt's chunks (other workers, other sizes): nothing names them
+        if name not in wanted:
+            remove(target / name)
+    rename = isinstance(target, Path) and _same_device(staged, target)
+    if rename:
+        target.mkdir(parents=True, exist_ok=True)
+    for name in chunks:
+        source = staged / name
+        if not source.exists():
+            if size(target / name) is None:
+                raise DataError(f"{{staging}} {lit(staged)} lost {lit(name)} before it reached DEST; delete "
+                                f"{lit(staged)} and rerun", "staging")
+            continue  # moved there by the stopped attempt
+        if rename:
+            os.replace(source, target / name)
+        else:
+            put_file(source, target / name)
+    put_file(staged / "index.json", target / "index.json")  # a copy: the staged index still says "staged"
+    return sum(int(c["chunk_size"]) for c in index["chunks"])
+
+
+def _same_device(a: Path, b: Path) -> bool:
+    b_existing = next(p for p in (b, *b.parents) if p.exists())
+    return os.stat(a).st_dev == os.stat(b_existing).st_dev
+
+
+def write_record(dest: Dest, source: Source, splits: dict[str, dict[str, Any]], litdata_version: str) -> None:
+    """``classes.json``, last: the class list once, and per split its sample count and the corrupt files left
+    out; splits converted by an earlier run keep their entries."""
+    record = {
+        "format": FORMAT,
+        "classes": source.classes,
+        "splits": {**(dest.record or {}).get("splits", {}), **splits},
+        "sample": {"image": "the source file's bytes, as encoded on disk", "label": "class index into classes",
+                   "path": "the file's path relative to SRC"},
+        "litdata": litdata_version,
+    }
+    write_json_atomic(dest.where / CLASSES_FILE, record)
+
+
+def default_staging(where: Path | Url) -> Path:
+    """A local DEST stages inside itself (renames, no copy); a bucket DEST in the system temp folder, under a
+    name made from its URL, so that a rerun finds what a stopped run staged."""
+    if not is_url(where):
+        return Path(where) / STAGING
+    import hashlib
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "ddp-recipes-convert" / hashlib.sha256(str(where).encode()).hexdigest()[:16]
+
+
+def clear_staged(staging: Path, split: str) -> None:
+    """Remove one split's staged files once ``classes.json`` lists it, and the staging folder once empty."""
+    for path in (staging / split, staging / f"{split}.corrupt"):
+        shutil.rmtree(path, ignore_errors=True)
+    (staging / f"{split}.fingerprint").unlink(missing_ok=True)
+    left = [p for p in staging.iterdir() if p.name != ".cache"] if staging.is_dir() else []
+    if not left:
+        shutil.rmtree(staging, ignore_errors=True)

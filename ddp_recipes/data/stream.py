@@ -1,0 +1,242 @@
+"""``--data stream``: train from a dataset written by ``python -m ddp_recipes.data.convert``, local or in a bucket.
+
+litdata is used as storage only: a map from a sample's index to its ``{image, label, path}``
+(``StreamingDataset(shuffle=False)[i]``), never for its iteration order. litdata's own shuffle and resume
+state are exact at the same world size only (resumed at another one it repeats up to world x batch - 1
+samples); the pack's order is the one ``--data imagefolder`` trains in: the converter keeps ImageFolder's
+sample order, so index ``i`` is the same file in both, and the resumable sampler, the per-sample augmentation
+seeds and the exact evaluation sampler (:mod:`ddp_recipes.data.resumable`, :mod:`ddp_recipes.data.samplers`)
+apply unchanged. Same seed and flags, same images: the same batches and crops as the folder gives.
+
+Each process (a rank, each of its loader workers) opens the stream itself on first use: litdata reads the
+world size and worker at construction and holds threads and file handles, so an opened dataset never crosses
+a process boundary (pickling drops it). A bucket's chunks are downloaded into a folder of the rank's own
+cache (:func:`ddp_recipes.storage.store.cache_dir`: ``DDP_RECIPES_CACHE_DIR`` or a temp folder), shared by its
+loader workers through litdata's file locks and removed when the rank exits; a local stream is read in place.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+from torch.utils.data import Dataset
+from typing_extensions import override
+
+from ddp_recipes.data.convert_dest import CLASSES_FILE, FORMAT
+from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
+from ddp_recipes.data.images import ImageFolderDataModule
+from ddp_recipes.data.litdata_lib import import_litdata
+from ddp_recipes.data.unreadable import unreadable
+from ddp_recipes.errors import MissingDataError, lit
+from ddp_recipes.storage import Url, absolute
+from ddp_recipes.storage.retry import StorageError, filesystem, reason, retrying
+from ddp_recipes.storage.store import cache_dir, read_bytes, size
+
+CONVERT = "python -m ddp_recipes.data.convert SRC DIR"
+# litdata's boto3 client retries 1000 times by default (a store that is down hangs the run); these bound it.
+S3_RETRIES = {"max_attempts": 3, "mode": "standard"}
+
+
+class StreamSplit:
+    """One split of a converted stream (``<data_dir>/<split>``) by index; opened in the process that reads it."""
+
+    def __init__(self, url: str, length: int, cache: str | None) -> None:
+        self.url, self.length, self.cache = url, length, cache
+        self._dataset: Any = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_dataset": None}  # an opened dataset stays in its process
+
+    def open(self) -> Any:
+        if self._dataset is None:
+            litdata = import_litdata("--data stream")  # also in a spawned worker: the http switch is per process
+            options: dict[str, Any] = {}
+            if isinstance(absolute(self.url), Url):
+                from botocore.config import Config
+
+                options["storage_options"] = {"config": Config(retries=S3_RETRIES, connect_timeout=10,
+                                                               read_timeout=60)}
+            dataset = litdata.StreamingDataset(self.url, shuffle=False, drop_last=False, cache_dir=self.cache,
+                                               **options)
+            # The converter's samples carry bytes: read by litdata's item-range path (its default for a remote
+            # split) they come back empty in 0.2.76 ("unpack_from requires a buffer"); whole chunks it reads.
+            dataset._on_demand_bytes = False
+            self._dataset = dataset
+        return self._dataset
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.open()[int(index)]
+
+
+class StreamImages(Dataset):
+    """A split's samples decoded by PIL as ``(transform(image), label)``: ImageFolder's ``__getitem__`` on the
+    stream's bytes (``pil_loader``'s ``convert("RGB")``), so the same file gives the same tensor."""
+
+    def __init__(self, split: StreamSplit, transform: Any) -> None:
+        self.split, self.transform = split, transform
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        sample = self.split[index]
+        try:
+            with Image.open(io.BytesIO(sample["image"])) as opened:
+                image = opened.convert("RGB")
+        except (OSError, SyntaxError, ValueError) as err:
+            raise unreadable(sample["path"], None, err) from None
+        return self.transform(image), int(sample["label"])
+
+
+class EncodedStream(EncodedImageFolder):
+    """``--decode gpu`` on a stream: :class:`EncodedImageFolder` fed the stream's bytes instead of files."""
+
+    def __init__(self, split: StreamSplit, pipeline: TrainPipeline | EvalPipeline) -> None:
+        super().__init__([], pipeline)
+        self.split = split
+
+    @override
+    def __len__(self) -> int:
+        return len(self.split)
+
+    @override
+    def read(self, index: int) -> tuple[bytes, int, str]:
+        sample = self.split[index]
+        return bytes(sample["image"]), int(sample["label"]), sample["path"]
+
+    @override
+    def not_jpeg(self) -> int:
+        return 0  # the names are in the chunks: a PNG is found (and decoded on the CPU) as it comes
+
+
+def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """The stream's ``classes.json``, after proving that ``train/index.json`` is there; one line naming
+    ``{data_dir}`` (a :class:`MissingDataError`) for a missing folder or bucket, refused credentials, or a
+    folder or URL that holds no converted dataset."""
+    where = absolute(data_dir)
+    no_dataset = (f"{{data_dir}} {lit(where)} holds no dataset written by the converter ({{what}}); convert an "
+                  f"ImageFolder there first: {CONVERT}")
+    if isinstance(where, Path) and not where.is_dir():
+        raise MissingDataError(f"{{data_dir}} {lit(where)} does not exist; pass the DEST of {CONVERT}", "data_dir")
+    text = _read(where / CLASSES_FILE)
+    if text is None:
+        raise MissingDataError(no_dataset.replace("{what}", f"no {CLASSES_FILE}"), "data_dir") from None
+    try:
+        record = json.loads(text)
+        assert isinstance(record, dict) and record.get("format") == FORMAT and record["classes"]
+        assert int(record["splits"]["train"]["samples"]) >= 1
+    except (ValueError, UnicodeDecodeError, AssertionError, KeyError, TypeError):
+        raise MissingDataError(no_dataset.replace("{what}", f"{CLASSES_FILE} is not the converter's, or lists no "
+                                                              "train split"), "data_dir") from None
+    for split in record["splits"]:
+        if _size(where / split / "index.json") is None:
+            raise MissingDataError(no_dataset.replace("{what}", f"{split}/index.json is missing"), "data_dir")
+    return record
+
+
+def _read(path: Path | Url) -> bytes | None:
+    """The file's bytes, None when there is none; a missing bucket or refused credentials: one line."""
+    if isinstance(path, Path):
+        return read_bytes(path) if path.is_file() else None
+    fs, inside = filesystem(path, "data_dir")
+    bucket = inside.strip("/").split("/", 1)[0]
+    try:
+        return retrying(f"read of {path}", lambda: fs.cat_file(inside), param="data_dir")
+    except StorageError as err:
+        cause = err.__cause__
+        folder = path.parent
+        if isinstance(cause, PermissionError) or "credentials" in str(cause).lower():
+            raise MissingDataError(f"{{data_dir}} {lit(folder)}: access denied ({lit(reason(cause))}); check the "
+                                   "credentials (AWS_ACCESS_KEY_ID/AWS_PROFILE, the pod's service account) or pass "
+                                   "another {data_dir}", "data_dir") from None
+        if not isinstance(cause, FileNotFoundError):
+            raise
+        if not _bucket_exists(fs, bucket):
+            raise MissingDataError(f"{{data_dir}} {lit(folder)}: bucket {lit(bucket)} does not exist; pass the "
+                                   f"DEST of {CONVERT}", "data_dir") from None
+        return None
+
+
+def _bucket_exists(fs: Any, bucket: str) -> bool:
+    try:
+        fs.ls(bucket, refresh=True)
+    except FileNotFoundError:
+        return False
+    except Exception:  # noqa: BLE001 - anything else (a listing refused): the bucket is there
+        return True
+    return True
+
+
+def _size(path: Path | Url) -> int | None:
+    try:
+        return size(path)
+    except StorageError as err:
+        raise MissingDataError(f"{{data_dir}}: {lit(reason(err))}", "data_dir") from None
+
+
+class StreamImageDataModule(ImageFolderDataModule):
+    """:class:`ImageFolderDataModule` (its pipelines, ``--decode gpu``, its loaders) over a converted stream.
+
+    ``data_dir``: the converter's DEST, a local folder or a bucket URL holding ``classes.json`` and
+    ``train/`` (``val/`` when converted; without it there is no validation). Class names and sample counts
+    come from ``classes.json``, read (with ``train/index.json`` checked) by :meth:`check_layout` before any
+    rank starts.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        super().__init__(data_dir, *args, **kwargs)
+        self.data_dir = absolute(data_dir)  # type: ignore[assignment] - a Url too, not only a Path
+        self._record: dict[str, Any] | None = None
+        self.cache: Path | None = None
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The stream's ``classes.json`` (read on first use)."""
+        if self._record is None:
+            self._record = read_record(self.data_dir)
+        return self._record
+
+    @override
+    def check_layout(self) -> None:
+        """A one-line :class:`MissingDataError` naming ``--data-dir`` unless it holds a converted stream."""
+        import_litdata("--data stream")  # the missing extra is one line here too, not one per rank later
+        self.record  # noqa: B018 - read and checked
+
+    @override
+    def _train_classes(self) -> list[str]:
+        return list(self.record["classes"])
+
+    @property
+    @override
+    def train_size(self) -> int:
+        return int(self.record["splits"]["train"]["samples"])
+
+    def has_split(self, split: str) -> bool:
+        return split in self.record["splits"]
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        url = str(self.data_dir)
+        self.cache = cache_dir() / "stream" if isinstance(self.data_dir, Url) else None
+        splits = {name: StreamSplit(f"{url.rstrip('/')}/{name}", int(entry["samples"]),
+                                    None if self.cache is None else str(self.cache / name))
+                  for name, entry in self.record["splits"].items() if name in ("train", "val")}
+        empty = StreamSplit(f"{url}/val", 0, None)
+        if self.decode == "gpu":
+            train = EncodedStream(splits["train"], self.train_pipeline())
+            val = EncodedStream(splits.get("val", empty), self.eval_pipeline())
+        else:
+            train = StreamImages(splits["train"], self.train_transform())
+            val = StreamImages(splits.get("val", empty), self.val_transform())
+        self.train_set, self.val_set = train, val
+        self.test_set = self.val_set

@@ -1,0 +1,223 @@
+"""``--data stream``: the ResNet recipe trains from a dataset ``python -m ddp_recipes.data.convert`` wrote, in a local
+folder or on a real S3 API (moto's server through tests/s3server.py; litdata, s3fs and boto3 unmocked).
+
+The order is the pack's own (ResumableSampler, exact evaluation), over litdata's samples by index: the shards are
+pure functions of (rank, world size), so several ranks are checked in one process; the same images and seed give
+the very weights ``--data imagefolder`` gives; the 2-rank SIGTERM + ``--resume auto`` scenario (slow) ends equal to
+the uninterrupted streaming run with the downloaded chunks deleted in between.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_recipes.data.convert import main as convert
+from ddp_recipes.data.litdata_lib import STREAM_EXTRA
+from ddp_recipes.data.resumable import ResumableSampler
+from ddp_recipes.data.samplers import ExactDistributedSampler
+from recipes.resnet import main as resnet
+from tests.helpers import assert_same_weights, last_ckpt
+from tests.launch import launch_env, run, saved_step, start
+from tests.resume_scenario import CAPTURED_STEP_LIMIT_S, RESNET, args
+
+needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None,
+                                   reason=f"litdata is the stream extra: {STREAM_EXTRA}")
+pytestmark = needs_litdata
+PROG = "python -m recipes.resnet: error: "
+# 48 training images in 4 KB chunks: about a dozen chunks, so a rank's shard spans many of them.
+CONVERT = ["--chunk-bytes", "4KB", "--workers", "1"]
+
+
+@pytest.fixture(scope="module")
+def local_stream(images, tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("stream") / "dest"
+    assert convert([str(images), str(dest), *CONVERT]) == 0
+    return dest
+
+
+@pytest.fixture(scope="module")
+def s3_stream(images, s3, tmp_path_factory) -> str:
+    url = f"{s3.bucket('streams')}/tiny"
+    assert convert([str(images), url, *CONVERT, "--staging", str(tmp_path_factory.mktemp("staging"))]) == 0
+    return url
+
+
+def datamodule(data_dir: str | Path, **kwargs):
+    from ddp_recipes.data.stream import StreamImageDataModule
+
+    dm = StreamImageDataModule(data_dir, batch_size=4, image_size=16, num_workers=0, **kwargs)
+    dm.check_layout()
+    dm.setup("fit")
+    return dm
+
+
+def paths(split, indices) -> list[str]:
+    return [split[i]["path"] for i in indices]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_every_rank_shard_is_the_epoch_once_and_evaluation_is_exact(where, request):
+    dm = datamodule(request.getfixturevalue(f"{where}_stream"))
+    train, val = dm.train_set.split, dm.val_set.split
+    assert (len(train), len(val), dm.num_classes, dm.train_size) == (48, 12, 2, 48)
+    for epoch in (0, 1):
+        shards = []
+        for rank in range(2):
+            sampler = ResumableSampler(dm.train_set, num_replicas=2, rank=rank, seed=0)
+            sampler.set_epoch(epoch)
+            shards.append(paths(train, list(sampler)))
+        assert sorted(shards[0] + shards[1]) == sorted(paths(train, range(48))) and len(set(shards[0])) == 24
+    val_shards = [paths(val, ExactDistributedSampler(dm.val_set, num_replicas=3, rank=r)) for r in range(3)]
+    assert sorted(sum(val_shards, [])) == sorted(paths(val, range(12)))  # each once, no padding
+    # Resumed at another world size after 20 samples of epoch 1: the epoch's other 28, each once.
+    order = ResumableSampler(dm.train_set, num_replicas=2, rank=0, seed=0)
+    order.set_epoch(1)
+    consumed = paths(train, order.epoch_order()[:20])
+    rest = []
+    for rank in range(3):
+        sampler = ResumableSampler(dm.train_set, num_replicas=3, rank=rank, seed=0)
+        sampler.resume_at(1, 20)
+        sampler.set_epoch(1)
+        rest += paths(train, list(sampler))
+    remaining = set(paths(train, range(48))) - set(consumed)
+    assert sorted(p for p in rest if p in remaining) == sorted(remaining)  # each remaining sample once
+    padding = [p for p in rest if p not in remaining]
+    assert padding == consumed[:len(padding)] and len(padding) < 3  # equal shards: the epoch's head, as for a folder
+
+
+def test_loader_workers_open_the_bucket_themselves(s3_stream):
+    dm = datamodule(s3_stream, decode="cpu")
+    sampler = ResumableSampler(dm.train_set, num_replicas=1, rank=0, seed=0)
+    loader = torch.utils.data.DataLoader(dm.train_set.split, sampler=sampler, batch_size=8, num_workers=2,
+                                         collate_fn=lambda batch: [s["path"] for s in batch])
+    seen = [p for batch in loader for p in batch]
+    assert dm.train_set.split._dataset is None  # opened in the workers only (never pickled open)
+    assert sorted(seen) == sorted(paths(dm.train_set.split, range(48))) and len(set(seen)) == 48
+    assert dm.cache is not None and dm.cache.is_dir()
+
+
+def test_the_gpu_decode_path_reads_the_streams_bytes(local_stream, images):
+    dm = datamodule(local_stream, decode="gpu")
+    data, label, draws, name = dm.train_set[0]
+    assert data == (images / name).read_bytes() and label == 0 and draws is not None
+    assert dm.val_set[0][2] is None
+
+
+RUN = ["--accelerator", "cpu", "--image-size", "16", "--min-crop-scale", "0.3", "--batch-size", "4",
+       "--num-workers", "1", "--dropout", "0.3", "--lr", "0.05", "--warmup-epochs", "0.5", "--max-epochs", "1"]
+
+
+@pytest.fixture(scope="module")
+def folder_run(images, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("folder_run")
+    resnet([*RUN, "--data", "imagefolder", "--data-dir", str(images), "--output-dir", str(out)])
+    return last_ckpt(out)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_stream_run_ends_with_the_weights_of_the_folder_run(where, request, folder_run, tmp_path):
+    """Same files, same order (the converter keeps ImageFolder's), same per-sample seeds: bit for bit."""
+    data_dir = str(request.getfixturevalue(f"{where}_stream"))
+    summary = resnet([*RUN, "--data", "stream", "--data-dir", data_dir, "--output-dir", str(tmp_path)])
+    assert summary["steps"] == 12 and "test_acc" in summary
+    assert_same_weights(folder_run, last_ckpt(tmp_path))
+
+
+def test_decode_gpu_on_a_stream_ends_with_the_weights_of_decode_gpu_on_the_folder(local_stream, images, tmp_path):
+    """``--decode gpu``'s path (workers hand over bytes and draws; the decoder runs in the training process), here on
+    the CPU: the stream feeds EncodedImageFolder the same bytes the folder's files hold."""
+    runs = {}
+    for data, data_dir in (("imagefolder", images), ("stream", local_stream)):
+        resnet([*RUN, "--decode", "gpu", "--data", data, "--data-dir", str(data_dir), "--output-dir",
+                str(tmp_path / data)])
+        runs[data] = last_ckpt(tmp_path / data)
+    assert_same_weights(runs["imagefolder"], runs["stream"])
+
+
+def refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as stopped:
+        resnet(argv)
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith(PROG), lines
+    return lines[-1].removeprefix(PROG)
+
+
+def stream_argv(data_dir: str, out: Path) -> list[str]:
+    return ["--accelerator", "cpu", "--devices", "2", "--data", "stream", "--data-dir", data_dir, "--output-dir",
+            str(out)]
+
+
+def test_a_missing_bucket_is_one_line_naming_data_dir(s3, tmp_path, capsys):
+    line = refused(stream_argv("s3://no-such-bucket/x", tmp_path / "out"), capsys)
+    assert line.startswith("--data-dir s3://no-such-bucket/x: bucket no-such-bucket does not exist"), line
+    assert not (tmp_path / "out").exists()  # before anything, any rank
+
+
+def test_a_url_or_folder_without_a_dataset_is_one_line_naming_data_dir(s3, tmp_path, capsys):
+    s3.bucket("empty")
+    line = refused(stream_argv("s3://empty/nothing", tmp_path / "out"), capsys)
+    assert line.startswith("--data-dir s3://empty/nothing holds no dataset written by the converter (no "
+                           "classes.json); convert an ImageFolder there first: python -m ddp_recipes.data.convert"), \
+        line
+    (tmp_path / "folder").mkdir()
+    line = refused(stream_argv(str(tmp_path / "folder"), tmp_path / "out"), capsys)
+    assert "holds no dataset written by the converter (no classes.json)" in line
+    line = refused(stream_argv(str(tmp_path / "nowhere"), tmp_path / "out"), capsys)
+    assert line.startswith(f"--data-dir {tmp_path / 'nowhere'} does not exist"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_refused_credentials_are_one_line_naming_data_dir(s3_stream, s3, tmp_path, capsys):
+    with s3.checking_credentials():
+        line = refused(stream_argv(s3_stream, tmp_path / "out"), capsys)
+    assert line.startswith(f"--data-dir {s3_stream}: access denied"), line
+    assert "credentials" in line and not (tmp_path / "out").exists()
+
+
+def test_no_credentials_at_all_is_one_line_naming_data_dir(s3_stream, s3, tmp_path, capsys, monkeypatch):
+    import s3fs
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps the filesystem it made with the keys
+    try:
+        with s3.checking_credentials():
+            line = refused(stream_argv(s3_stream, tmp_path / "out"), capsys)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert line.startswith(f"--data-dir {s3_stream}: "), line
+    assert "credentials" in line and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # three 2-rank runs
+def test_sigterm_mid_epoch_then_resume_auto_with_an_empty_cache_is_exact(s3_stream, tmp_path):
+    """2 ranks, 2 loader workers each, random crops, dropout: the chunks a rank downloaded are its own and gone
+    when it exits; the resumed run downloads again and ends equal to the run that was never stopped."""
+    cache = tmp_path / "cache"
+    env = launch_env(extra={"DDP_RECIPES_CACHE_DIR": str(cache)})
+    flags = [*args(Path("unused"), 2, "--max-epochs", "2", "--num-workers", "2", "--checkpoint-every-n-steps", "2")]
+    flags[flags.index("--data") + 1], flags[flags.index("--data-dir") + 1] = "stream", s3_stream
+    straight_out, out = tmp_path / "straight", tmp_path / "resumed"
+    run([*RESNET, *flags, "--output-dir", str(straight_out)], timeout=600, check=True, env=env)
+    assert saved_step(last_ckpt(straight_out)) == 12
+    proc = start([*RESNET, *flags, "--output-dir", str(out)], env=env)
+    seen = proc.wait_for_step(last_ckpt(out), 2, timeout=CAPTURED_STEP_LIMIT_S)
+    proc.signal(signal.SIGTERM, group=True)  # every rank and loader worker, as a container stop does
+    done = proc.finish(timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert seen <= saved_step(last_ckpt(out)) < 6, "not stopped mid-epoch"
+    assert not [p for p in cache.rglob("*.bin")], "a stopped rank left its chunks behind"
+    shutil.rmtree(cache, ignore_errors=True)  # the new machine's cache is empty
+    run([*RESNET, *flags, "--output-dir", str(out), "--resume", "auto"], timeout=600, check=True, env=env)
+    assert saved_step(last_ckpt(out)) == 12
+    assert_same_weights(last_ckpt(straight_out), last_ckpt(out))
