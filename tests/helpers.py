@@ -58,6 +58,18 @@ def refused_mnist(argv: list[str], capsys: Any) -> str:
     return err[0]
 
 
+def refusal(main: Any, argv: list[str], capsys: Any, prog: str) -> str:
+    """What follows ``prog`` on the last line a refused command prints: ``main(argv)`` must exit 2."""
+    import pytest
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith(prog), lines
+    return lines[-1].removeprefix(prog)
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on localhost."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

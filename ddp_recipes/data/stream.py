@@ -131,11 +131,13 @@ def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
         raise MissingDataError(no_dataset.replace("{what}", f"no {CLASSES_FILE}"), "data_dir") from None
     try:
         record = json.loads(text)
-        assert isinstance(record, dict) and record.get("format") == FORMAT and record["classes"]
-        assert int(record["splits"]["train"]["samples"]) >= 1
-    except (ValueError, UnicodeDecodeError, AssertionError, KeyError, TypeError):
+        ours = isinstance(record, dict) and record.get("format") == FORMAT and bool(record["classes"])
+        ours = ours and int(record["splits"]["train"]["samples"]) >= 1
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        ours = False
+    if not ours:  # (not an assert: python -O would skip the check)
         raise MissingDataError(no_dataset.replace("{what}", f"{CLASSES_FILE} is not the converter's, or lists no "
-                                                              "train split"), "data_dir") from None
+                                                              "train split"), "data_dir")
     for split in record["splits"]:
         if _size(where / split / "index.json") is None:
             raise MissingDataError(no_dataset.replace("{what}", f"{split}/index.json is missing"), "data_dir")

@@ -19,7 +19,7 @@ import pytest
 
 from ddp_recipes.data.convert import main
 from ddp_recipes.data.litdata_lib import STREAM_EXTRA, import_litdata
-from tests.helpers import write_jpeg_tree
+from tests.helpers import refusal, write_jpeg_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG = "python -m ddp_recipes.data.convert: error: "
@@ -56,12 +56,7 @@ def read_back(url: str, cache: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def refused(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as stopped:
-        main(argv)
-    assert stopped.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines and lines[-1].startswith(PROG), lines
-    return lines[-1].removeprefix(PROG)
+    return refusal(main, argv, capsys, PROG)
 
 
 @needs_litdata

@@ -22,7 +22,7 @@ from ddp_recipes.data.litdata_lib import STREAM_EXTRA
 from ddp_recipes.data.resumable import ResumableSampler
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from recipes.resnet import main as resnet
-from tests.helpers import assert_same_weights, last_ckpt
+from tests.helpers import assert_same_weights, last_ckpt, refusal
 from tests.launch import launch_env, run, saved_step, start
 from tests.resume_scenario import CAPTURED_STEP_LIMIT_S, RESNET, args
 
@@ -141,12 +141,7 @@ def test_decode_gpu_on_a_stream_ends_with_the_weights_of_decode_gpu_on_the_folde
 
 
 def refused(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as stopped:
-        resnet(argv)
-    assert stopped.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines and lines[-1].startswith(PROG), lines
-    return lines[-1].removeprefix(PROG)
+    return refusal(resnet, argv, capsys, PROG)
 
 
 def stream_argv(data_dir: str, out: Path) -> list[str]:
