@@ -76,6 +76,9 @@ def step_timer(w: Any):
             self.hooks.attach(trainer.callbacks, skip=(Timer, StepCounts))
             self.steps = StepEnds(trainer.strategy.root_device, w.warmup_steps, w.total_steps, self.hooks)
 
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.steps.epoch_start()
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             from ddp_recipes.train.perf import input_wait
 
@@ -149,6 +152,7 @@ def finish(w: Any, out: str, name: str, trainer: Any, timer: Any, facts: dict[st
                    "step_counts_per_rank": counts if counter else None,
                    "step_count_rows_per_rank": count_rows if counter else None,
                    "cudnn_benchmark": torch.backends.cudnn.benchmark, **facts,
-                   **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)}
+                   **step_stats(ends, w.warmup_steps, w.batch_size * w.devices,
+                                timer.steps.across if timer.steps else frozenset())}
         Path(out).write_text(json.dumps(payload, indent=2) + "\n")
         shutil.rmtree(scratch_dir(out), ignore_errors=True)

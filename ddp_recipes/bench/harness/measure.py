@@ -34,10 +34,12 @@ def sync_point(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def step_stats(ends: list[float], warmup_steps: int, global_batch: int) -> dict[str, float]:
-    """Step-time statistics from end-of-step timestamps, the first ``warmup_steps`` steps dropped."""
+def step_stats(ends: list[float], warmup_steps: int, global_batch: int,
+               across: frozenset[int] | set[int] = frozenset()) -> dict[str, float]:
+    """Step-time statistics from end-of-step timestamps, the first ``warmup_steps`` steps dropped, and the
+    intervals ending at the indices in ``across`` (they span an epoch boundary: see :class:`StepEnds`)."""
     first = max(warmup_steps - 1, 0)
-    times_s = [b - a for a, b in zip(ends[first:], ends[first + 1:], strict=False)]
+    times_s = [ends[k] - ends[k - 1] for k in range(first + 1, len(ends)) if k not in across]
     ms = sorted(t * 1000 for t in times_s)
     # inclusive: deciles inside the measured range (the default extrapolates below the fastest step)
     q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) >= 2 else [ms[0]] * 9
@@ -130,12 +132,20 @@ class StepEnds:
         self.hooks = hooks
         self.start = sync_point(device)
         self.ends: list[float] = []
+        # Intervals that span an epoch boundary (validation, checkpoints, the loaders' restart), by the index of
+        # their end: left out of the step time, which is what each training step costs.
+        self.across: set[int] = set()
         self._cpu_before: dict[int, tuple[str, float]] | None = None
         self.threads: dict[str, Any] | None = None
 
     @property
     def timed_steps(self) -> int:
         return self.total_steps - max(self.warmup_steps, 1)
+
+    def epoch_start(self) -> None:
+        """A new epoch starts: the interval from the last step end to the next one is not a training step."""
+        if self.ends:
+            self.across.add(len(self.ends))
 
     def step_end(self) -> None:
         if len(self.ends) >= self.total_steps:  # steps after the timed ones (the bench's counted iterations)

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddp_recipes.bench.harness.baselines import run_dp, run_raw, run_writeup
-from ddp_recipes.bench.harness.workload import Workload, build_dataset, build_module, data_facts
+from ddp_recipes.bench.harness.workload import Workload, build_dataset, build_module, build_val_dataset, data_facts
 from ddp_recipes.data.samplers import keep_batch
 
 
@@ -99,8 +99,9 @@ def run_plain(w: Workload, out: str) -> None:
     module = build_module(w)
     if w.compile:
         module = torch.compile(module)
-    data = build_dataset(w)
-    trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch))
+    data, val = build_dataset(w), build_val_dataset(w)
+    trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch),
+                None if val is None else DataLoader(val, batch_size=w.batch_size, collate_fn=keep_batch))
     finish(w, out, "plain" + ("-compiled" if w.compile else ""), trainer, timer, data_facts(data), counter)
 
 

@@ -67,15 +67,29 @@ def build_dataset(w: Workload) -> TensorDataset | RankShard:
     rank holds only its own share, on its device (:class:`~ddp_recipes.bench.harness.synthetic.RankShard`); with
     ``data_dir`` (mnist) the real images, normalised in memory exactly as the recipe's DataModule does."""
     if w.recipe == "mnist" and w.data_dir:
-        from ddp_recipes.data.mnist import load_split
-
-        images, labels = load_split(w.data_dir, train=True)
-        if w.val_size:  # MNISTDataModule's hold-out (same seed, same permutation): every run trains on its rows
-            keep = torch.randperm(len(labels), generator=torch.Generator().manual_seed(w.seed))[w.val_size:]
-            images, labels = images[keep], labels[keep]
-        return TensorBatchDataset(images, labels)
+        return _mnist_split(w, validation=False)
     shape = (1, 28, 28) if w.recipe == "mnist" else (3, w.image_size, w.image_size)
     return RankShard((w.run_steps + 1) * w.batch_size * w.devices, shape, w.seed, device=w.accelerator)
+
+
+def build_val_dataset(w: Workload) -> TensorBatchDataset | None:
+    """The images ``val_size`` holds out (mnist with ``data_dir``), which the pack's DataModule validates on at
+    each epoch end: plain Lightning is given them as its validation loader, so both sides pay the same
+    validation where an epoch boundary falls inside the timed steps."""
+    return _mnist_split(w, validation=True) if w.recipe == "mnist" and w.data_dir and w.val_size else None
+
+
+def _mnist_split(w: Workload, validation: bool) -> TensorBatchDataset:
+    """MNISTDataModule's split of the real training images (same seed, same permutation), normalised in memory
+    as it does: the held-out rows, or the rows every run trains on."""
+    from ddp_recipes.data.mnist import load_split
+
+    images, labels = load_split(w.data_dir, train=True)
+    if w.val_size:
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(w.seed))
+        rows = order[: w.val_size] if validation else order[w.val_size:]
+        images, labels = images[rows], labels[rows]
+    return TensorBatchDataset(images, labels)
 
 
 def module_optimizer(module: Any) -> torch.optim.Optimizer:

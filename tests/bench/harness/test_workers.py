@@ -194,3 +194,21 @@ def test_the_batch_decode_keeps_the_batch_when_one_file_is_rejected(tmp_path):
     assert calls[0] == 3  # the batched call first, then one file at a time
     assert decode_images(files[:1], "cpu", nvjpeg)[1] == 0 and calls[-1] == 1
 
+
+
+def test_step_time_leaves_out_the_interval_across_an_epoch_boundary():
+    """Validation, checkpoints and the loaders' restart between two epochs are not a training step's cost: the
+    interval that spans them is dropped, the warm-up still is, and the rest is timed as before."""
+    from ddp_recipes.bench.harness.measure import StepEnds, step_stats
+
+    ends = [0.0, 1.0, 2.0, 12.0, 13.0, 14.0]  # steps of 1 s, an epoch boundary of 10 s before the 4th end
+    assert step_stats(ends, 1, 8)["measured_steps"] == 5 and step_stats(ends, 1, 8)["step_ms_median"] == 1000
+    stats = step_stats(ends, 1, 8, across={3})
+    assert stats["measured_steps"] == 4 and stats["global_samples_per_s"] == 8.0  # 4 intervals of 1 s
+    assert step_stats(ends, 3, 8, across={3})["measured_steps"] == 2  # warm-up steps 1-2 and the boundary out
+    timer = StepEnds(torch.device("cpu"), warmup_steps=1, total_steps=6)
+    timer.epoch_start()  # the first epoch: nothing to leave out
+    timer.step_end(), timer.step_end()
+    timer.epoch_start()
+    timer.step_end()
+    assert timer.across == {2}
