@@ -174,7 +174,8 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
                               "checkpoint to evaluate")
         if not has_test:
             raise ConfigError("{test_only}: the data has no test set ({data} synthetic with "
-                              "{synthetic_val_samples} 0, or a DataModule without test_dataloader)")
+                              "{synthetic_val_samples} 0, {data} stream converted without a val/ split, or a "
+                              "DataModule without test_dataloader)")
         if cfg.model_ema and ema_state_dict(checkpoint) is None:
             raise ConfigError(f"{{model_ema}}: {{resume}} {lit(resume)} holds no EMA weights (trained without "
                               "{model_ema}); drop {model_ema} to evaluate its weights")

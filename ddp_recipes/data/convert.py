@@ -29,6 +29,7 @@ from ddp_recipes.data.convert_dest import clear_staged, default_staging, inspect
 from ddp_recipes.data.convert_source import PROG, Split, corrupt_files, encode, read_source
 from ddp_recipes.data.litdata_lib import import_litdata
 from ddp_recipes.errors import ConfigError, DataError, flag, lit
+from ddp_recipes.storage import absolute
 
 # Sizes as litdata reads them: KB/MB/GB are powers of 1000; the binary spellings are accepted too.
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -98,7 +99,14 @@ def convert(cfg: ConvertConfig, litdata: ModuleType) -> int:
     ``classes.json``; every check comes before the first write."""
     settings = {"workers": cfg.workers, "chunk_size": cfg.chunk_size, "litdata": litdata.__version__}
     source = read_source(cfg.src, settings)
-    dest = inspect_dest(cfg.dest, source)
+    where = absolute(cfg.dest)
+    staging = Path(cfg.staging).expanduser().absolute() if cfg.staging else default_staging(where)
+    if cfg.staging and isinstance(where, Path) and (staging == where or where in staging.parents):
+        # DEST holds only what the converter publishes: a folder of the user's inside it would be "foreign"
+        # to the rerun that should continue the stopped conversion.
+        raise ConfigError(f"{{staging}} {lit(staging)} is inside DEST {lit(where)}; pass a folder outside it, or "
+                          "leave --staging out (a local DEST stages in DEST/.staging)")
+    dest = inspect_dest(cfg.dest, source, staging)
     todo = [s for s in source.splits if s.name not in dest.done]
     for split in source.splits:
         if split.name in dest.done:
@@ -106,7 +114,6 @@ def convert(cfg: ConvertConfig, litdata: ModuleType) -> int:
                   f"{dest.where / split.name}); nothing to do", flush=True)
     if not todo:
         return 0
-    staging = Path(cfg.staging).expanduser().absolute() if cfg.staging else default_staging(dest.where)
     staged = {split.name: stage(split, staging, cfg, litdata) for split in todo}
     corrupt = [name for s in staged.values() for name in s.corrupt]
     if corrupt and not cfg.skip_corrupt:

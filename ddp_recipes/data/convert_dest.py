@@ -44,9 +44,12 @@ class Dest:
         return int(self.record["splits"][split]["samples"]) if self.record else 0
 
 
-def inspect_dest(dest: str, source: Source) -> Dest:
+def inspect_dest(dest: str, source: Source, staging: Path | None = None) -> Dest:
     """DEST checked before anything is written: its store reachable (a bucket exists and takes a write), and
-    nothing in it this converter did not write; a :class:`DataError` naming ``{dest}`` otherwise."""
+    nothing in it this converter did not write; a :class:`DataError` naming ``{dest}`` otherwise. A split
+    folder is this converter's when ``classes.json`` lists it, or when ``staging`` holds the fingerprint of its
+    conversion (a publish that stopped before ``classes.json``); any other, a litdata dataset included, is
+    someone else's. A listed split counts as converted only when every chunk its index names is there."""
     where = absolute(dest)
     if isinstance(where, Path):
         if where.exists() and not where.is_dir():
@@ -57,11 +60,14 @@ def inspect_dest(dest: str, source: Source) -> Dest:
     check_store(where, "dest")
     names = listing(where)
     foreign = [n for n in names if n not in (*SPLITS, CLASSES_FILE, STAGING)]
-    for split in set(SPLITS) & set(names):
-        foreign += [f"{split}/{n}" for n in listing(where / split) if not any(fnmatch(n, p) for p in SPLIT_FILES)]
     record = _read_record(where) if CLASSES_FILE in names else None
     if record is None and CLASSES_FILE in names:
         foreign.append(CLASSES_FILE)
+    listed = (record or {}).get("splits", {})
+    for split in set(SPLITS) & set(names):
+        files = listing(where / split)
+        ours = split in listed or bool(staging and (staging / f"{split}.fingerprint").is_file())
+        foreign += [f"{split}/{n}" for n in files if not ours or not any(fnmatch(n, p) for p in SPLIT_FILES)]
     if foreign:
         shown = ", ".join(sorted(foreign)[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         raise DataError(f"{{dest}} {lit(where)} holds files this converter did not write ({lit(shown)}); pass a "
@@ -70,8 +76,20 @@ def inspect_dest(dest: str, source: Source) -> Dest:
         raise DataError(f"{{dest}} {lit(where)} holds a conversion of other classes ({len(record['classes'])}: "
                         f"{lit(', '.join(record['classes'][:4]))}...) than SRC's {len(source.classes)}; pass "
                         "another DEST", "dest")
-    done = {s for s in (record or {}).get("splits", {}) if size(where / s / "index.json") is not None}
+    done = {s for s in listed if size(where / s / "index.json") is not None and not missing_chunks(where / s)}
     return Dest(where, record, done)
+
+
+def missing_chunks(split: Path | Url) -> list[str]:
+    """The chunks ``split/index.json`` names that ``split`` does not hold (one listing): what a lifecycle
+    rule, a partial sync or a deleted file leaves, which a reader would only meet mid-epoch."""
+    try:
+        index = json.loads(read_bytes(split / "index.json"))
+        named = [c["filename"] for c in index["chunks"]]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return ["index.json (not litdata's index)"]
+    there = set(listing(split))
+    return [name for name in named if name not in there]
 
 
 def _read_record(where: Path | Url) -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from ddp_recipes.data.convert_dest import CLASSES_FILE, FORMAT
+from ddp_recipes.data.convert_dest import CLASSES_FILE, FORMAT, missing_chunks
 from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
 from ddp_recipes.data.images import ImageFolderDataModule
 from ddp_recipes.data.litdata_lib import import_litdata
@@ -141,7 +141,22 @@ def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
     for split in record["splits"]:
         if _size(where / split / "index.json") is None:
             raise MissingDataError(no_dataset.replace("{what}", f"{split}/index.json is missing"), "data_dir")
+        # A chunk gone (a lifecycle rule, a partial sync) would otherwise surface mid-epoch as litdata's wait
+        # timeout on a cache path, minutes in.
+        missing = _missing(where / split)
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise MissingDataError(f"{{data_dir}} {lit(where)}: {split}/index.json names {len(missing)} chunk(s) "
+                                   f"that are not there ({lit(shown)}); rerun {CONVERT} with the same SRC "
+                                   "to convert that split again", "data_dir")
     return record
+
+
+def _missing(split: Path | Url) -> list[str]:
+    try:
+        return missing_chunks(split)
+    except StorageError as err:
+        raise MissingDataError(f"{{data_dir}}: {lit(reason(err))}", "data_dir") from None
 
 
 def _read(path: Path | Url) -> bytes | None:

@@ -216,3 +216,41 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
 ])
 def test_bad_flags_are_one_line_naming_them(tmp_path, capsys, flags, message):
     assert refused([str(tmp_path), str(tmp_path / "out"), *flags], capsys).startswith(message)
+
+
+@needs_litdata
+def test_a_litdata_dataset_not_written_by_the_converter_is_refused_untouched(tmp_path, capsys):
+    """Chunks and an index that no classes.json of the converter lists (someone's own litdata output) are not
+    taken for a stopped conversion of this SRC and overwritten."""
+    src, theirs = image_folder(tmp_path / "src"), tmp_path / "theirs"
+    (theirs / "train").mkdir(parents=True)
+    (theirs / "train" / "index.json").write_text('{"chunks": [{"filename": "chunk-7-7.bin", "chunk_size": 3}]}')
+    (theirs / "train" / "chunk-7-7.bin").write_text("precious")
+    line = refused([str(src), str(theirs), *FAST], capsys)
+    assert line.startswith(f"DEST {theirs} holds files this converter did not write (train/chunk-7-7.bin, "
+                           "train/index.json)"), line
+    assert (theirs / "train" / "chunk-7-7.bin").read_text() == "precious"
+    assert sorted(p.name for p in theirs.rglob("*")) == ["chunk-7-7.bin", "index.json", "train"]
+
+
+@needs_litdata
+def test_a_lost_chunk_is_converted_again_not_taken_as_done(tmp_path, capsys):
+    """A chunk gone from DEST (a lifecycle rule, a partial sync): the rerun converts that split again instead of
+    saying "already converted" over a dataset a reader would fail on mid-epoch."""
+    src, dest = image_folder(tmp_path / "src"), tmp_path / "out"
+    assert main([str(src), str(dest), *FAST]) == 0
+    lost = sorted((dest / "train").glob("chunk-*.bin"))[1]
+    lost.unlink()
+    capsys.readouterr()
+    assert main([str(src), str(dest), *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "val: already converted" in out and "train: 27 samples" in out and lost.exists()
+    assert read_back(str(dest / "train"), tmp_path / "cache") == source_files(src, "train")
+
+
+@needs_litdata
+def test_staging_inside_dest_is_refused_before_anything_is_written(tmp_path, capsys):
+    src, dest = image_folder(tmp_path / "src"), tmp_path / "out"
+    line = refused([str(src), str(dest), "--staging", str(dest / "tmp"), *FAST], capsys)
+    assert line.startswith(f"--staging {dest / 'tmp'} is inside DEST {dest}; pass a folder outside it"), line
+    assert not dest.exists()

@@ -169,6 +169,21 @@ def test_a_url_or_folder_without_a_dataset_is_one_line_naming_data_dir(s3, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_a_stream_missing_a_chunk_is_one_line_naming_data_dir(local_stream, tmp_path, capsys):
+    """A chunk gone (a lifecycle rule, a partial sync) is found before launch, not as litdata's wait timeout
+    on a cache path mid-epoch."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(local_stream, broken)
+    lost = sorted((broken / "train").glob("chunk-*.bin"))[0]
+    lost.unlink()
+    line = refused(stream_argv(str(broken), tmp_path / "out"), capsys)
+    assert line.startswith(f"--data-dir {broken}: train/index.json names 1 chunk(s) that are not there "
+                           f"({lost.name}); rerun python -m ddp_recipes.data.convert"), line
+    assert not (tmp_path / "out").exists()
+
+
 def test_refused_credentials_are_one_line_naming_data_dir(s3_stream, s3, tmp_path, capsys):
     with s3.checking_credentials():
         line = refused(stream_argv(s3_stream, tmp_path / "out"), capsys)
