@@ -227,6 +227,7 @@ def test_sigterm_mid_epoch_then_resume_auto_with_an_empty_cache_is_exact(s3_stre
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
     assert seen <= saved_step(last_ckpt(out)) < 6, "not stopped mid-epoch"
     assert not [p for p in cache.rglob("*.bin")], "a stopped rank left its chunks behind"
+    assert not list(cache.glob("pid-*")), "a stopped rank left its cache folder behind"
     shutil.rmtree(cache, ignore_errors=True)  # the new machine's cache is empty
     run([*RESNET, *flags, "--output-dir", str(out), "--resume", "auto"], timeout=600, check=True, env=env)
     assert saved_step(last_ckpt(out)) == 12
