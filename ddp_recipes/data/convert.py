@@ -27,6 +27,7 @@ from typing import Any
 from ddp_recipes.config.cli import build_parser, fail, opt
 from ddp_recipes.data.convert_dest import clear_staged, default_staging, inspect_dest, publish, write_record
 from ddp_recipes.data.convert_source import PROG, Split, corrupt_files, encode, read_source
+from ddp_recipes.data.encoded import JPEG_SUFFIXES
 from ddp_recipes.data.litdata_lib import import_litdata
 from ddp_recipes.errors import ConfigError, DataError, flag, lit
 from ddp_recipes.storage import absolute
@@ -124,7 +125,8 @@ def convert(cfg: ConvertConfig, litdata: ModuleType) -> int:
     entries = {}
     for split in todo:
         samples = publish(staged[split.name].folder, dest.where / split.name)
-        entries[split.name] = {"samples": samples, "files": len(split.items), "corrupt": staged[split.name].corrupt}
+        entries[split.name] = {"samples": samples, "files": len(split.items), "corrupt": staged[split.name].corrupt,
+                               "not_jpeg": not_jpeg(split, staged[split.name].corrupt)}
         print(f"{split.name}: {samples} samples, {len(source.classes)} classes, "
               f"{len(staged[split.name].corrupt)} corrupt file(s) left out -> {dest.where / split.name} "
               f"({staged[split.name].seconds:.1f}s)", flush=True)
@@ -137,6 +139,13 @@ def convert(cfg: ConvertConfig, litdata: ModuleType) -> int:
             print(f"  {name}", flush=True)
     print(f"done: {dest.where} ({', '.join(s.name for s in source.splits)}; classes.json)", flush=True)
     return 0
+
+
+def not_jpeg(split: Split, corrupt: list[str]) -> int:
+    """The published files not named .jpg/.jpeg: ``--decode gpu`` warns about them before training, as it does
+    for a folder (nvJPEG refuses them; each is decoded on the CPU)."""
+    left_out = {line.rsplit(" (", 1)[0] for line in corrupt}  # "train/c1/x.png (why)"
+    return sum(1 for _, _, rel in split.items if not rel.lower().endswith(JPEG_SUFFIXES) and rel not in left_out)
 
 
 def stage(split: Split, staging: Path, cfg: ConvertConfig, litdata: ModuleType) -> Staged:

@@ -355,13 +355,18 @@ class ImageFolderDataModule(_ImageDataModule):
         if gpu:
             train = EncodedImageFolder(train.samples, self.train_pipeline(), root=self.data_dir)
             val = EncodedImageFolder(val.samples, self.eval_pipeline(), root=self.data_dir)
-            others = train.not_jpeg() + val.not_jpeg()
-            if others:
-                rank_zero_warn(f"decode gpu: {others} of {len(train) + len(val)} files under {self.data_dir} are not "
-                               "named .jpg/.jpeg; nvJPEG decodes JPEG only, so each of them is decoded on the CPU "
-                               "in the training process (counted in summary.json's decode.cpu_fallbacks)")
+            warn_not_jpeg(train, val, self.data_dir)
         self.train_set, self.val_set = train, val
         self.test_set = self.val_set
+
+
+def warn_not_jpeg(train: EncodedImageFolder, val: EncodedImageFolder, where: object) -> None:
+    """``--decode gpu``: say before training how many files nvJPEG will hand back to the CPU."""
+    others = train.not_jpeg() + val.not_jpeg()
+    if others:
+        rank_zero_warn(f"decode gpu: {others} of {len(train) + len(val)} files under {where} are not named "
+                       ".jpg/.jpeg; nvJPEG decodes JPEG only, so each of them is decoded on the CPU in the training "
+                       "process (counted in summary.json's decode.cpu_fallbacks)")
 
 
 def imagenet_train_transform(image_size: int, min_crop_scale: float = 0.08) -> v2.Transform:

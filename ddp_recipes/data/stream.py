@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from ddp_recipes.data.convert_dest import CLASSES_FILE, FORMAT, missing_chunks
 from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
-from ddp_recipes.data.images import ImageFolderDataModule
+from ddp_recipes.data.images import ImageFolderDataModule, warn_not_jpeg
 from ddp_recipes.data.litdata_lib import import_litdata
 from ddp_recipes.data.unreadable import unreadable
 from ddp_recipes.errors import MissingDataError, lit
@@ -99,9 +99,9 @@ class StreamImages(Dataset):
 class EncodedStream(EncodedImageFolder):
     """``--decode gpu`` on a stream: :class:`EncodedImageFolder` fed the stream's bytes instead of files."""
 
-    def __init__(self, split: StreamSplit, pipeline: TrainPipeline | EvalPipeline) -> None:
+    def __init__(self, split: StreamSplit, pipeline: TrainPipeline | EvalPipeline, not_jpeg: int = 0) -> None:
         super().__init__([], pipeline)
-        self.split = split
+        self.split, self._not_jpeg = split, not_jpeg
 
     @override
     def __len__(self) -> int:
@@ -114,7 +114,7 @@ class EncodedStream(EncodedImageFolder):
 
     @override
     def not_jpeg(self) -> int:
-        return 0  # the names are in the chunks: a PNG is found (and decoded on the CPU) as it comes
+        return self._not_jpeg  # counted by the converter (classes.json): the names themselves are in the chunks
 
 
 def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
@@ -250,8 +250,10 @@ class StreamImageDataModule(ImageFolderDataModule):
                   for name, entry in self.record["splits"].items() if name in ("train", "val")}
         empty = StreamSplit(f"{url}/val", 0, None)
         if self.decode == "gpu":
-            train = EncodedStream(splits["train"], self.train_pipeline())
-            val = EncodedStream(splits.get("val", empty), self.eval_pipeline())
+            counts = {name: int(entry.get("not_jpeg", 0)) for name, entry in self.record["splits"].items()}
+            train = EncodedStream(splits["train"], self.train_pipeline(), counts["train"])
+            val = EncodedStream(splits.get("val", empty), self.eval_pipeline(), counts.get("val", 0))
+            warn_not_jpeg(train, val, self.data_dir)
         else:
             train = StreamImages(splits["train"], self.train_transform())
             val = StreamImages(splits.get("val", empty), self.val_transform())

@@ -68,10 +68,14 @@ def test_a_local_conversion_reads_back_byte_for_byte_and_a_rerun_skips(tmp_path,
     assert sorted(p.name for p in dest.iterdir()) == ["classes.json", "train", "val"]  # no staging left
     record = json.loads((dest / "classes.json").read_text())
     assert record["classes"] == ["c0", "c1", "c2"]
-    assert record["splits"]["train"] == {"samples": 27, "files": 27, "corrupt": []}
+    assert record["splits"]["train"] == {"samples": 27, "files": 27, "corrupt": [], "not_jpeg": 3}  # the PNGs
     assert record["splits"]["val"]["samples"] == 9
     for split in ("train", "val"):
         assert read_back(str(dest / split), tmp_path / f"cache-{split}") == source_files(src, split)
+    from ddp_recipes.data.stream import StreamImageDataModule
+
+    with pytest.warns(UserWarning, match=r"3 of 36 files .* not named .jpg/.jpeg"):  # before training, as for a folder
+        StreamImageDataModule(dest, batch_size=2, image_size=16, decode="gpu").setup("fit")
 
     before = {p: p.stat().st_mtime_ns for p in dest.rglob("*")}
     assert main([str(src), str(dest), *FAST]) == 0
@@ -254,3 +258,13 @@ def test_staging_inside_dest_is_refused_before_anything_is_written(tmp_path, cap
     line = refused([str(src), str(dest), "--staging", str(dest / "tmp"), *FAST], capsys)
     assert line.startswith(f"--staging {dest / 'tmp'} is inside DEST {dest}; pass a folder outside it"), line
     assert not dest.exists()
+
+
+def test_files_not_named_jpeg_are_counted_for_decode_gpu_without_the_corrupt_ones_left_out():
+    from ddp_recipes.data.convert import not_jpeg
+    from ddp_recipes.data.convert_source import Split
+
+    items = [["/s/train/c/a.JPEG", 0, "train/c/a.JPEG"], ["/s/train/c/b.png", 0, "train/c/b.png"],
+             ["/s/train/c/c (1).png", 0, "train/c/c (1).png"]]
+    assert not_jpeg(Split("train", items, "fp"), []) == 2
+    assert not_jpeg(Split("train", items, "fp"), ["train/c/c (1).png (not an image: cannot identify)"]) == 1
