@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,23 +58,74 @@ class StreamSplit:
 
     def open(self) -> Any:
         if self._dataset is None:
-            litdata = import_litdata("--data stream")  # also in a spawned worker: the http switch is per process
-            options: dict[str, Any] = {}
-            if isinstance(absolute(self.url), Url):
-                from botocore.config import Config
-
-                options["storage_options"] = {"config": Config(retries=S3_RETRIES, connect_timeout=10,
-                                                               read_timeout=60)}
-            dataset = litdata.StreamingDataset(self.url, shuffle=False, drop_last=False, cache_dir=self.cache,
-                                               **options)
-            # The converter's samples carry bytes: read by litdata's item-range path (its default for a remote
-            # split) they come back empty in 0.2.76 ("unpack_from requires a buffer"); whole chunks it reads.
-            dataset._on_demand_bytes = False
-            self._dataset = dataset
+            self._dataset = self._new_dataset()
         return self._dataset
 
+    def fetch_index(self) -> None:
+        """Bring a bucket split's ``index.json`` into the cache, in the rank, before its loader workers open the
+        split. litdata downloads it under a file lock it waits 1 s for, then reads the file whether or not it is
+        there: two workers opening the split at once, one slower than 1 s, failed with "doesn't contain any
+        index.json file". The dataset made here is dropped: each process still opens its own."""
+        if self.cache is not None:
+            self._new_dataset()
+
+    def _new_dataset(self) -> Any:
+        litdata = import_litdata("--data stream")  # also in a spawned worker: the http switch is per process
+        options: dict[str, Any] = {}
+        if isinstance(absolute(self.url), Url):
+            from botocore.config import Config
+
+            options["storage_options"] = {"config": Config(retries=S3_RETRIES, connect_timeout=10, read_timeout=60)}
+        dataset = litdata.StreamingDataset(self.url, shuffle=False, drop_last=False, cache_dir=self.cache, **options)
+        # The converter's samples carry bytes: read by litdata's item-range path (its default for a remote split)
+        # they come back empty in 0.2.76 ("unpack_from requires a buffer"); whole chunks it reads.
+        dataset._on_demand_bytes = False
+        return dataset
+
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.open()[int(index)]
+        dataset = self.open()
+        try:
+            return dataset[int(index)]
+        except (OSError, RuntimeError) as err:  # what litdata raises when the store does not deliver a chunk
+            split = self.url.rstrip("/").rsplit("/", 1)[-1]
+            raise StreamUnavailable(f"reading {split} sample {int(index)} failed ({outage_reason(err)})") from None
+
+
+class StreamUnavailable(OSError):
+    """A sample the store did not deliver: litdata's client gave up (obstore: 10 retries within 3 min, each request
+    at most 200 s; boto3: the pack's 3 attempts) or its wait for the chunk file ran out (``MAX_WAIT_TIME``, 120 s).
+    ``str()`` is one line; re-raised from a loader worker, the message is the worker's traceback, ending with it."""
+
+
+UNAVAILABLE_MARK = "StreamUnavailable: "
+# obstore's message: "... Error performing GET <url> in 2.1s, after 10 retries, ... status code: 503 Service
+# Unavailable: <body>"; the rest (its debug dump, the body) is noise on a command line.
+_OBSTORE = re.compile(r"Error performing (\w+) (\S+) in [^,]*, after (\d+) retries(?:.*?status code: (\d{3}[\w ]*))?",
+                      re.DOTALL)
+
+
+def outage_reason(err: BaseException) -> str:
+    """What the store did, in a few words: the request, the retries and the status, or the error's first line."""
+    waited = getattr(err, "waited_s", None)  # litdata's ChunkWaitTimeoutError: the download never finished
+    if waited is not None:
+        return f"no chunk within {waited:.0f} s: {os.path.basename(getattr(err, 'path', ''))} never arrived"
+    text = str(err)
+    text = text.split("Original error: ", 1)[1] if "Original error: " in text else text  # litdata's prefetch crash
+    found = _OBSTORE.search(text)
+    if found:
+        method, url, retries, status = found.groups()
+        return f"{method} {url}: {status.strip() if status else 'failed'} after {retries} retries"
+    return reason(RuntimeError(text))
+
+
+def describe_outage(err: BaseException) -> str | None:
+    """The one line of a :class:`StreamUnavailable`, raised here or re-raised from a loader worker; None for any
+    other error."""
+    if not isinstance(err, StreamUnavailable):
+        return None
+    text = str(err).strip()
+    last = text.splitlines()[-1] if text else ""
+    return last.split(UNAVAILABLE_MARK, 1)[1] if UNAVAILABLE_MARK in last else last
 
 
 class StreamImages(Dataset):
@@ -248,6 +300,8 @@ class StreamImageDataModule(ImageFolderDataModule):
         splits = {name: StreamSplit(f"{url.rstrip('/')}/{name}", int(entry["samples"]),
                                     None if self.cache is None else str(self.cache / name))
                   for name, entry in self.record["splits"].items() if name in ("train", "val")}
+        for split in splits.values():
+            split.fetch_index()
         empty = StreamSplit(f"{url}/val", 0, None)
         if self.decode == "gpu":
             train = EncodedStream(splits["train"], self.train_pipeline())
