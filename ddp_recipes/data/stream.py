@@ -17,7 +17,9 @@ loader workers through litdata's file locks and removed when the rank exits; a l
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import json
 import os
 import re
@@ -36,7 +38,7 @@ from ddp_recipes.data.unreadable import unreadable
 from ddp_recipes.errors import MissingDataError, lit
 from ddp_recipes.storage import Url, absolute
 from ddp_recipes.storage.retry import StorageError, filesystem, reason, retrying
-from ddp_recipes.storage.store import cache_dir, read_bytes, size
+from ddp_recipes.storage.store import cache_dir, download, read_bytes, size
 
 CONVERT = "python -m ddp_recipes.data.convert SRC DIR"
 # litdata's boto3 client retries 1000 times by default (a store that is down hangs the run); these bound it.
@@ -49,16 +51,22 @@ class StreamSplit:
     def __init__(self, url: str, length: int, cache: str | None) -> None:
         self.url, self.length, self.cache = url, length, cache
         self._dataset: Any = None
+        self._chunks: tuple[str, list[int], list[str]] | None = None  # cache folder, first sample and file per chunk
 
     def __len__(self) -> int:
         return self.length
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_dataset": None}  # an opened dataset stays in its process
+        return {**self.__dict__, "_dataset": None, "_chunks": None}  # an opened dataset stays in its process
 
     def open(self) -> Any:
         if self._dataset is None:
             self._dataset = self._new_dataset()
+            if self.cache is not None:
+                folder = self._dataset.input_dir.path  # where litdata put index.json and looks for the chunks
+                chunks = json.loads(Path(folder, "index.json").read_text())["chunks"]
+                firsts = [0, *itertools.accumulate(int(chunk["chunk_size"]) for chunk in chunks)][:-1]
+                self._chunks = (folder, firsts, [chunk["filename"] for chunk in chunks])
         return self._dataset
 
     def fetch_index(self) -> None:
@@ -84,17 +92,36 @@ class StreamSplit:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         dataset = self.open()
+        split = self.url.rstrip("/").rsplit("/", 1)[-1]
+        if self._chunks is not None:
+            self._download_chunk(int(index), split)
         try:
             return dataset[int(index)]
-        except (OSError, RuntimeError) as err:  # what litdata raises when the store does not deliver a chunk
-            split = self.url.rstrip("/").rsplit("/", 1)[-1]
+        except (OSError, RuntimeError) as err:  # litdata's own failures (a chunk it had to fetch again, say)
             raise StreamUnavailable(f"reading {split} sample {int(index)} failed ({outage_reason(err)})") from None
+
+    def _download_chunk(self, index: int, split: str) -> None:
+        """The sample's chunk into litdata's cache folder, unless it is there: through the pack's storage layer, so a
+        store that is down is retried as ``--output-dir``'s uploads are (backoff, 8 attempts, a line on rank 0) and
+        then ends in one line here, in this thread. Left to litdata, obstore gave up after 2 to 4 s of 503s and the
+        failure surfaced through litdata's download thread, which prints a traceback from every loader worker."""
+        assert self._chunks is not None
+        folder, firsts, names = self._chunks
+        name = names[bisect.bisect_right(firsts, index) - 1]
+        local = os.path.join(folder, name)
+        if os.path.exists(local):  # downloaded before, by this process or another worker of the rank
+            return
+        try:
+            download(f"{self.url.rstrip('/')}/{name}", local)  # through a temp name: litdata never sees a cut chunk
+        except StorageError as err:
+            raise StreamUnavailable(f"reading {split} sample {index} failed: {err.renamed(output_dir='data_dir')}"
+                                    .replace("failed: data_dir: ", "failed: ")) from None
 
 
 class StreamUnavailable(OSError):
-    """A sample the store did not deliver: litdata's client gave up (obstore: 10 retries within 3 min, each request
-    at most 200 s; boto3: the pack's 3 attempts) or its wait for the chunk file ran out (``MAX_WAIT_TIME``, 120 s).
-    ``str()`` is one line; re-raised from a loader worker, the message is the worker's traceback, ending with it."""
+    """A sample the store did not deliver: the pack's download of its chunk failed for good (after the storage
+    layer's retries), or litdata's read of it failed. ``str()`` is one line; re-raised from a loader worker, the
+    message is the worker's traceback, ending with it."""
 
 
 UNAVAILABLE_MARK = "StreamUnavailable: "
