@@ -10,9 +10,11 @@ apply unchanged. Same seed and flags, same images: the same batches and crops as
 
 Each process (a rank, each of its loader workers) opens the stream itself on first use: litdata reads the
 world size and worker at construction and holds threads and file handles, so an opened dataset never crosses
-a process boundary (pickling drops it). A bucket's chunks are downloaded into a folder of the rank's own
-cache (:func:`ddp_recipes.storage.store.cache_dir`: ``DDP_RECIPES_CACHE_DIR`` or a temp folder), shared by its
-loader workers through litdata's file locks and removed when the rank exits; a local stream is read in place.
+a process boundary (pickling drops it). A bucket's chunks are downloaded by the process that first reads one of
+their samples, through the pack's storage layer (its retries, its one-line failure), into litdata's folder in the
+rank's own cache (:func:`ddp_recipes.storage.store.cache_dir`: ``DDP_RECIPES_CACHE_DIR`` or a temp folder), where
+litdata finds them; the rank's loader workers share it, and it is removed when the rank exits. A local stream is
+read in place.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import io
 import itertools
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +112,16 @@ class StreamSplit:
         local = os.path.join(folder, name)
         if os.path.exists(local):  # downloaded before, by this process or another worker of the rank
             return
+        from filelock import FileLock  # litdata's own dependency
+
+        # litdata's lock for this chunk: two workers wanting it download it once, and litdata never starts its own.
         try:
-            download(f"{self.url.rstrip('/')}/{name}", local)  # through a temp name: litdata never sees a cut chunk
+            with FileLock(local + ".lock"):
+                if not os.path.exists(local):
+                    download(f"{self.url.rstrip('/')}/{name}", local)  # via a temp name: never a cut chunk
         except StorageError as err:
-            raise StreamUnavailable(f"reading {split} sample {index} failed: {err.renamed(output_dir='data_dir')}"
-                                    .replace("failed: data_dir: ", "failed: ")) from None
+            what = str(err).removeprefix("output_dir: ")  # "download of URL failed after 8 attempts (why)"
+            raise StreamUnavailable(f"reading {split} sample {index} failed: {what}") from None
 
 
 class StreamUnavailable(OSError):
@@ -125,24 +131,12 @@ class StreamUnavailable(OSError):
 
 
 UNAVAILABLE_MARK = "StreamUnavailable: "
-# obstore's message: "... Error performing GET <url> in 2.1s, after 10 retries, ... status code: 503 Service
-# Unavailable: <body>"; the rest (its debug dump, the body) is noise on a command line.
-_OBSTORE = re.compile(r"Error performing (\w+) (\S+) in [^,]*, after (\d+) retries(?:.*?status code: (\d{3}[\w ]*))?",
-                      re.DOTALL)
 
 
 def outage_reason(err: BaseException) -> str:
-    """What the store did, in a few words: the request, the retries and the status, or the error's first line."""
-    waited = getattr(err, "waited_s", None)  # litdata's ChunkWaitTimeoutError: the download never finished
-    if waited is not None:
-        return f"no chunk within {waited:.0f} s: {os.path.basename(getattr(err, 'path', ''))} never arrived"
+    """The first line of what litdata raised (for its download thread's failure: the original error's)."""
     text = str(err)
-    text = text.split("Original error: ", 1)[1] if "Original error: " in text else text  # litdata's prefetch crash
-    found = _OBSTORE.search(text)
-    if found:
-        method, url, retries, status = found.groups()
-        return f"{method} {url}: {status.strip() if status else 'failed'} after {retries} retries"
-    return reason(RuntimeError(text))
+    return reason(RuntimeError(text.split("Original error: ", 1)[-1]))
 
 
 def describe_outage(err: BaseException) -> str | None:

@@ -150,7 +150,7 @@ def test_an_outage_is_retried_then_one_line_and_the_store_back_reads_again(strea
     assert len(seen) == 48 and len(set(seen)) == 48
 
 
-@pytest.mark.slow  # waits out s3fs's read timeout (15 s)
+@pytest.mark.slow  # waits out one attempt: s3fs's 15 s read timeout, which s3fs itself retries (about 80 s)
 def test_a_store_that_stops_answering_fails_the_read_instead_of_hanging(stream, s3, tmp_path, monkeypatch):
     """A store that stops answering mid-epoch (connections open, no answer): each request ends at the client's read
     timeout and is retried like any other transient error (here once: DDP_RECIPES_STORAGE_ATTEMPTS=1 in effect);
