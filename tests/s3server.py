@@ -42,6 +42,7 @@ class _Faults:
         self.stalled = threading.Event()
         self.frozen_until = 0.0  # time.monotonic() until which every request waits (a store that stopped answering)
         self.release = threading.Event()
+        self.requests: list[str] = []  # "METHOD path" of every request, in arrival order (answered or not)
 
     def __call__(self, environ: dict, start_response: Callable) -> Any:
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
@@ -49,6 +50,7 @@ class _Faults:
         if frozen > 0:
             time.sleep(frozen)
         with self.lock:
+            self.requests.append(f"{method} {path}")
             if self.fail_trigger is not None and self.fail_trigger(method, path):
                 self.fail_trigger = None  # armed: this request and the next ones fail
             failing = self.fail_trigger is None and self.failures_left > 0
@@ -114,6 +116,11 @@ class S3Server:
 
     def buckets(self) -> list[str]:
         return sorted(b["Name"] for b in self.client().list_buckets()["Buckets"])
+
+    @property
+    def requests(self) -> list[str]:
+        """Every request so far, ``"METHOD path"`` in arrival order (slice from ``len()`` taken earlier)."""
+        return self.faults.requests
 
     def fail(self, count: int, after: Match | None = None) -> None:
         """Answer 503 to ``count`` requests: from the first one ``after`` matches (now if None)."""

@@ -10,14 +10,18 @@ apply unchanged. Same seed and flags, same images: the same batches and crops as
 
 Each process (a rank, each of its loader workers) opens the stream itself on first use: litdata reads the
 world size and worker at construction and holds threads and file handles, so an opened dataset never crosses
-a process boundary (pickling drops it). A bucket's chunks are downloaded into a folder of the rank's own
-cache (:func:`ddp_recipes.storage.store.cache_dir`: ``DDP_RECIPES_CACHE_DIR`` or a temp folder), shared by its
-loader workers through litdata's file locks and removed when the rank exits; a local stream is read in place.
+a process boundary (pickling drops it). A bucket's chunks are downloaded by the process that first reads one of
+their samples, through the pack's storage layer (its retries, its one-line failure), into litdata's folder in the
+rank's own cache (:func:`ddp_recipes.storage.store.cache_dir`: ``DDP_RECIPES_CACHE_DIR`` or a temp folder), where
+litdata finds them; the rank's loader workers share it, and it is removed when the rank exits. A local stream is
+read in place.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import json
 import os
 from pathlib import Path
@@ -35,7 +39,7 @@ from ddp_recipes.data.unreadable import unreadable
 from ddp_recipes.errors import MissingDataError, lit
 from ddp_recipes.storage import Url, absolute
 from ddp_recipes.storage.retry import StorageError, filesystem, reason, retrying
-from ddp_recipes.storage.store import cache_dir, read_bytes, size
+from ddp_recipes.storage.store import cache_dir, download, read_bytes, size
 
 CONVERT = "python -m ddp_recipes.data.convert SRC DIR"
 # litdata's boto3 client retries 1000 times by default (a store that is down hangs the run); these bound it.
@@ -48,32 +52,101 @@ class StreamSplit:
     def __init__(self, url: str, length: int, cache: str | None) -> None:
         self.url, self.length, self.cache = url, length, cache
         self._dataset: Any = None
+        self._chunks: tuple[str, list[int], list[str]] | None = None  # cache folder, first sample and file per chunk
 
     def __len__(self) -> int:
         return self.length
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_dataset": None}  # an opened dataset stays in its process
+        return {**self.__dict__, "_dataset": None, "_chunks": None}  # an opened dataset stays in its process
 
     def open(self) -> Any:
         if self._dataset is None:
-            litdata = import_litdata("--data stream")  # also in a spawned worker: the http switch is per process
-            options: dict[str, Any] = {}
-            if isinstance(absolute(self.url), Url):
-                from botocore.config import Config
-
-                options["storage_options"] = {"config": Config(retries=S3_RETRIES, connect_timeout=10,
-                                                               read_timeout=60)}
-            dataset = litdata.StreamingDataset(self.url, shuffle=False, drop_last=False, cache_dir=self.cache,
-                                               **options)
-            # The converter's samples carry bytes: read by litdata's item-range path (its default for a remote
-            # split) they come back empty in 0.2.76 ("unpack_from requires a buffer"); whole chunks it reads.
-            dataset._on_demand_bytes = False
-            self._dataset = dataset
+            self._dataset = self._new_dataset()
+            if self.cache is not None:
+                folder = self._dataset.input_dir.path  # where litdata put index.json and looks for the chunks
+                chunks = json.loads(Path(folder, "index.json").read_text())["chunks"]
+                firsts = [0, *itertools.accumulate(int(chunk["chunk_size"]) for chunk in chunks)][:-1]
+                self._chunks = (folder, firsts, [chunk["filename"] for chunk in chunks])
         return self._dataset
 
+    def fetch_index(self) -> None:
+        """Bring a bucket split's ``index.json`` into the cache, in the rank, before its loader workers open the
+        split. litdata downloads it under a file lock it waits 1 s for, then reads the file whether or not it is
+        there: two workers opening the split at once, one slower than 1 s, failed with "doesn't contain any
+        index.json file". The dataset made here is dropped: each process still opens its own."""
+        if self.cache is not None:
+            self._new_dataset()
+
+    def _new_dataset(self) -> Any:
+        litdata = import_litdata("--data stream")  # also in a spawned worker: the http switch is per process
+        options: dict[str, Any] = {}
+        if isinstance(absolute(self.url), Url):
+            from botocore.config import Config
+
+            options["storage_options"] = {"config": Config(retries=S3_RETRIES, connect_timeout=10, read_timeout=60)}
+        dataset = litdata.StreamingDataset(self.url, shuffle=False, drop_last=False, cache_dir=self.cache, **options)
+        # The converter's samples carry bytes: read by litdata's item-range path (its default for a remote split)
+        # they come back empty in 0.2.76 ("unpack_from requires a buffer"); whole chunks it reads.
+        dataset._on_demand_bytes = False
+        return dataset
+
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.open()[int(index)]
+        dataset = self.open()
+        split = self.url.rstrip("/").rsplit("/", 1)[-1]
+        if self._chunks is not None:
+            self._download_chunk(int(index), split)
+        try:
+            return dataset[int(index)]
+        except (OSError, RuntimeError) as err:  # litdata's own failures (a chunk it had to fetch again, say)
+            raise StreamUnavailable(f"reading {split} sample {int(index)} failed ({outage_reason(err)})") from None
+
+    def _download_chunk(self, index: int, split: str) -> None:
+        """The sample's chunk into litdata's cache folder, unless it is there: through the pack's storage layer, so a
+        store that is down is retried as ``--output-dir``'s uploads are (backoff, 8 attempts, a line on rank 0) and
+        then ends in one line here, in this thread. Left to litdata, obstore gave up after 2 to 4 s of 503s and the
+        failure surfaced through litdata's download thread, which prints a traceback from every loader worker."""
+        assert self._chunks is not None
+        folder, firsts, names = self._chunks
+        name = names[bisect.bisect_right(firsts, index) - 1]
+        local = os.path.join(folder, name)
+        if os.path.exists(local):  # downloaded before, by this process or another worker of the rank
+            return
+        from filelock import FileLock  # litdata's own dependency
+
+        # litdata's lock for this chunk: two workers wanting it download it once, and litdata never starts its own.
+        try:
+            with FileLock(local + ".lock"):
+                if not os.path.exists(local):
+                    download(f"{self.url.rstrip('/')}/{name}", local)  # via a temp name: never a cut chunk
+        except StorageError as err:
+            what = str(err).removeprefix("output_dir: ")  # "download of URL failed after 8 attempts (why)"
+            raise StreamUnavailable(f"reading {split} sample {index} failed: {what}") from None
+
+
+class StreamUnavailable(OSError):
+    """A sample the store did not deliver: the pack's download of its chunk failed for good (after the storage
+    layer's retries), or litdata's read of it failed. ``str()`` is one line; re-raised from a loader worker, the
+    message is the worker's traceback, ending with it."""
+
+
+UNAVAILABLE_MARK = "StreamUnavailable: "
+
+
+def outage_reason(err: BaseException) -> str:
+    """The first line of what litdata raised (for its download thread's failure: the original error's)."""
+    text = str(err)
+    return reason(RuntimeError(text.split("Original error: ", 1)[-1]))
+
+
+def describe_outage(err: BaseException) -> str | None:
+    """The one line of a :class:`StreamUnavailable`, raised here or re-raised from a loader worker; None for any
+    other error."""
+    if not isinstance(err, StreamUnavailable):
+        return None
+    text = str(err).strip()
+    last = text.splitlines()[-1] if text else ""
+    return last.split(UNAVAILABLE_MARK, 1)[1] if UNAVAILABLE_MARK in last else last
 
 
 class StreamImages(Dataset):
@@ -248,6 +321,8 @@ class StreamImageDataModule(ImageFolderDataModule):
         splits = {name: StreamSplit(f"{url.rstrip('/')}/{name}", int(entry["samples"]),
                                     None if self.cache is None else str(self.cache / name))
                   for name, entry in self.record["splits"].items() if name in ("train", "val")}
+        for split in splits.values():
+            split.fetch_index()
         empty = StreamSplit(f"{url}/val", 0, None)
         if self.decode == "gpu":
             counts = {name: int(entry.get("not_jpeg", 0)) for name, entry in self.record["splits"].items()}

@@ -51,8 +51,9 @@ def open_run(cfg: RunConfig, base: type[L.LightningModule], model_cls: type | No
 def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None]:
     """A recipe's ``main`` after its flags: bad input (a :class:`ConfigError`, naming its flag) is one line and exit
     2, and the run leaves nothing behind (not even the empty ``version_N`` of a default output dir); an image
-    file no decoder reads is named relative to ``data_dir``, from any decoder, in a loader worker or not.
-    Anything else is a bug and keeps its traceback."""
+    file no decoder reads is named relative to ``data_dir``, from any decoder, in a loader worker or not; so is a
+    stream whose store stopped delivering mid-run (the checkpoints are kept: ``--resume auto`` continues). Anything
+    else is a bug and keeps its traceback."""
     try:
         yield
     except ConfigError as err:
@@ -60,6 +61,12 @@ def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None
         fail(err, prog)
     except OSError as err:
         name = describe_unreadable(err)  # "train/c1/x.jpg (why)"
-        if name is None:
+        if name is not None:
+            fail(f"--data-dir {data_dir} holds an image that cannot be decoded: {name}; remove or replace it", prog)
+        from ddp_recipes.data.stream import describe_outage  # here: only --data stream raises it
+
+        outage = describe_outage(err)  # "reading train sample 17 failed (why)"
+        if outage is None:
             raise
-        fail(f"--data-dir {data_dir} holds an image that cannot be decoded: {name}; remove or replace it", prog)
+        fail(f"--data-dir {data_dir}: {outage}; training stopped, its last checkpoint is kept: rerun with "
+             "--resume auto once the store answers", prog)

@@ -3,15 +3,13 @@ folder or on a real S3 API (moto's server through tests/s3server.py; litdata, s3
 
 The order is the pack's own (ResumableSampler, exact evaluation), over litdata's samples by index: the shards are
 pure functions of (rank, world size), so several ranks are checked in one process; the same images and seed give
-the very weights ``--data imagefolder`` gives; the 2-rank SIGTERM + ``--resume auto`` scenario (slow) ends equal to
-the uninterrupted streaming run with the downloaded chunks deleted in between.
+the very weights ``--data imagefolder`` gives. Stops and outages, continued with ``--resume auto``, are in
+tests/data/test_stream_stops.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -23,8 +21,6 @@ from ddp_recipes.data.resumable import ResumableSampler
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from recipes.resnet import main as resnet
 from tests.helpers import assert_same_weights, last_ckpt, refusal
-from tests.launch import launch_env, run, saved_step, start
-from tests.resume_scenario import CAPTURED_STEP_LIMIT_S, RESNET, args
 
 needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None,
                                    reason=f"litdata is the stream extra: {STREAM_EXTRA}")
@@ -207,28 +203,3 @@ def test_no_credentials_at_all_is_one_line_naming_data_dir(s3_stream, s3, tmp_pa
         s3fs.S3FileSystem.clear_instance_cache()
     assert line.startswith(f"--data-dir {s3_stream}: "), line
     assert "credentials" in line and not (tmp_path / "out").exists()
-
-
-@pytest.mark.slow  # three 2-rank runs
-def test_sigterm_mid_epoch_then_resume_auto_with_an_empty_cache_is_exact(s3_stream, tmp_path):
-    """2 ranks, 2 loader workers each, random crops, dropout: the chunks a rank downloaded are its own and gone
-    when it exits; the resumed run downloads again and ends equal to the run that was never stopped."""
-    cache = tmp_path / "cache"
-    env = launch_env(extra={"DDP_RECIPES_CACHE_DIR": str(cache)})
-    flags = [*args(Path("unused"), 2, "--max-epochs", "2", "--num-workers", "2", "--checkpoint-every-n-steps", "2")]
-    flags[flags.index("--data") + 1], flags[flags.index("--data-dir") + 1] = "stream", s3_stream
-    straight_out, out = tmp_path / "straight", tmp_path / "resumed"
-    run([*RESNET, *flags, "--output-dir", str(straight_out)], timeout=600, check=True, env=env)
-    assert saved_step(last_ckpt(straight_out)) == 12
-    proc = start([*RESNET, *flags, "--output-dir", str(out)], env=env)
-    seen = proc.wait_for_step(last_ckpt(out), 2, timeout=CAPTURED_STEP_LIMIT_S)
-    proc.signal(signal.SIGTERM, group=True)  # every rank and loader worker, as a container stop does
-    done = proc.finish(timeout=120)
-    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
-    assert seen <= saved_step(last_ckpt(out)) < 6, "not stopped mid-epoch"
-    assert not [p for p in cache.rglob("*.bin")], "a stopped rank left its chunks behind"
-    assert not list(cache.glob("pid-*")), "a stopped rank left its cache folder behind"
-    shutil.rmtree(cache, ignore_errors=True)  # the new machine's cache is empty
-    run([*RESNET, *flags, "--output-dir", str(out), "--resume", "auto"], timeout=600, check=True, env=env)
-    assert saved_step(last_ckpt(out)) == 12
-    assert_same_weights(last_ckpt(straight_out), last_ckpt(out))

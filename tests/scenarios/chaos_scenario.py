@@ -17,11 +17,14 @@ tests/checkpointing/test_stop_schedules.py: ``python tests/scenarios/chaos_scena
   agreed stop's checkpoint is saved, before the ranks exit.
 
 Rank 0 prints ``[chaos] start epoch E batch B step S`` at its first batch and ``[chaos] stop KIND at ...`` when it
-acts, so every attempt's log says where it started and where it was stopped.
+acts, so every attempt's log says where it started and where it was stopped. With ``CHAOS_RECORD=FILE`` (and no
+kind: nothing stopped) rank 0 writes there, at its first batch, the epoch and the sample indices its training
+loader's sampler gives for the rest of that epoch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -37,6 +40,7 @@ from tests.helpers import run_recipe_with  # noqa: E402
 
 KIND = os.environ.get("CHAOS_KIND", "")
 AFTER = int(os.environ.get("CHAOS_AFTER", "1"))
+RECORD = os.environ.get("CHAOS_RECORD")
 
 
 def say(text: str) -> None:
@@ -60,6 +64,9 @@ class Chaos(Callback):
             if rank == 0:
                 say(f"start epoch {trainer.current_epoch} batch {batch_idx} step {step}")
                 _arm_saves(self, trainer)
+                if RECORD:
+                    shard = [int(i) for i in trainer.train_dataloader.sampler]  # the resumed position's samples
+                    Path(RECORD).write_text(json.dumps({"epoch": trainer.current_epoch, "samples": shard}))
         self.trained = step > self.start
         at = step == self.start + AFTER
         if KIND == "term-last-batch" and rank == 0 and batch_idx == trainer.num_training_batches - 2:
