@@ -2,6 +2,7 @@
 
 ``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``), the checkout's ``tests.gpucheck``,
 ``bench.memory`` and ``bench.jpeg_folder`` all parse with :class:`OneLineParser`; a subparser of it is one too.
+:func:`measuring_args` is the command line a generated table quotes (``bench account``, ``bench loader``).
 """
 
 from __future__ import annotations
