@@ -138,7 +138,8 @@ class GpuDecoder:
         return images
 
 
-def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = None) -> tuple[float, float, int]:
+def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = None,
+            drain: bool = False) -> tuple[float, float, int]:
     """(images/s over ``batches`` batches in steady state, seconds to the first batch, images timed). The second
     is what starting the workers costs, at every epoch unless ``persistent_workers`` keeps them.
 
@@ -166,6 +167,8 @@ def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = N
     seconds = time.perf_counter() - start if start is not None else 0.0
     if not images or seconds <= 0:  # never a 0 reported as a rate
         raise RuntimeError(f"bench loader timed no batch (the loader gave {i + 1} of {1 + in_flight + batches})")
+    for _ in range(in_flight if drain else 0):  # untimed: every sample the workers were sent is read
+        next(it, None)
     return images / seconds, (first or began) - began, images
 
 
@@ -210,7 +213,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     loader = build_loader(dataset, workers, args.batch_size,
                                           pin_memory=decode == "gpu" and device.type == "cuda")
                     key, before = (source, cache_pass, decode, workers), cached_chunks(cache)
-                    timed = measure(loader, args.batches, gpu_decoders.get(key))
+                    # The cold pass drains its workers, so the warm one, sent no sample beyond those, fetches none.
+                    timed = measure(loader, args.batches, gpu_decoders.get(key), drain=cache_pass == "cold")
                     measured[key].append((*timed, *(a - b for a, b in zip(cached_chunks(cache), before, strict=True))))
     rows = []
     for (source, cache_pass, decode, workers), results in measured.items():
@@ -331,10 +335,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.stream and args.synthetic:
         fail("--stream is timed beside the images it was converted from: pass them as --data-dir (SRC/train of "
              "python -m ddp_recipes.data.convert SRC DEST), not --synthetic", PROG)
-    doc = Path(args.doc) if args.doc else None
-    if doc and not (doc.is_file() and BEGIN in doc.read_text() and END in doc.read_text()):
-        fail(f"--doc {doc} is not a file with a {BEGIN} ... {END} block; add the two markers where the table goes",
-             PROG)
+    if args.doc and not (Path(args.doc).is_file() and all(m in Path(args.doc).read_text() for m in (BEGIN, END))):
+        fail(f"--doc {args.doc} is not a file with a {BEGIN} ... {END} block; add the two markers where the table "
+             "goes", PROG)
     # One epoch must hold every batch the clock skips (the first, and what the workers have in flight then)
     # and every timed one: fewer, and the rate would be of a short tail, or 0.
     skipped = 1 + PREFETCH * max(args.workers)
