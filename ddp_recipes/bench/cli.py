@@ -2,6 +2,7 @@
 
 ``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``), the checkout's ``tests.gpucheck``,
 ``bench.memory`` and ``bench.jpeg_folder`` all parse with :class:`OneLineParser`; a subparser of it is one too.
+:func:`measuring_args` is the command line a generated table quotes (``bench account``, ``bench loader``).
 """
 
 from __future__ import annotations
@@ -34,3 +35,18 @@ def config_from(cls: type[C], args: argparse.Namespace) -> C:
     fields = [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]  # type: ignore[arg-type]
     values: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields}
     return cls(**values)
+
+
+def measuring_args(argv: list[str]) -> list[str]:
+    """The arguments that decide the figures: ``--out`` and ``--doc`` only say where they went (and a doc must
+    not carry one machine's paths)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--doc"):
+            skip = True
+        elif not arg.startswith(("--out=", "--doc=")):
+            kept.append(arg)
+    return kept

@@ -3,6 +3,7 @@
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8 --image-size 224
     python -m ddp_recipes.bench loader --synthetic 1024 --workers 0,1,2 --decode pil,gpu
     python -m ddp_recipes.bench loader --data-dir DIR --decode pil,tensor --target-images-per-s 3000
+    python -m ddp_recipes.bench loader --data-dir SRC/train --stream s3://bucket/SRC --doc docs/benchmark.md
 
 Measures images/s of the recipe's ImageFolder training pipeline (decode, RandomResizedCrop, flip, to float,
 normalize; batches collated) on real image files, or on ``--synthetic N`` real-size JPEGs the bench writes
@@ -18,7 +19,13 @@ itself (about 500 x 375, :mod:`ddp_recipes.bench.jpeg_folder`), per DataLoader w
   refuses (ImageNet holds PNG and CMYK files named .JPEG) is decoded on the CPU instead; the row counts
   these ``cpu_fallbacks``. ``--gpu-decode`` adds the ``gpu`` path on CUDA (and needs CUDA).
 
-Each (path, workers) cell is measured ``--repeats`` times, interleaved; the report gives the median and
+``--stream DEST`` adds the same images as a stream (what ``python -m ddp_recipes.data.convert SRC DEST`` wrote
+from ``--data-dir``'s ``SRC/train``): rows of the recipe's ``--data stream`` training set
+(:class:`~ddp_recipes.data.stream.StreamImageDataModule`, ``pil`` and ``gpu`` paths), interleaved with the
+folder's. From a bucket each round is timed twice: from an empty download cache (cold: what a new node or a job
+restarted after preemption meets), then warm (the same samples again, from the chunks the cold pass fetched).
+
+Each (source, path, workers) cell is measured ``--repeats`` times, interleaved; the report gives the median and
 range, images/s per worker, and with ``--target-images-per-s`` (e.g. one GPU's training rate x GPUs per
 node) the workers each path needs. Worker start-up and the first batch are not in the rate; the time to
 the first batch is reported apart: it is what ``persistent_workers=True`` (the pack's loaders) saves at
@@ -28,6 +35,7 @@ every epoch after the first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -41,13 +49,15 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ddp_recipes.bench.cli import measuring_args
 from ddp_recipes.config.cli import fail
 from ddp_recipes.data.device_decode import DeviceDecoder
+from ddp_recipes.errors import ConfigError
 
 PROG = "python -m ddp_recipes.bench loader"
 DECODERS = ("pil", "tensor", "gpu")
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 SYNTHETIC_CLASSES = 4
+BEGIN, END = "<!-- bench-loader:begin -->", "<!-- bench-loader:end -->"
 
 
 class _TensorFolder(Dataset):
@@ -73,24 +83,36 @@ def train_transform(image_size: int):
     return imagenet_train_transform(image_size)
 
 
-def build_loader(root: Path, decode: str, workers: int, batch_size: int, image_size: int,
-                 pin_memory: bool = False) -> DataLoader:
+def folder_dataset(root: Path, decode: str, image_size: int) -> Dataset:
+    """The ImageFolder's training samples as the ``decode`` path reads them."""
     from torchvision import datasets
 
     from ddp_recipes.data.encoded import EncodedImageFolder, TrainPipeline
 
     folder = datasets.ImageFolder(os.fspath(root), transform=train_transform(image_size))
-    collate = None
     if decode == "pil":
-        dataset: Dataset = folder
-    elif decode == "gpu":  # the recipe's --decode gpu: bytes and draws here, the decode on the device
-        dataset = EncodedImageFolder(folder.samples, TrainPipeline(image_size))
-        collate = dataset.collate
-    else:
-        dataset = _TensorFolder(folder.samples, train_transform(image_size))
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, collate_fn=collate,
-                      pin_memory=pin_memory, persistent_workers=False, drop_last=True,
-                      prefetch_factor=PREFETCH if workers else None, generator=torch.Generator().manual_seed(0))
+        return folder
+    if decode == "gpu":  # the recipe's --decode gpu: bytes and draws here, the decode on the device
+        return EncodedImageFolder(folder.samples, TrainPipeline(image_size))
+    return _TensorFolder(folder.samples, train_transform(image_size))
+
+
+def stream_dataset(stream: str, decode: str, image_size: int, cache: str | None) -> Dataset:
+    """The recipe's ``--data stream`` training set over ``stream``, a bucket's chunks downloaded into ``cache``."""
+    from ddp_recipes.data.stream import StreamImageDataModule
+
+    data = StreamImageDataModule(stream, image_size=image_size, decode="gpu" if decode == "gpu" else "cpu",
+                                 cache=cache)
+    data.setup("fit")
+    return data.train_set
+
+
+def build_loader(dataset: Dataset, workers: int, batch_size: int, pin_memory: bool = False) -> DataLoader:
+    # The same seed for every loader: a cell's passes read the same samples in the same order.
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                      collate_fn=getattr(dataset, "collate", None), pin_memory=pin_memory, persistent_workers=False,
+                      drop_last=True, prefetch_factor=PREFETCH if workers else None,
+                      generator=torch.Generator().manual_seed(0))
 
 
 PREFETCH = 2  # batches in flight per worker (torch's default), skipped untimed by measure()
@@ -116,9 +138,10 @@ class GpuDecoder:
         return images
 
 
-def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = None) -> tuple[float, float]:
-    """(images/s over ``batches`` batches in steady state, seconds to the first batch). The second is what
-    starting the workers costs, at every epoch unless ``persistent_workers`` keeps them.
+def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = None,
+            drain: bool = False) -> tuple[float, float, int]:
+    """(images/s over ``batches`` batches in steady state, seconds to the first batch, images timed). The second
+    is what starting the workers costs, at every epoch unless ``persistent_workers`` keeps them.
 
     When the first batch arrives, the workers already have up to ``prefetch_factor`` batches each in
     flight; the clock starts only after those, so the rate is what the pipeline sustains, not a head start.
@@ -144,7 +167,9 @@ def measure(loader: DataLoader, batches: int, gpu_decoder: GpuDecoder | None = N
     seconds = time.perf_counter() - start if start is not None else 0.0
     if not images or seconds <= 0:  # never a 0 reported as a rate
         raise RuntimeError(f"bench loader timed no batch (the loader gave {i + 1} of {1 + in_flight + batches})")
-    return images / seconds, (first or began) - began
+    for _ in range(in_flight if drain else 0):  # untimed: every sample the workers were sent is read
+        next(it, None)
+    return images / seconds, (first or began) - began, images
 
 
 def gpu_device(args: argparse.Namespace) -> torch.device:
@@ -160,60 +185,98 @@ def decode_label(decode: str, device: str | None) -> str:
 
 
 def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from ddp_recipes.data.stream import cached_chunks
+    from ddp_recipes.storage import Url, absolute
+    from ddp_recipes.storage.store import cache_dir
+
     decoders = list(dict.fromkeys([d for d in args.decode.split(",") if d] + (["gpu"] if args.gpu_decode else [])))
     device = gpu_device(args)
-    cells = [(d, w) for d in decoders for w in args.workers]
-    measured: dict[tuple[str, int], list[tuple[float, float]]] = {cell: [] for cell in cells}
-    # One decoder per cell: each counts the files of its own cell that fell back to the CPU.
-    gpu_decoders = {cell: GpuDecoder(device) for cell in cells if cell[0] == "gpu"}
+    # The recipe reads a stream's bytes with PIL (--decode cpu) or decode_jpeg (--decode gpu): no tensor path.
+    cells = [(s, d, w) for s in ["folder"] + (["stream"] if args.stream else []) for d in decoders
+             for w in args.workers if s == "folder" or d != "tensor"]
+    remote = bool(args.stream) and isinstance(absolute(args.stream), Url)
+    passes = {"folder": [None], "stream": ["cold", "warm"] if remote else [None]}
+    measured: dict[tuple, list[tuple]] = {(s, c, d, w): [] for s, d, w in cells for c in passes[s]}
+    # One decoder per row: each counts the files of its own row that fell back to the CPU.
+    gpu_decoders = {key: GpuDecoder(device) for key in measured if key[2] == "gpu"}
+    load_start = round(os.getloadavg()[0], 2)
     for round_no in range(args.repeats):
-        for decode, workers in (cells if round_no % 2 == 0 else cells[::-1]):
-            print(f"round {round_no + 1}: {decode:<6} {workers} worker(s) ...", file=sys.stderr, flush=True)
-            loader = build_loader(root, decode, workers, args.batch_size, args.image_size,
-                                  pin_memory=decode == "gpu" and device.type == "cuda")
-            measured[(decode, workers)].append(
-                measure(loader, args.batches, gpu_decoders.get((decode, workers))))
+        for source, decode, workers in (cells if round_no % 2 == 0 else cells[::-1]):
+            print(f"round {round_no + 1}: {source:<6} {decode:<6} {workers} worker(s) ...", file=sys.stderr, flush=True)
+            # Cold: an empty cache each round, what a new node or a job restarted after preemption meets. Warm:
+            # a second loader with the same seed reads the same samples from what the cold pass downloaded.
+            with (tempfile.TemporaryDirectory(prefix="bench-stream-", dir=cache_dir()) if remote and source == "stream"
+                  else contextlib.nullcontext()) as cache:
+                for cache_pass in passes[source]:
+                    dataset = (folder_dataset(root, decode, args.image_size) if source == "folder" else
+                               stream_dataset(args.stream, decode, args.image_size, cache))
+                    loader = build_loader(dataset, workers, args.batch_size,
+                                          pin_memory=decode == "gpu" and device.type == "cuda")
+                    key, before = (source, cache_pass, decode, workers), cached_chunks(cache)
+                    # The cold pass drains its workers, so the warm one, sent no sample beyond those, fetches none.
+                    timed = measure(loader, args.batches, gpu_decoders.get(key), drain=cache_pass == "cold")
+                    measured[key].append((*timed, *(a - b for a, b in zip(cached_chunks(cache), before, strict=True))))
     rows = []
-    for (decode, workers), results in measured.items():
-        rates = [rate for rate, _ in results]
+    for (source, cache_pass, decode, workers), results in measured.items():
+        rates = [rate for rate, *_ in results]
         median = statistics.median(rates)
-        row = {"decode": decode, "workers": workers, "images_per_s": round(median, 1),
-               "range": [round(min(rates), 1), round(max(rates), 1)], "repeats": len(rates),
+        row = {"source": source, "cache": cache_pass, "decode": decode, "workers": workers,
+               "images_per_s": round(median, 1), "range": [round(min(rates), 1), round(max(rates), 1)],
+               "repeats": len(rates), "images_timed": [r[2] for r in results],
                "images_per_s_per_worker": round(median / max(1, workers), 1),
-               "first_batch_s": round(statistics.median(first for _, first in results), 3)}
-        if (decode, workers) in gpu_decoders:
+               "first_batch_s": round(statistics.median(r[1] for r in results), 3)}
+        if cache_pass:
+            row.update(chunks_fetched=[r[3] for r in results], fetched_bytes=[r[4] for r in results])
+        if (source, cache_pass, decode, workers) in gpu_decoders:
             # The decode runs in the main process: a worker only reads bytes and draws, so no per-worker rate.
-            row.update(device=str(device), images_per_s_per_worker=None,
-                       cpu_fallbacks=gpu_decoders[(decode, workers)].fallbacks)  # over the cell's rounds
+            row.update(device=str(device), images_per_s_per_worker=None,  # fallbacks: over the row's rounds
+                       cpu_fallbacks=gpu_decoders[(source, cache_pass, decode, workers)].fallbacks)
         if args.target_images_per_s and decode != "gpu":
             per_worker = median / max(1, workers) if workers else median
             row["workers_for_target"] = math.ceil(args.target_images_per_s / per_worker) if per_worker else None
         rows.append(row)
-    return {"data_dir": os.fspath(root) if args.data_dir else None, "synthetic": args.synthetic or None,
-            "images": len(build_loader(root, "pil", 0, 1, args.image_size).dataset),
+    return {"command": " ".join([PROG, *measuring_args(getattr(args, "command_argv", []))]),
+            "started": time.strftime("%Y-%m-%d"), "load_average": [load_start, round(os.getloadavg()[0], 2)],
+            "data_dir": os.fspath(root) if args.data_dir else None, "synthetic": args.synthetic or None,
+            "stream": args.stream, "images": len(folder_dataset(root, "pil", args.image_size)),
             "batch_size": args.batch_size, "image_size": args.image_size, "batches": args.batches,
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "target_images_per_s": args.target_images_per_s, "rows": rows}
+            "torch_threads": torch.get_num_threads(), "target_images_per_s": args.target_images_per_s, "rows": rows}
+
+
+def source_label(row: dict[str, Any]) -> str:
+    return row["source"] + (f", {row['cache']} cache" if row.get("cache") else "")
 
 
 def format_rows(result: dict[str, Any]) -> str:
-    target = result.get("target_images_per_s")
+    target, remote = result.get("target_images_per_s"), any(r.get("cache") for r in result["rows"])
     where = (f"{result['images']} synthetic JPEGs (about 500 x 375, made by the bench)" if result.get("synthetic")
              else f"{result['images']} images under {result['data_dir']}")
-    lines = [f"{where}, batch {result['batch_size']}, {result['image_size']} px, {result['usable_cpus']} usable CPUs",
-             "", "| decode | workers | images/s (median) | range | per worker | first batch s |"
-             + (" workers for target |" if target else ""),
-             "| --- | ---: | ---: | --- | ---: | ---: |" + (" ---: |" if target else "")]
+    lines = [f"Generated by `{result['command']}` ({result['started']}; 1-minute load average "
+             f"{result['load_average'][0]} at start, {result['load_average'][1]} at end): {where}, batch "
+             f"{result['batch_size']}, {result['image_size']} px, {result['usable_cpus']} usable CPUs, "
+             f"{result['torch_threads']} torch thread(s) in the main process (a worker has 1)"
+             + (f"; stream: the same images converted, at {result['stream']}" if result.get("stream") else ""), ""]
+    if remote:
+        lines += ["Cold cache: each round starts from an empty download cache, as a new node or a job restarted after "
+                  "preemption does; warm: right after, a loader with the same seed reads the same samples again from "
+                  "the chunks the cold pass downloaded. Chunks fetched (MB): the median per round.", ""]
+    lines += ["| source | decode | workers | images/s (median) | range | per worker | first batch s |"
+              + (" chunks fetched (MB) |" if remote else "") + (" workers for target |" if target else ""),
+              "| --- | --- | ---: | ---: | --- | ---: | ---: |" + (" ---: |" if remote else "")
+              + (" ---: |" if target else "")]
     for r in result["rows"]:
         per_worker = r["images_per_s_per_worker"] if r["images_per_s_per_worker"] is not None else "-"
-        lines.append(f"| {decode_label(r['decode'], r.get('device'))} | {r['workers']} | {r['images_per_s']} | "
-                     f"{r['range'][0]}-{r['range'][1]} | {per_worker} | {r['first_batch_s']} |"
-                     + (f" {r.get('workers_for_target', '-')} |" if target else ""))
+        fetch = (f" {statistics.median(r['chunks_fetched']):g} ({statistics.median(r['fetched_bytes']) / 1e6:.1f}) |"
+                 if r.get("cache") else " - |") if remote else ""
+        lines.append(f"| {source_label(r)} | {decode_label(r['decode'], r.get('device'))} | {r['workers']} | "
+                     f"{r['images_per_s']} | {r['range'][0]}-{r['range'][1]} | {per_worker} | {r['first_batch_s']} |"
+                     + fetch + (f" {r.get('workers_for_target', '-')} |" if target else ""))
     gpu = [r for r in result["rows"] if r["decode"] == "gpu"]
     if gpu and gpu[0].get("device") == "cpu":
         lines += ["", "gpu (on cpu): the recipe's --decode gpu path with torchvision's CPU decode_jpeg in the main "
                       "process (no CUDA here): it measures that path on this CPU, not nvJPEG on a GPU"]
-    fallbacks = {r["workers"]: r["cpu_fallbacks"] for r in gpu if r.get("cpu_fallbacks")}
+    fallbacks = {f"{source_label(r)}, {r['workers']}": r["cpu_fallbacks"] for r in gpu if r.get("cpu_fallbacks")}
     if fallbacks:
         lines += ["", "gpu: files decode_jpeg refused were decoded on the CPU instead (counted over the cell's "
                       "rounds): " + ", ".join(f"{w} worker(s): {n}" for w, n in fallbacks.items())]
@@ -236,7 +299,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per cell (median reported)")
     p.add_argument("--target-images-per-s", type=float, default=0.0,
                    help="images/s the node's GPUs train on: report the workers each CPU path needs")
+    p.add_argument("--stream", default="",
+                   help="also the same images as a stream (python -m ddp_recipes.data.convert's DEST: a folder or "
+                        "s3://bucket/prefix), timed beside --data-dir; a bucket's from a cold and a warm cache")
     p.add_argument("--out", default="bench-results/loader.json")
+    p.add_argument("--doc", default="", help=f"a markdown file whose {BEGIN} ... {END} block gets the table")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -265,6 +332,12 @@ def validate(args: argparse.Namespace) -> None:
     if (args.data_dir is None) == (not args.synthetic):
         fail("give --data-dir DIR (an ImageFolder tree) or --synthetic N (real-size JPEGs the bench writes), "
              "one of them", PROG)
+    if args.stream and args.synthetic:
+        fail("--stream is timed beside the images it was converted from: pass them as --data-dir (SRC/train of "
+             "python -m ddp_recipes.data.convert SRC DEST), not --synthetic", PROG)
+    if args.doc and not (Path(args.doc).is_file() and all(m in Path(args.doc).read_text() for m in (BEGIN, END))):
+        fail(f"--doc {args.doc} is not a file with a {BEGIN} ... {END} block; add the two markers where the table "
+             "goes", PROG)
     # One epoch must hold every batch the clock skips (the first, and what the workers have in flight then)
     # and every timed one: fewer, and the rate would be of a short tail, or 0.
     skipped = 1 + PREFETCH * max(args.workers)
@@ -279,11 +352,26 @@ def validate(args: argparse.Namespace) -> None:
     root = Path(args.data_dir)
     if not root.is_dir():
         fail(f"--data-dir {root} is not a folder; pass an ImageFolder tree (<dir>/<class>/<image>)", PROG)
+    from torchvision.datasets.folder import IMG_EXTENSIONS  # ImageFolder's and the converter's
+
     classes = [d for d in root.iterdir() if d.is_dir()]
-    found = sum(1 for c in classes for f in c.iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS)
+    found = sum(1 for c in classes for f in c.iterdir() if f.name.lower().endswith(IMG_EXTENSIONS))
     if not classes or found < needed:
         fail(f"--data-dir {root} holds {found} image(s) in {len(classes)} class folder(s); one epoch must hold "
              f"{why}", PROG)
+    if args.stream:
+        from ddp_recipes.data.litdata_lib import import_litdata
+        from ddp_recipes.data.stream import StreamImageDataModule
+
+        try:
+            import_litdata("--stream")
+            samples = StreamImageDataModule(args.stream).train_size
+        except ConfigError as err:
+            fail(err.cli({"data_dir": "stream"}), PROG)
+        if samples != found:
+            fail(f"--stream {args.stream} holds {samples} training images, --data-dir {root} {found}; pass the "
+                 "stream converted from --data-dir's images (python -m ddp_recipes.data.convert SRC DEST, with "
+                 "--data-dir SRC/train)", PROG)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -302,5 +390,9 @@ def run_command(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(format_rows(result))
-    print(f"wrote {out}")
+    if args.doc:
+        from ddp_recipes.bench.account.report import rewrite_doc
+
+        rewrite_doc(Path(args.doc), format_rows(result), BEGIN, END)
+    print(f"wrote {out}" + (f" and the table in {args.doc}" if args.doc else ""))
     return 0

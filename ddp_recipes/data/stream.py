@@ -272,20 +272,28 @@ def _size(path: Path | Url) -> int | None:
         raise MissingDataError(f"{{data_dir}}: {lit(reason(err))}", "data_dir") from None
 
 
+def cached_chunks(cache: str | os.PathLike | None) -> tuple[int, int]:
+    """(chunk files, bytes) in a stream's download cache (litdata keeps them in subfolders of it)."""
+    chunks = list(Path(cache).rglob("chunk-*.bin")) if cache else []
+    return len(chunks), sum(chunk.stat().st_size for chunk in chunks)
+
+
 class StreamImageDataModule(ImageFolderDataModule):
     """:class:`ImageFolderDataModule` (its pipelines, ``--decode gpu``, its loaders) over a converted stream.
 
     ``data_dir``: the converter's DEST, a local folder or a bucket URL holding ``classes.json`` and
     ``train/`` (``val/`` when converted; without it there is no validation). Class names and sample counts
     come from ``classes.json``, read (with ``train/index.json`` checked) by :meth:`check_layout` before any
-    rank starts.
+    rank starts. ``cache``: the folder a bucket's chunks are downloaded into (default: ``stream/`` in the
+    process's download cache, :func:`~ddp_recipes.storage.store.cache_dir`); a local stream is read in place.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, data_dir: str | os.PathLike, *args: Any, cache: str | os.PathLike | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(data_dir, *args, **kwargs)
         self.data_dir = absolute(data_dir)  # type: ignore[assignment] - a Url too, not only a Path
         self._record: dict[str, Any] | None = None
-        self.cache: Path | None = None
+        self.cache: Path | None = None if cache is None else Path(cache)
 
     @property
     def record(self) -> dict[str, Any]:
@@ -317,7 +325,10 @@ class StreamImageDataModule(ImageFolderDataModule):
         if self.train_set is not None:
             return
         url = str(self.data_dir)
-        self.cache = cache_dir() / "stream" if isinstance(self.data_dir, Url) else None
+        if not isinstance(self.data_dir, Url):
+            self.cache = None
+        elif self.cache is None:
+            self.cache = cache_dir() / "stream"
         splits = {name: StreamSplit(f"{url.rstrip('/')}/{name}", int(entry["samples"]),
                                     None if self.cache is None else str(self.cache / name))
                   for name, entry in self.record["splits"].items() if name in ("train", "val")}

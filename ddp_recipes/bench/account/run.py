@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddp_recipes.bench.cli import measuring_args
 from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
 from ddp_recipes.bench.speedup import run as speedup
 from ddp_recipes.errors import ConfigError
@@ -207,21 +208,6 @@ def _components(text: str) -> list[str]:
     return names
 
 
-def _measuring_args(argv: list[str]) -> list[str]:
-    """The arguments that decide the figures: ``--out`` and ``--doc`` only say where they went (and a doc must
-    not carry one machine's paths)."""
-    kept: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--out", "--doc"):
-            skip = True
-        elif not arg.startswith(("--out=", "--doc=")):
-            kept.append(arg)
-    return kept
-
-
 def run_command(args: argparse.Namespace) -> int:
     """``bench account``: measure (or read ``--from``), write account.json/.md, print and rewrite ``--doc``."""
     from ddp_recipes.bench.account.report import markdown, rewrite_doc
@@ -247,7 +233,7 @@ def run_command(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         started = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
-        command = " ".join([PROG, *_measuring_args(args.command_argv)])
+        command = " ".join([PROG, *measuring_args(args.command_argv)])
         load_start = _load()
         rows = measure(settings, labels(components), args.rounds, out,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
