@@ -42,6 +42,7 @@ class _Faults:
         self.stalled = threading.Event()
         self.frozen_until = 0.0  # time.monotonic() until which every request waits (a store that stopped answering)
         self.release = threading.Event()
+        self.log: list[tuple[str, str]] = []  # (method, path) of every request, in arrival order
 
     def __call__(self, environ: dict, start_response: Callable) -> Any:
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
@@ -49,6 +50,7 @@ class _Faults:
         if frozen > 0:
             time.sleep(frozen)
         with self.lock:
+            self.log.append((method, path))
             if self.fail_trigger is not None and self.fail_trigger(method, path):
                 self.fail_trigger = None  # armed: this request and the next ones fail
             failing = self.fail_trigger is None and self.failures_left > 0
@@ -150,6 +152,11 @@ class S3Server:
         request = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=after.encode(), method="POST",
                                          headers={"Content-Type": "text/plain"})
         urllib.request.urlopen(request, timeout=30).read()
+
+    def requests(self, method: str, prefix: str) -> list[str]:
+        """The paths (``/bucket/key``) of the ``method`` requests under ``prefix`` so far, in arrival order."""
+        with self.faults.lock:
+            return [path for m, path in self.faults.log if m == method and path.startswith(prefix)]
 
     def reset_faults(self) -> None:
         with self.faults.lock:

@@ -10,9 +10,10 @@ apply unchanged. Same seed and flags, same images: the same batches and crops as
 
 Each process (a rank, each of its loader workers) opens the stream itself on first use: litdata reads the
 world size and worker at construction and holds threads and file handles, so an opened dataset never crosses
-a process boundary (pickling drops it). A bucket's chunks are downloaded into a folder of the rank's own
-cache (:func:`ddp_recipes.storage.store.cache_dir`: ``DDP_RECIPES_CACHE_DIR`` or a temp folder), shared by its
-loader workers through litdata's file locks and removed when the rank exits; a local stream is read in place.
+a process boundary (pickling drops it). A bucket's chunks are downloaded into the node's folder for the dataset
+(:mod:`ddp_recipes.data.node_cache`), shared by every rank on the node and their loader workers through litdata's
+file locks (each chunk downloaded once per node) and removed when the last of them exits; a local stream is read in
+place.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from ddp_recipes.data.convert_dest import CLASSES_FILE, FORMAT, missing_chunks
 from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
 from ddp_recipes.data.images import ImageFolderDataModule
 from ddp_recipes.data.litdata_lib import import_litdata
+from ddp_recipes.data.node_cache import dataset_key, join
 from ddp_recipes.data.unreadable import unreadable
 from ddp_recipes.errors import MissingDataError, lit
 from ddp_recipes.storage import Url, absolute
 from ddp_recipes.storage.retry import StorageError, filesystem, reason, retrying
-from ddp_recipes.storage.store import cache_dir, read_bytes, size
+from ddp_recipes.storage.store import read_bytes, size
 
 CONVERT = "python -m ddp_recipes.data.convert SRC DIR"
 # litdata's boto3 client retries 1000 times by default (a store that is down hangs the run); these bound it.
@@ -244,7 +246,10 @@ class StreamImageDataModule(ImageFolderDataModule):
         if self.train_set is not None:
             return
         url = str(self.data_dir)
-        self.cache = cache_dir() / "stream" if isinstance(self.data_dir, Url) else None
+        if isinstance(self.data_dir, Url):
+            splits_read = [name for name in self.record["splits"] if name in ("train", "val")]
+            indexes = {name: read_bytes(self.data_dir / name / "index.json") for name in splits_read}
+            self.cache = join(dataset_key(url, indexes))
         splits = {name: StreamSplit(f"{url.rstrip('/')}/{name}", int(entry["samples"]),
                                     None if self.cache is None else str(self.cache / name))
                   for name, entry in self.record["splits"].items() if name in ("train", "val")}

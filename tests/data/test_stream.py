@@ -102,6 +102,39 @@ def test_loader_workers_open_the_bucket_themselves(s3_stream):
     assert dm.cache is not None and dm.cache.is_dir()
 
 
+# A rank's view of the stream, through the pack's classes: opened, read whole (train, then val) once both are ready.
+READER = """
+import sys, time
+from pathlib import Path
+from ddp_recipes.data.stream import StreamImageDataModule
+dm = StreamImageDataModule(sys.argv[1], batch_size=4, image_size=16, num_workers=0)
+dm.setup("fit")
+ready = Path(sys.argv[2])
+(ready / sys.argv[3]).touch()
+while len(list(ready.iterdir())) < 2:  # both open before either reads: they race for the same chunks
+    time.sleep(0.01)
+for split in (dm.train_set.split, dm.val_set.split):
+    for i in range(len(split)):
+        split[i]
+print("cache", dm.cache, flush=True)
+"""
+
+
+def test_two_processes_on_a_node_download_each_chunk_once_and_leave_no_cache(s3_stream, s3, tmp_path):
+    bucket, prefix = s3_stream.removeprefix("s3://").split("/", 1)
+    chunks = [f"/{bucket}/{key}" for key in s3.keys(bucket, prefix) if "/chunk-" in key]
+    cache, ready = tmp_path / "cache", tmp_path / "ready"
+    ready.mkdir()
+    before = len(s3.requests("GET", f"/{bucket}/{prefix}/"))
+    readers = [start(["-c", READER, s3_stream, ready, str(n)], env={"DDP_RECIPES_CACHE_DIR": str(cache)},
+                     port=False) for n in range(2)]
+    folders = {Path(r.finish(timeout=300, check=True).stdout.split("cache ", 1)[1].strip()) for r in readers}
+    gets = [path for path in s3.requests("GET", f"/{bucket}/{prefix}/")[before:] if "/chunk-" in path]
+    assert sorted(gets) == sorted(chunks), f"{len(gets)} chunk GETs for the {len(chunks)} chunks: not once each"
+    assert len(folders) == 1 and folders.pop().parent == cache / "stream"
+    assert [p.name for p in (cache / "stream").iterdir()] == [".lock"], "the node's cache outlived its readers"
+
+
 def test_the_gpu_decode_path_reads_the_streams_bytes(local_stream, images):
     dm = datamodule(local_stream, decode="gpu")
     data, label, draws, name = dm.train_set[0]
