@@ -48,7 +48,7 @@ except ImportError:  # Windows
 KEY = re.compile(r"[0-9a-f]{24}")  # only folders of this name are ever removed: nothing else under the root is ours
 LEASES = "leases"
 
-_held: dict[Path, int] = {}  # folder -> the open, locked lease of this process
+_held: dict[Path, tuple[int, Path | None]] = {}  # folder -> this process's open, locked lease and its file
 _owner: int | None = None  # the pid _held belongs to: a forked child inherits the dict, not the leases' ownership
 
 
@@ -85,7 +85,7 @@ def join(key: str) -> Path:
     if fcntl is None:
         folder = root / f"{key}-pid-{os.getpid()}"  # not a KEY name: removed by this process only
         folder.mkdir(parents=True, exist_ok=True)
-        _held[folder] = -1
+        _held[folder] = (-1, None)
         return folder
     root.mkdir(parents=True, exist_ok=True)
     with _root_locked(root):
@@ -94,7 +94,7 @@ def join(key: str) -> Path:
         lease = folder / LEASES / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         fd = os.open(lease, os.O_CREAT | os.O_RDWR, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)  # never blocks: the name is new
-        _held[folder] = fd
+        _held[folder] = (fd, lease)
     return folder
 
 
@@ -151,12 +151,12 @@ def _leave() -> None:
     if _owner != os.getpid():
         return
     roots = {folder.parent for folder in _held}
-    for folder, fd in _held.items():
-        if fd < 0:
+    for folder, (fd, lease) in _held.items():
+        if lease is None:
             shutil.rmtree(folder, ignore_errors=True)
             continue
-        for lease in (folder / LEASES).glob(f"{socket.gethostname()}-{os.getpid()}-*"):
-            lease.unlink(missing_ok=True)
+        # By its own path: containers sharing a volume can show the same host name and pid.
+        lease.unlink(missing_ok=True)
         os.close(fd)
     _held.clear()
     for root in roots:
