@@ -12,12 +12,13 @@ Who uses a folder is recorded by leases: each process that joins creates ``lease
 exclusive ``flock`` on it for its life. The kernel drops a flock when its process dies, SIGKILL included, so a lease
 that can be locked belongs to a dead process. No pids (reused, and meaningless across containers sharing a volume)
 and no clocks are involved. A folder whose leases can all be locked is removed by the last process leaving it (at
-exit) and by every join (a later run on the node removes a killed run's leftovers). Joining and collecting hold the
-root's lock, so a folder is never removed between its creation and its first lease.
+its exit) and by every join (a later run on the node removes a killed run's leftovers). Joining and collecting hold
+the root's lock, so a folder is never removed between its creation and its first lease.
 
-A rank's lease covers its loader workers: they are its children, stop with it (torch's worker watchdog) and hold no
-lease of their own (a worker exits through ``os._exit``, past any exit hook). A forked worker shares its rank's
-locked file, so the lease stays held while the worker outlives a killed rank.
+A rank's lease covers its loader workers: they are its children and stop with it (torch's worker watchdog). They
+take none of their own: persistent workers are still alive when their rank's exit hook runs, and their leases would
+keep the folder after every finished run. A forked worker shares its rank's locked file, so the lease stays held
+while a worker outlives a killed rank.
 
 Where: ``$DDP_RECIPES_CACHE_DIR/stream`` (give it the node's local disk: on Kubernetes an ``emptyDir`` volume), else
 the temp folder's ``ddp-recipes-stream-<uid>``. Without ``flock`` (Windows) each process keeps a folder of its own,
@@ -26,7 +27,6 @@ removed at its exit.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import os
@@ -36,6 +36,7 @@ import socket
 import tempfile
 import uuid
 from collections.abc import Iterator
+from multiprocessing.util import Finalize
 from pathlib import Path
 
 from ddp_recipes.storage.store import CACHE_ENV
@@ -77,7 +78,9 @@ def join(key: str) -> Path:
     if _owner != os.getpid():  # a forked child: the parent's leases are the parent's
         _held.clear()
         _owner = os.getpid()
-        atexit.register(_leave)
+        # multiprocessing's exit hook, not atexit: it also runs in a rank that Lightning's fork launcher started
+        # (a multiprocessing child, which ends in os._exit); a forked loader worker starts with it emptied.
+        Finalize(None, _leave, exitpriority=0)
     root = cache_root()
     folder = root / key
     if folder in _held:

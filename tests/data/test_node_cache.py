@@ -51,16 +51,44 @@ def test_a_killed_processs_folder_goes_at_the_next_join_and_a_live_ones_stays(tm
     (killed, dead), (alive, live) = hold("d" * 24, go / "d", cache), hold("e" * 24, go / "e", cache)
     killed.kill()  # SIGKILL: no exit hook runs
     assert (dead / "chunk.bin").is_file()
-    joined = run(["-c", "from ddp_recipes.data.node_cache import join; print(join('f' * 24))"], check=True,
-                 timeout=120, env={"DDP_RECIPES_CACHE_DIR": str(cache)}, port=False)
-    assert Path(joined.stdout.strip()).name == "f" * 24 and not Path(joined.stdout.strip()).exists()
-    assert not dead.exists(), "a SIGKILLed process's folder outlived the next join"
+    script = "import sys, pathlib; from ddp_recipes.data.node_cache import join; join('f' * 24); " \
+             "print(pathlib.Path(sys.argv[1]).exists(), pathlib.Path(sys.argv[2]).exists())"
+    joined = run(["-c", script, dead, live], check=True, timeout=120, env={"DDP_RECIPES_CACHE_DIR": str(cache)},
+                 port=False)
+    assert joined.stdout.split() == ["False", "True"], "at the next join: the dead folder gone, the live one kept"
+    assert not dead.exists() and not (cache / "stream" / ("f" * 24)).exists()
     assert (live / "chunk.bin").is_file(), "a live process's chunks were deleted under it"
     alive.signal(signal.SIGTERM)  # Python's default SIGTERM: no exit hook either
     alive.finish(timeout=60)
     assert (live / "chunk.bin").is_file()
     monkeypatch.setenv("DDP_RECIPES_CACHE_DIR", str(cache))
     assert collect() == [live] and not live.exists()
+
+
+FORKED = """
+import multiprocessing, sys
+from ddp_recipes.data.node_cache import join
+
+def rank(queue):
+    queue.put(str(join(sys.argv[1])))
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=rank, args=(queue,))
+    child.start()
+    print("joined", queue.get(), flush=True)
+    child.join()
+    assert child.exitcode == 0
+"""
+
+
+def test_a_rank_started_by_fork_leaves_at_its_exit(tmp_path):
+    """Lightning's fork launcher: a multiprocessing child ends in os._exit, past atexit."""
+    done = run(["-c", FORKED, "c" * 24], check=True, timeout=120, env={"DDP_RECIPES_CACHE_DIR": str(tmp_path)},
+               port=False)
+    folder = Path(done.stdout.split("joined ", 1)[1].strip())
+    assert folder.parent == tmp_path / "stream" and not folder.exists()
 
 
 def test_the_key_is_the_url_and_every_index():
