@@ -6,6 +6,8 @@ this module alone with ``pytest -p tests.marks``, without the torch import that 
 gpu-check's compiled checks are 'no verdict' (Triton cannot build its C helper: no C compiler or no
 ``Python.h``), so that the gpu tier does not fail where those checks have no verdict.
 
+``@needs_litdata``: the test needs the ``stream`` extra; it skips naming it.
+
 ``@needs_mnist``: the test reads the shared mini-MNIST (``tests.helpers.SHARED_DATA``); it skips, saying so,
 where that folder is missing or hidden (``DDP_RECIPES_SHARED_DATA=none``).
 """
@@ -13,6 +15,7 @@ where that folder is missing or hidden (``DDP_RECIPES_SHARED_DATA=none``).
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 
@@ -20,6 +23,9 @@ from tests.helpers import SHARED_DATA
 
 HAVE_MNIST = (SHARED_DATA / "MNIST").exists()
 needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason="shared mini-MNIST missing")
+# (the extra's install line is spelled out: importing ddp_recipes here would cost the marks-only load its speed)
+needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None,
+                                   reason="litdata is the stream extra: pip install 'ddp-recipes[stream]'")
 
 
 @functools.cache

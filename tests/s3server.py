@@ -4,7 +4,8 @@ The client side is never mocked: ``s3fs`` (the pack's code, Lightning's CSVLogge
 server through ``AWS_ENDPOINT_URL``. Faults are the server's own answers, injected by a WSGI layer in
 front of moto's application: :meth:`S3Server.fail` answers 503 to a run of requests (a store that is down
 for a while), :meth:`S3Server.stall` holds an upload after reading half its body (the uploading process
-can then be killed mid-write; moto never receives the object, as S3 never shows a cut upload).
+can then be killed mid-write; moto never receives the object, as S3 never shows a cut upload). Every request
+is logged: :meth:`S3Server.requests` counts what the clients really fetched (a chunk's GETs, say).
 """
 
 from __future__ import annotations
@@ -157,6 +158,12 @@ class S3Server:
         request = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=after.encode(), method="POST",
                                          headers={"Content-Type": "text/plain"})
         urllib.request.urlopen(request, timeout=30).read()
+
+    def paths(self, method: str, prefix: str) -> list[str]:
+        """The paths (``/bucket/key``) of the ``method`` requests under ``prefix`` so far, in arrival order."""
+        with self.faults.lock:
+            asked = [request.split(" ", 1) for request in self.faults.requests]
+        return [path for m, path in asked if m == method and path.startswith(prefix)]
 
     def reset_faults(self) -> None:
         with self.faults.lock:

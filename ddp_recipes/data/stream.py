@@ -12,9 +12,9 @@ Each process (a rank, each of its loader workers) opens the stream itself on fir
 world size and worker at construction and holds threads and file handles, so an opened dataset never crosses
 a process boundary (pickling drops it). A bucket's chunks are downloaded by the process that first reads one of
 their samples, through the pack's storage layer (its retries, its one-line failure), into litdata's folder in the
-rank's own cache (:func:`ddp_recipes.storage.store.cache_dir`: ``DDP_RECIPES_CACHE_DIR`` or a temp folder), where
-litdata finds them; the rank's loader workers share it, and it is removed when the rank exits. A local stream is
-read in place.
+node's cache for the dataset (:mod:`ddp_recipes.data.node_cache`), where litdata finds them: shared by every rank
+on the node and their loader workers (each chunk downloaded once per node, under litdata's per-chunk lock) and
+removed when the last of them exits. A local stream is read in place.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ from ddp_recipes.data.convert_dest import CLASSES_FILE, FORMAT, missing_chunks
 from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipeline
 from ddp_recipes.data.images import ImageFolderDataModule, warn_not_jpeg
 from ddp_recipes.data.litdata_lib import import_litdata
+from ddp_recipes.data.node_cache import dataset_key, join
 from ddp_recipes.data.unreadable import unreadable
 from ddp_recipes.errors import MissingDataError, lit
 from ddp_recipes.storage import Url, absolute
 from ddp_recipes.storage.retry import StorageError, filesystem, reason, retrying
-from ddp_recipes.storage.store import cache_dir, download, read_bytes, size
+from ddp_recipes.storage.store import download, read_bytes, size
 
 CONVERT = "python -m ddp_recipes.data.convert SRC DIR"
 # litdata's boto3 client retries 1000 times by default (a store that is down hangs the run); these bound it.
@@ -284,8 +285,9 @@ class StreamImageDataModule(ImageFolderDataModule):
     ``data_dir``: the converter's DEST, a local folder or a bucket URL holding ``classes.json`` and
     ``train/`` (``val/`` when converted; without it there is no validation). Class names and sample counts
     come from ``classes.json``, read (with ``train/index.json`` checked) by :meth:`check_layout` before any
-    rank starts. ``cache``: the folder a bucket's chunks are downloaded into (default: ``stream/`` in the
-    process's download cache, :func:`~ddp_recipes.storage.store.cache_dir`); a local stream is read in place.
+    rank starts. ``cache``: the folder a bucket's chunks are downloaded into (default: the node's folder for
+    the dataset, :mod:`ddp_recipes.data.node_cache`, shared and removed by the node's processes; a folder given is
+    the caller's to remove); a local stream is read in place.
     """
 
     def __init__(self, data_dir: str | os.PathLike, *args: Any, cache: str | os.PathLike | None = None,
@@ -325,10 +327,12 @@ class StreamImageDataModule(ImageFolderDataModule):
         if self.train_set is not None:
             return
         url = str(self.data_dir)
-        if not isinstance(self.data_dir, Url):
+        if isinstance(self.data_dir, Url) and self.cache is None:  # (a cache given: the caller's, e.g. the bench's)
+            splits_read = [name for name in self.record["splits"] if name in ("train", "val")]
+            indexes = {name: read_bytes(self.data_dir / name / "index.json") for name in splits_read}
+            self.cache = join(dataset_key(url, indexes))
+        elif not isinstance(self.data_dir, Url):
             self.cache = None
-        elif self.cache is None:
-            self.cache = cache_dir() / "stream"
         splits = {name: StreamSplit(f"{url.rstrip('/')}/{name}", int(entry["samples"]),
                                     None if self.cache is None else str(self.cache / name))
                   for name, entry in self.record["splits"].items() if name in ("train", "val")}

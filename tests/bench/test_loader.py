@@ -14,9 +14,8 @@ from ddp_recipes.bench.loader import BEGIN, END
 from ddp_recipes.data.convert import main as convert
 from ddp_recipes.data.litdata_lib import STREAM_EXTRA
 from tests.helpers import refusal
+from tests.marks import needs_litdata
 
-needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None,
-                                   reason=f"litdata is the stream extra: {STREAM_EXTRA}")
 PROG = "python -m ddp_recipes.bench loader: error: "
 # 48 training PNGs in 4 KB chunks (a few images each): the timed samples span many chunks.
 CONVERT = ["--chunk-bytes", "4KB", "--workers", "1"]

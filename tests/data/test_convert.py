@@ -6,7 +6,6 @@ litdata is the ``stream`` extra: where it is missing (the lent GPU machine) the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -20,11 +19,10 @@ import pytest
 from ddp_recipes.data.convert import main
 from ddp_recipes.data.litdata_lib import STREAM_EXTRA, import_litdata
 from tests.helpers import refusal, write_jpeg_tree
+from tests.marks import needs_litdata
 
 ROOT = Path(__file__).resolve().parents[2]
 PROG = "python -m ddp_recipes.data.convert: error: "
-needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None,
-                                   reason=f"litdata is the stream extra: {STREAM_EXTRA}")
 FAST = ["--chunk-bytes", "8KB", "--workers", "2"]
 
 

@@ -9,23 +9,22 @@ tests/data/test_stream_stops.py.
 
 from __future__ import annotations
 
-import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from ddp_recipes.data.convert import main as convert
-from ddp_recipes.data.litdata_lib import STREAM_EXTRA
 from ddp_recipes.data.resumable import ResumableSampler
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from recipes.resnet import main as resnet
+from tests.data.stream_checks import PROG, cache_folders, chunk_counter, digest
 from tests.helpers import assert_same_weights, last_ckpt, refusal
+from tests.launch import start
+from tests.marks import needs_litdata
 
-needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None,
-                                   reason=f"litdata is the stream extra: {STREAM_EXTRA}")
 pytestmark = needs_litdata
-PROG = "python -m recipes.resnet: error: "
 # 48 training images in 4 KB chunks: about a dozen chunks, so a rank's shard spans many of them.
 CONVERT = ["--chunk-bytes", "4KB", "--workers", "1"]
 
@@ -98,6 +97,40 @@ def test_loader_workers_open_the_bucket_themselves(s3_stream):
     assert dm.cache is not None and dm.cache.is_dir()
 
 
+# A rank's view of the stream, through the pack's classes: opened, read whole (train, then val) once both are ready.
+READER = """
+import sys, time
+from pathlib import Path
+from ddp_recipes.data.stream import StreamImageDataModule
+from tests.data.stream_checks import digest
+dm = StreamImageDataModule(sys.argv[1], batch_size=4, image_size=16, num_workers=0)
+dm.setup("fit")
+ready = Path(sys.argv[2])
+(ready / sys.argv[3]).touch()
+while len(list(ready.iterdir())) < 2:  # both open before either reads: they race for the same chunks
+    time.sleep(0.01)
+print("read", digest(dm), flush=True)
+print("cache", dm.cache, flush=True)
+"""
+
+
+def test_two_processes_on_a_node_download_each_chunk_once_and_leave_no_cache(s3_stream, local_stream, s3, tmp_path):
+    """Both read every sample at once through one node folder: each chunk fetched once, every byte right (no
+    half-downloaded chunk read), and the folder gone after both exit."""
+    cache, ready = tmp_path / "cache", tmp_path / "ready"
+    ready.mkdir()
+    chunk_gets = chunk_counter(s3, s3_stream)
+    readers = [start(["-c", READER, s3_stream, ready, str(n)], env={"DDP_RECIPES_CACHE_DIR": str(cache)},
+                     port=False) for n in range(2)]
+    outputs = [r.finish(timeout=300, check=True).stdout for r in readers]
+    assert [out.split("read ", 1)[1].split()[0] for out in outputs] == [digest(datamodule(local_stream))] * 2
+    folders = {Path(out.split("cache ", 1)[1].strip()) for out in outputs}
+    gets, chunks = chunk_gets()
+    assert sorted(gets) == chunks, f"{len(gets)} chunk GETs for the {len(chunks)} chunks: not once each"
+    assert len(folders) == 1 and folders.pop().parent == cache / "stream"
+    assert cache_folders(cache) == [], "the node's cache outlived its readers"
+
+
 def test_the_gpu_decode_path_reads_the_streams_bytes(local_stream, images):
     dm = datamodule(local_stream, decode="gpu")
     data, label, draws, name = dm.train_set[0]
@@ -168,7 +201,6 @@ def test_a_url_or_folder_without_a_dataset_is_one_line_naming_data_dir(s3, tmp_p
 def test_a_stream_missing_a_chunk_is_one_line_naming_data_dir(local_stream, tmp_path, capsys):
     """A chunk gone (a lifecycle rule, a partial sync) is found before launch, not as litdata's wait timeout
     on a cache path mid-epoch."""
-    import shutil
 
     broken = tmp_path / "broken"
     shutil.copytree(local_stream, broken)
@@ -203,3 +235,4 @@ def test_no_credentials_at_all_is_one_line_naming_data_dir(s3_stream, s3, tmp_pa
         s3fs.S3FileSystem.clear_instance_cache()
     assert line.startswith(f"--data-dir {s3_stream}: "), line
     assert "credentials" in line and not (tmp_path / "out").exists()
+

@@ -23,9 +23,10 @@ import torch
 
 from ddp_recipes.data.convert import main as convert
 from ddp_recipes.data.resumable import ResumableSampler
-from tests.data.test_stream import PROG, needs_litdata
+from tests.data.stream_checks import PROG
 from tests.helpers import assert_same_weights, last_ckpt
 from tests.launch import ROOT, saved_step, start
+from tests.marks import needs_litdata
 from tests.resume_scenario import CAPTURED_STEP_LIMIT_S, RESNET, args
 
 pytestmark = needs_litdata
@@ -99,13 +100,23 @@ def finished(proc, timeout: float = 600):
 
 
 @pytest.fixture(scope="module")
-def stream_straight(stream, tmp_path_factory) -> Path:
+def stream_straight(stream, s3, tmp_path_factory) -> Path:
     """The uninterrupted 2-rank streaming run (12 steps) every stopped run here must end equal to."""
     out = tmp_path_factory.mktemp("stream-straight")
+    before = len(s3.requests)
     done = finished(launch(flags(stream), out, out / "machine"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert saved_step(last_ckpt(out)) == 2 * STEPS_PER_EPOCH
+    # The node's cache: 2 ranks x 2 loader workers x 2 epochs fetched each chunk once, and it left with the run.
+    gets = train_gets(s3.requests[before:])
+    assert sorted(gets) == sorted(chunk_of_sample(s3, "train")), f"{len(gets)} chunk GETs for 48 chunks"
+    assert cache_folders(out / "machine") == [], "a finished run left its cache behind"
     return last_ckpt(out)
+
+
+def cache_folders(machine: Path) -> list[str]:
+    """The dataset folders in a machine's download cache (the node's, shared by its ranks)."""
+    return sorted(p.name for p in (machine / "stream").iterdir() if p.is_dir()) if (machine / "stream").is_dir() else []
 
 
 # ---- fast: one split read by loader workers while the store fails ---------------------------------------------
@@ -178,8 +189,8 @@ def test_a_store_that_stops_answering_fails_the_read_instead_of_hanging(stream, 
 
 @pytest.mark.slow  # two 2-rank runs (and the shared uninterrupted one)
 def test_sigterm_mid_epoch_then_resume_auto_with_an_empty_cache_is_exact(stream, stream_straight, tmp_path):
-    """SIGTERM to every process (ranks and loader workers) mid-epoch: the chunks a rank downloaded are its own and
-    gone when it exits; the resumed run downloads again and ends equal to the run that was never stopped."""
+    """SIGTERM to every process (ranks and loader workers) mid-epoch: the node's cache is gone when the last of
+    them exits; the resumed run downloads again and ends equal to the run that was never stopped."""
     out, cache = tmp_path / "run", tmp_path / "machine-0"
     proc = launch(flags(stream), out, cache)
     seen = proc.wait_for_step(last_ckpt(out), 2, timeout=CAPTURED_STEP_LIMIT_S)
@@ -188,7 +199,7 @@ def test_sigterm_mid_epoch_then_resume_auto_with_an_empty_cache_is_exact(stream,
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
     assert seen <= saved_step(last_ckpt(out)) < STEPS_PER_EPOCH, "not stopped mid-epoch"
     assert not list(cache.rglob("*.bin")), "a stopped rank left its chunks behind"
-    assert not list(cache.glob("pid-*")), "a stopped rank left its cache folder behind"
+    assert cache_folders(cache) == [], "a stopped run left its cache folder behind"
     done = finished(launch(flags(stream, "--resume", "auto"), out, tmp_path / "machine-1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_weights(stream_straight, last_ckpt(out))
