@@ -72,6 +72,20 @@ def test_a_saved_position_resumes_in_another_cache_folder(bucket_stream, tmp_pat
     assert head + paths(moved) == whole
 
 
+def test_a_position_saved_at_another_world_size_is_named(bucket_stream, tmp_path, monkeypatch):
+    first = loader(bucket_stream, tmp_path / "a")
+    it = iter(first)
+    next(it)
+    state = first.state_dict()  # world size 1
+    del it
+    monkeypatch.setenv("WORLD_SIZE", "2")  # rank 0 of 2, as litdata reads it
+    wider = loader(bucket_stream, tmp_path / "b")
+    adopt_litdata_loader(wider, 2, 0, seed=0, gather=lambda built: [built, [(2, 1)]])
+    with pytest.warns(UserWarning, match=r"litdata resumes a position saved at world size 1 at world size 2: it "
+                                         r"repeats up to world size x batch size - 1 samples"):
+        wider.load_state_dict(state)
+
+
 def test_a_dataset_built_for_another_world_is_refused_in_one_line(bucket_stream, tmp_path, monkeypatch):
     """What a top-level dataset under torchrun records (litdata reads WORLD_SIZE but not RANK): world 2, rank 0."""
     monkeypatch.setenv("WORLD_SIZE", "2")
