@@ -66,8 +66,7 @@ def adopt_litdata_loader(loader: Any, world: int, rank: int, seed: int, gather: 
     """Take over a user's ``StreamingDataLoader`` as the training loader of rank ``rank`` of ``world``.
 
     litdata splits the data by rank itself and Lightning saves and loads the loader's state (the position
-    of the batches handed to the loop) in the checkpoint, so the loader stays as it is. Two things the pack
-    adds:
+    of the batches handed to the loop) in the checkpoint, so the loader stays as it is. What the pack adds:
 
     * a dataset that split the data for another world or rank is refused (``gather`` is a collective: every
       rank says what its datasets were built for, so every rank fails with the same line). litdata reads the
@@ -79,7 +78,7 @@ def adopt_litdata_loader(loader: Any, world: int, rank: int, seed: int, gather: 
       doesn't match"), though an empty cache is re-downloaded anyway. Only the cache location is rewritten,
       and only for the same URL; another dataset is still litdata's refusal;
     * a loader without a ``generator`` gets one seeded with ``seed``, to keep training's random streams exact
-      over a resume (below).
+      over a resume (see the comment there); :func:`end_litdata_epoch` is the fourth, at each epoch's end.
     """
     built = [(d.distributed_env.world_size, d.distributed_env.global_rank)
              for d in _streaming_datasets(loader.dataset)]
