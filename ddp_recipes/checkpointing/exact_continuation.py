@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from ddp_recipes.checkpointing.checkpoint import TrainerStateCallback
 from ddp_recipes.checkpointing.position import open_next_epoch, reopen_cut_epoch
+from ddp_recipes.data.litdata_lib import end_litdata_epoch
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.data.seeding import seed_rank
 from ddp_recipes.optim.schedules import steps_per_epoch
@@ -200,12 +201,13 @@ def _warn_resized_schedule(trainer: L.Trainer, saved: list[int | None] | None, n
 
 def _warn_unresumable_loader(trainer: L.Trainer) -> None:
     """A mid-epoch resume with a loader that cannot skip what it already gave: say so, once."""
+    from ddp_recipes.data.litdata_lib import is_litdata_loader
     from ddp_recipes.data.resumable import ResumableDataLoader
 
     done, total = trainer.fit_loop.epoch_loop.batch_progress.current.completed, trainer.num_training_batches
     loader = trainer.train_dataloader
     if (isinstance(total, int) and 0 < done < total and loader is not None
-            and not isinstance(loader, ResumableDataLoader)):
+            and not isinstance(loader, ResumableDataLoader) and not is_litdata_loader(loader)):
         rank_zero_warn(f"resumed in the middle of epoch {trainer.current_epoch} with a training loader that cannot "
                        f"skip the batches it already gave ({type(loader).__name__}): this epoch revisits its first "
                        "batches instead of "
@@ -272,6 +274,9 @@ class ResumeState(TrainerStateCallback):
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.epoch_cut_short = not trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+        combined = trainer.fit_loop._combined_loader
+        for loader in combined.flattened if combined is not None else []:
+            end_litdata_epoch(loader)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

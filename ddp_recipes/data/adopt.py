@@ -10,8 +10,10 @@ and knows what it is for, so the pack takes over there:
   ``PL_GLOBAL_SEED``), a position Lightning saves and restores mid-epoch, and augmentation seeded per
   sample, so loader workers draw the same crops after a restart (any ``num_workers``). Loaders it cannot
   rebuild (DataLoader subclasses, custom samplers or batch samplers) keep Lightning's handling and get one
-  warning naming the loader and what a resume will not reproduce. An iterable dataset, which Lightning does
-  not split at all, is split by position where that is safe, or named with the fix
+  warning naming the loader and what a resume will not reproduce. litdata's ``StreamingDataLoader`` splits by
+  rank and keeps its own position (in the checkpoint): it is kept, after checking that its dataset was built
+  for this rank (:func:`~ddp_recipes.data.litdata_lib.adopt_litdata_loader`). Any other iterable dataset,
+  which Lightning does not split at all, is split by position where that is safe, or named with the fix
   (:mod:`ddp_recipes.data.streams`).
 * **evaluation**: a non-shuffled or shuffled sampler becomes an unpadded
   :class:`~ddp_recipes.data.samplers.ExactDistributedSampler` shard; a user's own padding sampler is
@@ -37,6 +39,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
+from ddp_recipes.data.litdata_lib import adopt_litdata_loader, is_litdata_loader
 from ddp_recipes.data.loader_workers import ignore_preemption_signals, kill_loader_workers_at_exit
 from ddp_recipes.data.resumable import ResumableDataLoader, ResumableSampler, SeededDataset
 from ddp_recipes.data.samplers import ExactDistributedSampler
@@ -82,6 +85,14 @@ class _AdoptingDataConnector(_DataConnector):
         kwargs = self.trainer.distributed_sampler_kwargs if self.trainer._accelerator_connector.is_distributed else None
         return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
+    def _all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``[obj]`` on one process). Collective."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return [obj]
+        out: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def _warn(self, name: str, text: str) -> None:
         said = self.__dict__.setdefault("_pack_warned", set())
         if (name, text) not in said:  # once per loader and reason, however often loaders are reloaded
@@ -98,6 +109,10 @@ class _AdoptingDataConnector(_DataConnector):
             return None
         if not isinstance(loader, DataLoader):
             self._warn(name, f"a {type(loader).__name__}, not a DataLoader: {not_exact}")
+            return None
+        if is_litdata_loader(loader):  # it splits by rank and repositions itself (its state is in the checkpoint)
+            adopt_litdata_loader(loader, *self._world(), seed=int(os.getenv("PL_GLOBAL_SEED", 0)),
+                                 gather=self._all_gather)
             return None
         if has_iterable_dataset(loader):
             return self._adopt_stream(loader, name, not_exact)
