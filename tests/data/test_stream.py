@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_recipes.data.convert import main as convert
 from ddp_recipes.data.resumable import ResumableSampler
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from recipes.resnet import main as resnet
@@ -25,22 +24,6 @@ from tests.launch import start
 from tests.marks import needs_litdata
 
 pytestmark = needs_litdata
-# 48 training images in 4 KB chunks: about a dozen chunks, so a rank's shard spans many of them.
-CONVERT = ["--chunk-bytes", "4KB", "--workers", "1"]
-
-
-@pytest.fixture(scope="module")
-def local_stream(images, tmp_path_factory) -> Path:
-    dest = tmp_path_factory.mktemp("stream") / "dest"
-    assert convert([str(images), str(dest), *CONVERT]) == 0
-    return dest
-
-
-@pytest.fixture(scope="module")
-def s3_stream(images, s3, tmp_path_factory) -> str:
-    url = f"{s3.bucket('streams')}/tiny"
-    assert convert([str(images), url, *CONVERT, "--staging", str(tmp_path_factory.mktemp("staging"))]) == 0
-    return url
 
 
 def datamodule(data_dir: str | Path, **kwargs):
