@@ -44,7 +44,8 @@ class ConvertConfig:
                    positional=True, metavar="SRC")
     dest: str = opt("", "a new or empty local folder, or an fsspec URL such as s3://bucket/prefix",
                     positional=True, metavar="DEST")
-    chunk_bytes: str = opt("64MB", "size of one chunk file, e.g. 64MB (powers of 1000) or 64MiB")
+    chunk_bytes: str = opt("4MB", "size of one chunk file, e.g. 4MB (powers of 1000) or 4MiB; the pack reads a "
+                                  "sample by reading its chunk, so larger chunks read slower (docs/streaming.md)")
     workers: int | None = opt(None, "conversion processes (default: the CPU count); changing it restarts a "
                                     "stopped split")
     staging: str | None = opt(None, "local folder chunks are written to first (default: DEST/.staging for a "
