@@ -42,16 +42,18 @@ class _Faults:
         self.stall_when: Match | None = None
         self.stalled = threading.Event()
         self.frozen_until = 0.0  # time.monotonic() until which every request waits (a store that stopped answering)
+        self.thawed = threading.Event()  # set by reset_faults: the requests a freeze holds are answered at once
         self.release = threading.Event()
         self.requests: list[str] = []  # "METHOD path" of every request, in arrival order (answered or not)
 
     def __call__(self, environ: dict, start_response: Callable) -> Any:
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+        with self.lock:
+            self.requests.append(f"{method} {path}")  # on arrival: one a freeze holds belongs to the test that froze
         frozen = self.frozen_until - time.monotonic()
         if frozen > 0:
-            time.sleep(frozen)
+            self.thawed.wait(frozen)  # (reset_faults ends the freeze for the requests held by it too)
         with self.lock:
-            self.requests.append(f"{method} {path}")
             if self.fail_trigger is not None and self.fail_trigger(method, path):
                 self.fail_trigger = None  # armed: this request and the next ones fail
             failing = self.fail_trigger is None and self.failures_left > 0
@@ -140,6 +142,7 @@ class S3Server:
     def freeze(self, seconds: float) -> None:
         """Answer no request for ``seconds`` from now, then all of them (as a SIGSTOPped, then SIGCONTed
         server would: connections open, nothing said)."""
+        self.faults.thawed.clear()
         self.faults.frozen_until = time.monotonic() + seconds
 
     @contextlib.contextmanager
@@ -169,6 +172,7 @@ class S3Server:
         with self.faults.lock:
             self.faults.fail_trigger, self.faults.failures_left, self.faults.stall_when = None, 0, None
             self.faults.frozen_until = 0.0
+        self.faults.thawed.set()
         self.faults.release.set()
 
     def stop(self) -> None:
