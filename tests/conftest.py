@@ -19,6 +19,18 @@ def mnist_dir() -> Path:
     return SHARED_DATA
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """End what a test started and left running (a failure between ``start`` and ``finish``): orphans waiting for a
+    file that never comes would run forever. Fixtures' processes (an MLflow server) start before the call: kept."""
+    from tests.launch import STARTED
+
+    first = len(STARTED)
+    yield
+    for proc in STARTED[first:]:
+        proc.end_leftovers()
+
+
 @pytest.fixture
 def restore_tf32():
     """Put the process-wide TF32 switches back after a test that flips them."""

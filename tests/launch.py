@@ -66,6 +66,9 @@ def _read(f: IO[str] | None) -> str:
     return data.replace("\r\n", "\n").replace("\r", "\n")  # as text=True pipes read it
 
 
+STARTED: list[Background] = []  # every command started, in order: tests/conftest.py ends a test's leftovers
+
+
 class Background:
     """A command started by :func:`start`: its own session, output in files (``log``: both streams there)."""
 
@@ -88,6 +91,20 @@ class Background:
                                      start_new_session=True)
         self.pid = self.proc.pid
         self._final: tuple[str, str] | None = None
+        STARTED.append(self)
+
+    def end_leftovers(self) -> None:
+        """SIGKILL whatever of its session still runs (the command, or children it left behind): a test that failed
+        between :func:`start` and :meth:`finish` must not leave processes waiting forever. The session's id is
+        the command's pid, which is not reused while any process of the session lives."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
     # ---- output ----
     @property

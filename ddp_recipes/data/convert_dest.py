@@ -81,15 +81,21 @@ def inspect_dest(dest: str, source: Source, staging: Path | None = None) -> Dest
 
 
 def missing_chunks(split: Path | Url) -> list[str]:
-    """The chunks ``split/index.json`` names that ``split`` does not hold (one listing): what a lifecycle
-    rule, a partial sync or a deleted file leaves, which a reader would only meet mid-epoch."""
+    """The chunks ``split/index.json`` names that ``split`` does not hold (one listing), and in a local split
+    the ones cut short (``"chunk-0-3.bin (100 of 3980510 bytes)"``): what a lifecycle rule, a partial sync or a
+    deleted file leaves, which a reader would only meet mid-epoch (a cut chunk as litdata's wait timeout)."""
     try:
         index = json.loads(read_bytes(split / "index.json"))
-        named = [c["filename"] for c in index["chunks"]]
+        named = {c["filename"]: int(c.get("chunk_bytes", -1)) for c in index["chunks"]}
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return ["index.json (not litdata's index)"]
     there = set(listing(split))
-    return [name for name in named if name not in there]
+    wrong = [name for name in named if name not in there]
+    if isinstance(split, Path):  # a bucket's objects are whole or absent (a PUT is atomic)
+        for name, expected in named.items():
+            if name in there and expected >= 0 and (found := (split / name).stat().st_size) != expected:
+                wrong.append(f"{name} ({found} of {expected} bytes)")
+    return wrong
 
 
 def _read_record(where: Path | Url) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from multiprocessing.util import Finalize
 from pathlib import Path
 
+from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage.store import CACHE_ENV
 
 try:
@@ -73,7 +74,17 @@ def dataset_key(url: str, indexes: dict[str, bytes]) -> str:
 
 def join(key: str) -> Path:
     """The node's folder for ``key``, created if needed, with this process's lease on it until it exits; dead
-    processes' folders under the root are removed first."""
+    processes' folders under the root are removed first. A root this process cannot write (a read-only disk,
+    another user's folder) is one line naming ``DDP_RECIPES_CACHE_DIR`` (a :class:`ConfigError`)."""
+    try:
+        return _join(key)
+    except OSError as err:
+        raise ConfigError(f"{CACHE_ENV} {lit(cache_root())}: the stream cache cannot be made there "
+                          f"({lit(err.strerror or err)}); point {CACHE_ENV} at a writable local disk of this "
+                          "user's") from None
+
+
+def _join(key: str) -> Path:
     global _owner
     if _owner != os.getpid():  # a forked child: the parent's leases are the parent's
         _held.clear()

@@ -20,6 +20,7 @@ removed when the last of them exits. A local stream is read in place.
 from __future__ import annotations
 
 import bisect
+import errno
 import io
 import itertools
 import json
@@ -40,7 +41,7 @@ from ddp_recipes.data.unreadable import unreadable
 from ddp_recipes.errors import MissingDataError, lit
 from ddp_recipes.storage import Url, absolute
 from ddp_recipes.storage.retry import StorageError, filesystem, reason, retrying
-from ddp_recipes.storage.store import download, read_bytes, size
+from ddp_recipes.storage.store import CACHE_ENV, download, read_bytes, size
 
 CONVERT = "python -m ddp_recipes.data.convert SRC DIR"
 # litdata's boto3 client retries 1000 times by default (a store that is down hangs the run); these bound it.
@@ -121,14 +122,37 @@ class StreamSplit:
                 if not os.path.exists(local):
                     download(f"{self.url.rstrip('/')}/{name}", local)  # via a temp name: never a cut chunk
         except StorageError as err:
+            local_fault = _local_fault(err)
+            if local_fault is not None:  # the node's disk, not the store: waiting for the store would not help
+                raise StreamCacheError(f"{CACHE_ENV} {folder}: chunk {name} cannot be written there ({local_fault}); "
+                                       f"free space there or point {CACHE_ENV} at a larger writable local disk, then "
+                                       "rerun with --resume auto") from None
             what = str(err).removeprefix("output_dir: ")  # "download of URL failed after 8 attempts (why)"
             raise StreamUnavailable(f"reading {split} sample {index} failed: {what}") from None
+
+
+def _local_fault(err: BaseException) -> str | None:
+    """Why the cache folder refused a chunk (a full disk, a quota, read-only, no permission), or None."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _LOCAL_ERRNOS:
+            return seen.strerror or errno.errorcode.get(seen.errno, str(seen.errno))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+_LOCAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 class StreamUnavailable(OSError):
     """A sample the store did not deliver: the pack's download of its chunk failed for good (after the storage
     layer's retries), or litdata's read of it failed. ``str()`` is one line; re-raised from a loader worker, the
     message is the worker's traceback, ending with it."""
+
+
+class StreamCacheError(StreamUnavailable):
+    """The node's stream cache refused a chunk (full, read-only, not this user's): the line names the cache, not
+    the store."""
 
 
 UNAVAILABLE_MARK = "StreamUnavailable: "
@@ -147,7 +171,8 @@ def describe_outage(err: BaseException) -> str | None:
         return None
     text = str(err).strip()
     last = text.splitlines()[-1] if text else ""
-    return last.split(UNAVAILABLE_MARK, 1)[1] if UNAVAILABLE_MARK in last else last
+    mark = next((m for m in (f"{type(err).__name__}: ", UNAVAILABLE_MARK) if m in last), None)
+    return last.split(mark, 1)[1] if mark else last
 
 
 class StreamImages(Dataset):
@@ -221,7 +246,7 @@ def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             raise MissingDataError(f"{{data_dir}} {lit(where)}: {split}/index.json names {len(missing)} chunk(s) "
-                                   f"that are not there ({lit(shown)}); rerun {CONVERT} with the same SRC "
+                                   f"that are missing or cut short ({lit(shown)}); rerun {CONVERT} with the same SRC "
                                    "to convert that split again", "data_dir")
     return record
 

@@ -63,10 +63,12 @@ def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None
         name = describe_unreadable(err)  # "train/c1/x.jpg (why)"
         if name is not None:
             fail(f"--data-dir {data_dir} holds an image that cannot be decoded: {name}; remove or replace it", prog)
-        from ddp_recipes.data.stream import describe_outage  # here: only --data stream raises it
+        from ddp_recipes.data.stream import StreamCacheError, describe_outage  # here: only --data stream raises it
 
         outage = describe_outage(err)  # "reading train sample 17 failed (why)"
         if outage is None:
             raise
+        if isinstance(err, StreamCacheError):  # the node's disk: the line names the cache and its fix
+            fail(outage, prog)
         fail(f"--data-dir {data_dir}: {outage}; training stopped, its last checkpoint is kept: rerun with "
              "--resume auto once the store answers", prog)

@@ -97,3 +97,35 @@ def test_the_key_is_the_url_and_every_index():
     assert key == dataset_key("s3://b/d/", dict(reversed(index.items())))
     assert key != dataset_key("s3://b/e", index)
     assert key != dataset_key("s3://b/d", {**index, "train": b'{"updated_at": "2"}'})  # converted again
+
+
+def test_a_cache_root_that_cannot_be_made_is_one_line_naming_the_variable(tmp_path, monkeypatch):
+    from ddp_recipes.data.node_cache import join
+    from ddp_recipes.errors import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("DDP_RECIPES_CACHE_DIR", str(blocker))  # (a read-only disk or another user's folder alike)
+    with pytest.raises(ConfigError) as refused:
+        join("k" * 24)
+    line = refused.value.cli()
+    assert line.startswith(f"DDP_RECIPES_CACHE_DIR {blocker / 'stream'}: the stream cache cannot be made there (")
+    assert "\n" not in line and line.endswith("point DDP_RECIPES_CACHE_DIR at a writable local disk of this user's")
+
+
+def test_a_test_that_fails_before_finish_leaves_no_process_running(tmp_path):
+    """tests/conftest.py ends what a test started and left: here by hand, as the hook does after the call."""
+    import os
+    import time
+
+    proc = start(["-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                        "'import time; time.sleep(600)']); print('up', flush=True); time.sleep(600)"], port=False)
+    proc.wait_for_line("up", timeout=60)
+    proc.end_leftovers()
+    for _ in range(100):
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the command's child outlived end_leftovers")

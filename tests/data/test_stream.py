@@ -190,9 +190,16 @@ def test_a_stream_missing_a_chunk_is_one_line_naming_data_dir(local_stream, tmp_
     lost = sorted((broken / "train").glob("chunk-*.bin"))[0]
     lost.unlink()
     line = refused(stream_argv(str(broken), tmp_path / "out"), capsys)
-    assert line.startswith(f"--data-dir {broken}: train/index.json names 1 chunk(s) that are not there "
+    assert line.startswith(f"--data-dir {broken}: train/index.json names 1 chunk(s) that are missing or cut short "
                            f"({lost.name}); rerun python -m ddp_recipes.data.convert"), line
     assert not (tmp_path / "out").exists()
+    # A chunk cut short (a copy stopped midway) too: mid-epoch it was litdata's wait timeout, named an outage.
+    shutil.copy2(local_stream / "train" / lost.name, lost)
+    cut = sorted((broken / "train").glob("chunk-*.bin"))[-1]
+    whole = cut.stat().st_size
+    cut.write_bytes(cut.read_bytes()[:100])
+    line = refused(stream_argv(str(broken), tmp_path / "out"), capsys)
+    assert f"names 1 chunk(s) that are missing or cut short ({cut.name} (100 of {whole} bytes))" in line, line
 
 
 def test_refused_credentials_are_one_line_naming_data_dir(s3_stream, s3, tmp_path, capsys):

@@ -175,6 +175,32 @@ def test_an_outage_is_retried_then_one_line_and_the_store_back_reads_again(strea
     assert len(seen) == 48 and len(set(seen)) == 48
 
 
+def test_a_cache_disk_that_refuses_a_chunk_names_the_cache_not_the_store():
+    """A full (or read-only, or not this user's) cache disk is not an outage: waiting for the store would not help,
+    so the line names DDP_RECIPES_CACHE_DIR and its fix, also as a loader worker's re-raised traceback ends."""
+    import errno
+
+    from ddp_recipes.data.stream import StreamCacheError, _local_fault, describe_outage
+    from ddp_recipes.storage.retry import StorageError
+
+    def failed(cause: BaseException) -> StorageError:
+        try:
+            try:
+                raise cause
+            except OSError as err:
+                raise StorageError("output_dir: download of s3://b/x/train/chunk-0-1.bin failed (why)") from err
+        except StorageError as err:
+            return err
+
+    assert _local_fault(failed(OSError(errno.ENOSPC, "No space left on device"))) == "No space left on device"
+    assert _local_fault(failed(OSError(errno.EROFS, "Read-only file system"))) == "Read-only file system"
+    assert _local_fault(failed(ConnectionResetError(errno.ECONNRESET, "reset"))) is None  # the store's: an outage
+    line = "DDP_RECIPES_CACHE_DIR /c/k/train: chunk chunk-0-1.bin cannot be written there (No space left on device)"
+    from_worker = StreamCacheError(f"Caught StreamCacheError in DataLoader worker process 1.\nTraceback (most "
+                                   f"recent call last):\n  ...\nddp_recipes.data.stream.StreamCacheError: {line}")
+    assert describe_outage(from_worker) == line and describe_outage(StreamCacheError(line)) == line
+
+
 @pytest.mark.slow  # waits out one attempt: s3fs's 15 s read timeout, which s3fs itself retries (about 80 s)
 def test_a_store_that_stops_answering_fails_the_read_instead_of_hanging(stream, s3, tmp_path, monkeypatch):
     """A store that stops answering mid-epoch (connections open, no answer): each request ends at the client's read
