@@ -64,7 +64,13 @@ class StreamSplit:
 
     def open(self) -> Any:
         if self._dataset is None:
-            self._dataset = self._new_dataset()
+            # Opening reads index.json through boto3 (litdata's, 3 attempts): a loader worker that opens its split
+            # during a blip of 503s would end the run with a raw traceback; retried as the chunks are instead.
+            try:
+                self._dataset = retrying(f"opening {self.url}", self._new_dataset, param="data_dir")
+            except StorageError as err:
+                split = self.url.rstrip("/").rsplit("/", 1)[-1]
+                raise StreamUnavailable(f"opening {split} failed: {str(err).removeprefix('data_dir: ')}") from None
             if self.cache is not None:
                 folder = self._dataset.input_dir.path  # where litdata put index.json and looks for the chunks
                 chunks = json.loads(Path(folder, "index.json").read_text())["chunks"]

@@ -175,6 +175,22 @@ def test_an_outage_is_retried_then_one_line_and_the_store_back_reads_again(strea
     assert len(seen) == 48 and len(set(seen)) == 48
 
 
+def test_a_blip_while_a_process_opens_its_split_is_ridden_out(stream, s3, tmp_path, monkeypatch):
+    """Opening a split reads index.json through litdata's boto3 (3 attempts): 5 answers of 503 there, as a loader
+    worker opening its split mid-blip meets them, are retried by the storage layer instead of ending the run."""
+    from ddp_recipes.data.stream import StreamSplit
+    from ddp_recipes.storage import retry
+
+    monkeypatch.setattr(retry, "BASE_DELAY_S", 0.01)
+    s3.fail(5, after=lambda method, path: path.endswith("/one/train/index.json"))
+    try:
+        split = StreamSplit(f"{stream}/train", 48, str(tmp_path / "cache"))
+        assert split[0]["path"].startswith("train/")
+        assert len(s3.faults.failed) == 5
+    finally:
+        s3.reset_faults()
+
+
 def test_a_cache_disk_that_refuses_a_chunk_names_the_cache_not_the_store():
     """A full (or read-only, or not this user's) cache disk is not an outage: waiting for the store would not help,
     so the line names DDP_RECIPES_CACHE_DIR and its fix, also as a loader worker's re-raised traceback ends."""
