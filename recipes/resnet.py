@@ -6,7 +6,7 @@
         --image-size 224 --precision bf16-mixed --channels-last --sync-batchnorm --resume auto
     torchrun --nproc-per-node 4 -m recipes.resnet --data cifar10
     python -m recipes.resnet --devices 4 --data stream --data-dir s3://bucket/imagenet --arch resnet50 --resume auto
-    python -m recipes.resnet --devices 4 --data imagefolder --data-dir /data/pets --weights IMAGENET1K_V1 \
+    python -m recipes.resnet --devices 4 --data imagefolder --data-dir /data/pets --weights IMAGENET1K_V1 \\
         --freeze-backbone --unfreeze-at-epoch 2 --backbone-lr-mult 0.1 --lr 0.01 --max-epochs 10
 
 Checkpoints: ``<output-dir>/checkpoints/last.ckpt`` at every epoch end, every ``--checkpoint-every-n-steps``

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any, NoReturn, TypeVar
 
-from ddp_recipes.config.cli import build_parser, fail
+from ddp_recipes.config.cli import HelpFormatter, build_parser, fail
 
 C = TypeVar("C")
 
@@ -27,7 +27,7 @@ def config_parser(cls: type, prog: str, description: str | None) -> OneLineParse
     """A :class:`OneLineParser` with one flag per field of the config dataclass ``cls`` (the recipes' flags,
     from :func:`~ddp_recipes.config.cli.build_parser`), defaults shown in ``--help``."""
     return OneLineParser(prog=prog, description=description, parents=[build_parser(cls)], add_help=False,
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=HelpFormatter)
 
 
 def config_from(cls: type[C], args: argparse.Namespace) -> C:

@@ -17,6 +17,8 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, get_args, get_origin
 
+from typing_extensions import override
+
 from ddp_recipes.config.choices import literal_choices
 from ddp_recipes.config.trainer_settings import split_setting
 from ddp_recipes.errors import ConfigError, flag, lit
@@ -52,6 +54,19 @@ def _cli_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description's own lines kept (a recipe's docstring: one example command a line), and a flag's
+    ``(default: ...)`` added only where it says something: not for None (the help says what unset means) and
+    not where the help already names its default in words."""
+
+    @override
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or "default" in text or action.option_strings == []:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _FlagParser(argparse.ArgumentParser):
     """argparse, with the flag an unknown one most likely means (``--learning-rate``: ``--lr``)."""
 
@@ -74,7 +89,7 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
     ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``; a field with ``positional=True`` is an
     operand instead, such as ``SRC``); ``config_flags`` adds ``--config`` and
     ``--print-config`` (what :func:`parse_config` reads)."""
-    parser = _FlagParser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _FlagParser(prog=prog, description=description, formatter_class=HelpFormatter)
     parser.names = _key_names(cls)
     hints = typing.get_type_hints(cls)
     for f in _cli_fields(cls):

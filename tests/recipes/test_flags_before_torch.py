@@ -4,6 +4,9 @@ process, and looks at what that process imported by the time it exits. No timing
 
 from __future__ import annotations
 
+import importlib
+import re
+
 import pytest
 
 from tests.launch import run
@@ -64,6 +67,15 @@ def test_help_before_torch(name):
     assert code == 0, err[-2000:]
     assert f"usage: python -m {name}" in out and "--print-config" in out
     assert not set(HEAVY) & set(loaded), f"--help imported {loaded}"
+    # Each example command of the docstring on a line of its own, as written, not run into one paragraph.
+    doc = importlib.import_module(name).__doc__
+    examples = [line for line in doc.splitlines() if line.lstrip().startswith(("python -m", "torchrun"))]
+    assert examples and all(line in out.splitlines() for line in examples), out[:3000]
+    # A flag's default said once: never "(default: None)", never twice in one flag's help.
+    blocks = re.split(r"\n  (?=-)", out.partition("options:")[2])
+    assert "(default: None)" not in out
+    twice = [b.split()[0] for b in blocks if b.count("(default:") + b.count("; default ") > 1]
+    assert not twice, f"these flags state their default twice: {twice}"
 
 
 @pytest.mark.parametrize(("name", "argv", "flag"), CASES, ids=CASE_IDS)
