@@ -25,7 +25,7 @@ HAVE_MNIST = (SHARED_DATA / "MNIST").exists()
 needs_mnist = pytest.mark.skipif(not HAVE_MNIST, reason="shared mini-MNIST missing")
 # (the extra's install line is spelled out: importing ddp_recipes here would cost the marks-only load its speed)
 needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None,
-                                   reason="litdata is the stream extra: pip install 'ddp-recipes[stream]'")
+                                   reason="litdata is the stream extra: pip install -e '.[stream]'")
 
 
 @functools.cache

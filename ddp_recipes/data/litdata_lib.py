@@ -1,8 +1,8 @@
 """litdata (Lightning's streaming-dataset library), imported on first use: the one place that imports it, that
 names the ``stream`` extra when it is missing, and that lets it talk to an ``http://`` S3 endpoint.
 
-litdata is an optional extra (``pip install 'ddp-recipes[stream]'``); the lent GPU machine has no registry and
-no litdata, so nothing imports it at module level.
+litdata is the pack's optional ``stream`` extra (:data:`STREAM_EXTRA`); the lent GPU machine has no registry and no
+litdata, so nothing imports it at module level.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.extras import install_hint
 
-STREAM_EXTRA = "pip install 'ddp-recipes[stream]'"
+STREAM_EXTRA = install_hint("stream", "litdata")
 
 
 def import_litdata(needed_for: str = "converting to a streamable dataset") -> ModuleType:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.extras import install_hint
 
 T = TypeVar("T")
 
@@ -23,7 +24,7 @@ BASE_DELAY_S = float(os.environ.get("DDP_RECIPES_STORAGE_BASE_DELAY_S", "0.5"))
 MAX_DELAY_S = 16.0
 # The package that speaks each protocol, and how to install it (s3fs comes with the pack's `cloud` extra).
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-CLOUD_EXTRA = "pip install 'ddp-recipes[cloud]'"
+CLOUD_EXTRA = install_hint("cloud", "s3fs")
 _TRANSIENT_TEXT = re.compile(r"\b(429|500|502|503|504)\b|SlowDown|Throttl|ServiceUnavailable|InternalError|"
                              r"RequestTimeout|reduce your request rate|timed? ?out|Connection (reset|refused|aborted)",
                              re.IGNORECASE)

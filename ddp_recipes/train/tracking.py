@@ -30,6 +30,7 @@ from ddp_recipes.checkpointing.checkpoint import TrainerStateCallback
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.extras import install_hint
 from ddp_recipes.storage import is_url, location, same_path
 from ddp_recipes.storage.store import cache_dir
 from ddp_recipes.train.loggers import ContinuedCSVLogger, ContinuedMLFlowLogger
@@ -55,8 +56,8 @@ def check_tracker_packages(names: tuple[str, ...]) -> None:
     for name in names:
         modules, extra = _PACKAGES.get(name, ((), ""))
         if modules and not any(_installed(m) for m in modules):
-            raise ConfigError(f"{{logger}} {name} needs the {modules[0]} package: pip install "
-                              f"'ddp-recipes[{extra}]' (or 'ddp-recipes[tracking]' for every tracker)", "logger")
+            raise ConfigError(f"{{logger}} {name} needs the {modules[0]} package: "
+                              f"{lit(install_hint(extra, modules[0]))}", "logger")
 
 
 # ---- the loggers ------------------------------------------------------------------------------------------

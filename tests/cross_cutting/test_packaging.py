@@ -86,3 +86,39 @@ def test_every_other_floor_is_met_by_what_this_environment_runs():
         checked.append(name)
     if importlib.metadata.version("torch") != str(pins["torch"]):  # make install's environment has every extra
         assert {"mlflow", "wandb", "s3fs", "moto", "jsonargparse", "ruff", "pillow"} <= set(checked), checked
+
+
+def test_install_hints_list_each_extras_own_requirements():
+    """A missing optional package's message names what pyproject's extra holds (the extras of an extra
+    expanded), as pip specs a user can run in the pack's environment however it was installed."""
+    from ddp_recipes.extras import extra_requirements, install_hint
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def expanded(name: str) -> set[str]:
+        out: set[str] = set()
+        for text in extras[name]:
+            req = Requirement(text)
+            out |= set().union(*(expanded(e) for e in req.extras)) if req.name == "ddp-recipes" else {str(req)}
+        return out
+
+    for name in (n for n in extras if n != "dev"):
+        hint = install_hint(name, "fallback-package")
+        assert hint.startswith("pip install ") and hint.endswith(f"(the pack's {name} extra)"), hint
+        if not extra_requirements(name):  # a source tree without the pack's metadata (the stack): the names given
+            assert hint == f"pip install fallback-package (the pack's {name} extra)"
+            continue
+        named = {str(Requirement(spec)) for spec in extra_requirements(name)}
+        assert named == {str(Requirement(s)) for s in expanded(name)}, (name, named)
+        assert all(f"'{spec}'" in hint for spec in extra_requirements(name)), hint
+
+
+def test_nothing_tells_a_user_to_install_the_pack_by_name():
+    """No index serves ddp-recipes: an install line must work from a checkout (`pip install -e '.[cloud]'`) or
+    name the extra's own packages."""
+    by_name = ("pip install 'ddp-recipes", 'pip install "ddp-recipes', "pip install ddp-recipes")
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "ddp_recipes").rglob("*.py"),
+             *(ROOT / "recipes").rglob("*.py"), *(ROOT / "examples").rglob("*")]
+    found = [f"{f.relative_to(ROOT)}:{n}" for f in files if f.is_file() and f.suffix in (".md", ".py", ".yaml", ".sh")
+             for n, line in enumerate(f.read_text().splitlines(), 1) if any(s in line for s in by_name)]
+    assert not found, f"install lines that no index serves: {found}"

@@ -235,7 +235,7 @@ def test_a_missing_client_package_names_the_extra(monkeypatch):
     with pytest.raises(ConfigError) as info:
         filesystem("s3://bucket/run")
     assert info.value.cli() == ("--output-dir s3://bucket/run needs s3fs, which is not installed: "
-                                "pip install 'ddp-recipes[cloud]'")
+                                "pip install 's3fs>=2026.9' (the pack's cloud extra)")
 
 
 def test_urls_join_like_paths_and_stay_plain_strings_in_checkpoints():

@@ -24,9 +24,9 @@ from tests.marks import needs_mnist
 pytestmark = needs_mnist
 # The trackers' packages are extras (the lent GPU machine has neither): their tests skip, naming the extra.
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
-                                  reason="needs mlflow: pip install 'ddp-recipes[mlflow]' (or the dev extra)")
+                                  reason="needs mlflow: pip install -e '.[mlflow]' (or the dev extra)")
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
-                                 reason="needs wandb: pip install 'ddp-recipes[wandb]' (or the dev extra)")
+                                 reason="needs wandb: pip install -e '.[wandb]' (or the dev extra)")
 
 MNIST = ["-m", "recipes.mnist"]
 LIVE = {"train/samples_per_sec", "train/device/samples_per_sec", "train/step_time", "train/input_wait_fraction",
@@ -180,7 +180,7 @@ def test_bad_tracker_flags_fail_in_one_line(tmp_path, capsys, monkeypatch):
              (["--experiment", " "], "--experiment is empty")]
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if the mlflow extra were not installed
     cases.append((["--logger", "csv,mlflow", "--data-dir", str(SHARED_DATA), "--no-download"],
-                  "--logger mlflow needs the mlflow package: pip install 'ddp-recipes[mlflow]'"))
+                  "--logger mlflow needs the mlflow package: pip install 'mlflow>=3.17' (the pack's mlflow extra)"))
     for argv, message in cases:
         with pytest.raises(SystemExit) as exc:
             mnist.main(["--output-dir", str(out), "--accelerator", "cpu", *argv])

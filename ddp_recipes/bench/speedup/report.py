@@ -42,8 +42,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ddp_recipes.extras import install_hint
+
 PLOT_DEVICES = (1, 2, 4, 8, 16)
-PLOT_NEEDS = "no speedup.png: the plot needs matplotlib: pip install 'ddp-recipes[plot]'"
+PLOT_NEEDS = f"no speedup.png: the plot needs matplotlib: {install_hint('plot', 'matplotlib')}"
 
 
 def compute_speedups(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
