@@ -107,6 +107,13 @@ class SyntheticImageDataModule(_ImageDataModule):
         """Training samples (known before ``setup``: the recipe checks the batch against them)."""
         return self.num_samples
 
+    def describe(self) -> str:
+        """The run's ``data`` line: what a user must know before reading its loss and accuracy."""
+        chance = 100 / self._num_classes
+        return (f"synthetic: {self.num_samples} random-noise images with random labels ({self._num_classes} classes): "
+                f"nothing to learn, so validation and test accuracy stay near chance ({chance:.3g}%) and the "
+                f"training loss falls only as the network memorises them; it measures speed, not learning")
+
     @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:

@@ -19,7 +19,7 @@ from ddp_recipes.checkpointing.checkpoint import (
 from ddp_recipes.checkpointing.run_folder.output_dir import output_folder
 from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR, refuse_other_runs
 from ddp_recipes.checkpointing.run_folder.rank0_decision import Continue
-from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.config.run_config import RunConfig, changed_fields
 from ddp_recipes.storage import location
 from ddp_recipes.storage.store import write_json_atomic
 from ddp_recipes.train.attempts import AttemptLog, read_attempts, stop_costs, trainer_run_id
@@ -66,8 +66,9 @@ def make_trainer(cfg: RunConfig, callbacks: list[Callback] | None = None, checkp
     return trainer_for(cfg.plan, lifecycle=Lifecycle(), callbacks=list(callbacks or []), **kwargs)
 
 
-def describe_setup(cfg: RunConfig, trainer: L.Trainer) -> str:
-    """The one block a run prints: world, batch arithmetic, learning rate, precision, strategy."""
+def describe_setup(cfg: RunConfig, trainer: L.Trainer, datamodule: L.LightningDataModule | None = None) -> str:
+    """The one block a run prints: world, batch arithmetic, learning rate, precision, strategy, output, and the
+    data when its DataModule describes itself (``describe()``)."""
     plan = cfg.plan
     per_device, accum, global_batch = plan.batch.astuple()
     strategy = type(trainer.strategy).__name__
@@ -86,6 +87,9 @@ def describe_setup(cfg: RunConfig, trainer: L.Trainer) -> str:
                                           f"find unused {plan.ddp.find_unused_parameters})" if hook else ""),
         f"output           {cfg.output_dir}",
     ]
+    describe = getattr(datamodule, "describe", None)
+    if callable(describe):
+        lines.append(f"data             {describe()}")
     return "\n".join(lines)
 
 
@@ -105,7 +109,9 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     debugging = debug_run(trainer_kwargs)
     started_at = time.time()
     meter = ThroughputMeter(flops_per_sample=lambda example: training_flops_per_sample(build_model, example))
-    callbacks = [meter, *(callbacks or []), BatchFitsData(cfg.batch_flag), LogCadence()]
+    callbacks = [meter, *(callbacks or []), BatchFitsData(cfg.batch_flag)]
+    if changed_fields(cfg, "log_every_n_steps"):  # the recipe's own default says nothing on a short epoch
+        callbacks.append(LogCadence())
     if not debugging:  # each launch's record in the run folder: what the stops between them cost
         callbacks.append(AttemptLog(cfg.output_dir, started_at=started_at))
     if classes is not None:
@@ -126,7 +132,7 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
         # plain module's keys.
         model = torch.compile(model, backend=cfg.plan.compile_backend)
     if trainer.is_global_zero:
-        print(describe_setup(cfg, trainer), flush=True)
+        print(describe_setup(cfg, trainer, datamodule), flush=True)
     start = time.perf_counter()
     # --resume auto: continue the folder's run, as rank 0 decides for every rank once the process group is up
     # (it opened ckpt_path already; every rank must load that very file).

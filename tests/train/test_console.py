@@ -23,7 +23,7 @@ def test_a_two_rank_run_says_each_thing_once_in_its_own_words(tmp_path):
     out = tmp_path / "out"
     done = run(["-m", "recipes.resnet", "--accelerator", "cpu", "--devices", "2", "--data", "imagefolder",
                 "--data-dir", str(root), "--image-size", "16", "--batch-size", "2", "--num-workers", "0",
-                "--decode", "gpu", "--max-epochs", "1", "--output-dir", str(out)], timeout=600, check=True, quiet=False)
+                "--decode", "gpu", "--max-epochs", "1", "--log-every-n-steps", "10", "--output-dir", str(out)], timeout=600, check=True, quiet=False)
     text = done.stdout + done.stderr
     assert not [word for word in NOISE if word in text], text[-4000:]
     assert "--log-every-n-steps 10 is more than the 4 training batch(es) of an epoch" in text
@@ -32,3 +32,16 @@ def test_a_two_rank_run_says_each_thing_once_in_its_own_words(tmp_path):
     assert len(lines) == len(set(lines)), lines  # no line twice
     decode = json.loads((out / "summary.json").read_text())["decode"]
     assert decode["cpu_fallbacks"] >= 8  # every training PNG, whichever rank trained it (rank 0 alone: ~4)
+
+
+def test_the_quick_start_on_synthetic_data_says_its_labels_are_random_and_nothing_else(tmp_path):
+    """The README's ResNet quick start (fewer steps): its default logging interval against a short synthetic
+    epoch is the recipe's own choice, so no warning about it; and one line says the labels are random, so
+    nobody reads its accuracy as a result."""
+    done = run(["-m", "recipes.resnet", "--devices", "1", "--data", "synthetic", "--max-steps", "2",
+                "--accelerator", "cpu", "--synthetic-samples", "64", "--synthetic-val-samples", "32",
+                "--batch-size", "16", "--output-dir", str(tmp_path / "out")], timeout=600, check=True, quiet=False)
+    text = done.stdout + done.stderr
+    assert "--log-every-n-steps" not in text, text[-4000:]
+    data = [line for line in text.splitlines() if line.startswith("data ")]
+    assert len(data) == 1 and "random labels" in data[0] and "chance (10%)" in data[0], text[-4000:]
