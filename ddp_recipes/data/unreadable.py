@@ -43,14 +43,12 @@ def unreadable(path: str | os.PathLike, root: str | os.PathLike | None, err: Bas
 
 
 def named_loader(path: str, root: str | None = None) -> Any:
-    """torchvision's ImageFolder loader (PIL, RGB), whose failure names the file (a module function: with
-    ``functools.partial`` it pickles into the loader workers)."""
-    from torchvision.datasets.folder import pil_loader
+    """The ImageFolder loader: the file decoded by Pillow as 8-bit RGB, high-bit-depth images scaled rather than
+    clipped (:func:`ddp_recipes.data.pixels.open_rgb`; torchvision's ``pil_loader`` clips them), whose failure names
+    the file (a module function: with ``functools.partial`` it pickles into the loader workers)."""
+    from ddp_recipes.data.pixels import open_rgb  # pixels names its failures with this module's unreadable()
 
-    try:
-        return pil_loader(path)
-    except (OSError, SyntaxError, ValueError) as err:  # PIL: truncated, unidentified, broken headers
-        raise unreadable(path, root, err) from None
+    return open_rgb(path, root=root)
 
 
 def describe(err: BaseException) -> str | None:
