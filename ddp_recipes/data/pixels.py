@@ -76,6 +76,13 @@ def open_rgb(source: str | os.PathLike | bytes, name: str | os.PathLike | None =
         raise unreadable(name if name is not None else path or "(unnamed)", root, err) from None
 
 
+def named_loader(path: str, root: str | None = None) -> Image.Image:
+    """The ImageFolder loader of the recipes: :func:`open_rgb` on the file (torchvision's ``pil_loader`` clips
+    high-bit-depth images), its failure naming the file relative to ``root`` (a module function: with
+    ``functools.partial`` it pickles into the loader workers)."""
+    return open_rgb(path, root=root)
+
+
 def to_tensor(image: Image.Image) -> Any:
     """An RGB picture as a uint8 ``[3, H, W]`` tensor (torchvision's ``pil_to_tensor``: no decoder involved)."""
     from torchvision.transforms.v2.functional import pil_to_tensor

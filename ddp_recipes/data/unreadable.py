@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 MARK = "UnreadableImage: "  # how a worker's re-raised traceback ends: "<module>.UnreadableImage: <name> (<why>)"
 
@@ -40,15 +39,6 @@ def unreadable(path: str | os.PathLike, root: str | os.PathLike | None, err: Bas
     if reason.startswith("cannot identify image file"):  # PIL names its buffer or the path, not the problem
         reason = "not an image: no decoder recognises its contents"
     return UnreadableImage(f"{relative_name(path, root)} ({reason})")
-
-
-def named_loader(path: str, root: str | None = None) -> Any:
-    """The ImageFolder loader: the file decoded by Pillow as 8-bit RGB, high-bit-depth images scaled rather than
-    clipped (:func:`ddp_recipes.data.pixels.open_rgb`; torchvision's ``pil_loader`` clips them), whose failure names
-    the file (a module function: with ``functools.partial`` it pickles into the loader workers)."""
-    from ddp_recipes.data.pixels import open_rgb  # pixels names its failures with this module's unreadable()
-
-    return open_rgb(path, root=root)
 
 
 def describe(err: BaseException) -> str | None:

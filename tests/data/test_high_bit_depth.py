@@ -14,7 +14,8 @@ from PIL import Image
 
 from ddp_recipes.data.device_decode import decode_one
 from ddp_recipes.data.images import ImageFolderDataModule
-from ddp_recipes.data.unreadable import UnreadableImage, named_loader
+from ddp_recipes.data.pixels import named_loader
+from ddp_recipes.data.unreadable import UnreadableImage
 from tests.marks import needs_litdata
 
 SIDE = 24
