@@ -13,7 +13,13 @@ from typing import Any, Literal, get_args, get_origin
 
 from ddp_recipes.errors import ConfigError, lit
 
-Precision = Literal["32-true", "16-mixed", "bf16-mixed"]
+Precision = Literal["32-true", "16-mixed", "bf16-mixed"]  # the pack's own: resolved per accelerator
+# What a recipe's --precision takes: the pack's three, Lightning's true-precision ones (run as given: the model's
+# weights in that dtype), and Lightning's short spellings (PRECISION_SPELLINGS). Not Lightning's transformer-engine
+# ones: they swap the model's layers for Transformer Engine's, which the recipes' models are not built for
+# (build_trainer passes them on: LIGHTNING_PRECISIONS).
+PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true", "32", "16", "bf16",
+                        "64"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 LRScaling = Literal["none", "linear", "sqrt"]
 Accelerator = Literal["auto", "cpu", "gpu", "cuda"]
@@ -26,6 +32,10 @@ LRScheduler = Literal["cosineannealinglr", "steplr", "exponentiallr"]
 WarmupMethod = Literal["linear", "constant"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+PRECISION_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
+LIGHTNING_PRECISIONS: tuple[str, ...] = (*PRECISION_FLAGS, "transformer-engine", "transformer-engine-float16")
+# Lightning's meaning of its short spellings (its _convert_precision_to_unified_args, 2.x): the one table of them.
+PRECISION_SPELLINGS = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
 COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
 LR_SCALING_RULES: tuple[str, ...] = get_args(LRScaling)
 ACCELERATORS: tuple[str, ...] = get_args(Accelerator)

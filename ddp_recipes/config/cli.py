@@ -71,8 +71,20 @@ class _FlagParser(argparse.ArgumentParser):
     """argparse, with the flag an unknown one most likely means (``--learning-rate``: ``--lr``)."""
 
     names: dict[str, str] = {}
+    bad_choice: str | None = None
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # A value outside a flag's choices is one line naming the flag and its values, as a config file's is
+        # (check_choice's words), not argparse's usage text with the choices lost at its end.
+        if action.choices is not None and value not in action.choices:
+            name = action.option_strings[0] if action.option_strings else (action.metavar or action.dest)
+            self.bad_choice = f"{name} must be one of {', '.join(map(str, action.choices))} (got {value!r})"
+        super()._check_value(action, value)
 
     def error(self, message: str) -> NoReturn:
+        if self.bad_choice is not None:
+            print(f"{self.prog}: error: {self.bad_choice}", file=sys.stderr)
+            raise SystemExit(2)
         if message.startswith("unrecognized arguments: "):
             unknown = [a for a in message.removeprefix("unrecognized arguments: ").split() if a.startswith("--")]
             meant = [closest_name(a.split("=", 1)[0].lstrip("-"), self.names) for a in unknown]

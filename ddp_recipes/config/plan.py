@@ -17,12 +17,12 @@ from ddp_recipes.config.choices import (
     ACCELERATORS,
     COMM_HOOKS,
     LR_SCALING_RULES,
-    PRECISIONS,
     START_METHODS,
     check_choice,
 )
 from ddp_recipes.config.world import (
     check_devices,
+    lightning_precision,
     resolve_accelerator,
     resolve_precision,
     resolve_world,
@@ -241,9 +241,10 @@ class RunPlan:
 
     @classmethod
     def resolve(cls, *, devices: int | None = None, num_nodes: int | None = None, accelerator: str = "auto",
-                precision: str = "32-true", ddp: DDPOptions | None = None, accumulate_grad_batches: int | None = None,
-                per_device_batch: int | None = None, global_batch: int | None = None, default_batch: int | None = None,
-                lr_scaling: str | None = None, **facts: Any) -> RunPlan:
+                precision: str | int = "32-true", ddp: DDPOptions | None = None,
+                accumulate_grad_batches: int | None = None, per_device_batch: int | None = None,
+                global_batch: int | None = None, default_batch: int | None = None, lr_scaling: str | None = None,
+                **facts: Any) -> RunPlan:
         """Resolve the world (flags, else torchrun's environment), the accelerator and precision it gets, and
         the batch plan; check what can be checked before any process starts."""
         devices, num_nodes = resolve_world(devices, num_nodes)
@@ -261,7 +262,7 @@ class RunPlan:
             batch = BatchPlan.solve(devices * num_nodes, per_device_batch, accumulate_grad_batches, global_batch,
                                     default_batch or 1)
         # Last: 'auto' and 'cuda' ask torch about CUDA (seconds to import); the flags' own arithmetic fails first.
-        check_choice("precision", precision, PRECISIONS)
+        precision = lightning_precision(precision)  # any of Lightning's spellings: 16 -> 16-mixed, "bf16" -> ...
         check_choice("accelerator", accelerator.lower(), ACCELERATORS)
         accel = resolve_accelerator(accelerator)
         check_devices(devices, accel)

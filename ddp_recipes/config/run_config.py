@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_recipes.config.choices import (
+    PRECISION_FLAGS,
     Accelerator,
     CommHook,
     LRScaling,
-    Precision,
+    PrecisionFlag,
     check_choice,
     check_choices,
     parse_trackers,
@@ -25,7 +26,7 @@ from ddp_recipes.config.choices import (
 from ddp_recipes.config.cli import opt
 from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.trainer_settings import PACK_OWNED, callback_spec, check_trainer_settings
-from ddp_recipes.config.world import default_num_workers
+from ddp_recipes.config.world import default_num_workers, lightning_precision
 from ddp_recipes.errors import ConfigError
 
 # Checked once, where the plan resolves them (resolve_precision, resolve_accelerator, check_ddp_values,
@@ -40,7 +41,9 @@ class RunConfig:
     devices: int | None = opt(None, "devices (processes) per node; default 1, or torchrun's --nproc-per-node")
     num_nodes: int | None = opt(None, "number of nodes; default 1, or torchrun's --nnodes")
     accelerator: Accelerator = opt("auto", "cpu, gpu/cuda or auto (CUDA when available)")
-    precision: Precision = opt("32-true", "32-true, 16-mixed (CUDA; bf16-mixed on CPU) or bf16-mixed")
+    precision: PrecisionFlag = opt("32-true", "32-true, 16-mixed (CUDA; bf16-mixed on CPU), bf16-mixed, or Lightning's "
+                                              "bf16-true, 16-true, 64-true; Lightning's 32, 16, bf16, 64 mean 32-true, "
+                                              "16-mixed, bf16-mixed, 64-true")
     max_epochs: int | None = opt(None, "stop after this many epochs (recipe default when neither limit is set)")
     max_steps: int = opt(-1, "stop after this many optimizer steps (-1: no step limit)")
     batch_size: int | None = opt(None, "per-device batch size (default: recipe's, or derived from --global-batch-size)")
@@ -186,7 +189,8 @@ class RunConfig:
         max_epochs = self.max_epochs if self.max_epochs is not None else (
             -1 if self.max_steps > 0 else self.DEFAULT_MAX_EPOCHS)
         plan = RunPlan.resolve(
-            devices=self.devices, num_nodes=self.num_nodes, accelerator=self.accelerator, precision=self.precision,
+            devices=self.devices, num_nodes=self.num_nodes, accelerator=self.accelerator,
+            precision=lightning_precision(self.precision, PRECISION_FLAGS),  # the recipes' subset of Lightning's
             ddp=ddp, accumulate_grad_batches=self.accumulate_grad_batches, per_device_batch=self.batch_size,
             global_batch=self.global_batch_size, default_batch=self.DEFAULT_BATCH_SIZE, lr_scaling=self.lr_scaling,
             max_epochs=max_epochs, max_steps=self.max_steps, seed=self.seed, tf32=self.tf32,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ddp_recipes.config.choices import ACCELERATORS, PRECISIONS, check_choice
+from ddp_recipes.config.choices import ACCELERATORS, LIGHTNING_PRECISIONS, PRECISION_SPELLINGS, check_choice
 from ddp_recipes.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -163,14 +163,25 @@ def check_devices(devices: int, accelerator: str) -> None:
                           "nodes ({num_nodes})")
 
 
-def resolve_precision(precision: str, accelerator: str) -> str:
+def lightning_precision(precision: Any, accepted: tuple[str, ...] = LIGHTNING_PRECISIONS) -> str:
+    """Lightning's unified name of one of its precision spellings: ``16``/``"16"`` -> ``16-mixed``, ``"bf16"`` ->
+    ``bf16-mixed``, ``32`` -> ``32-true``, ``64`` -> ``64-true`` (``PRECISION_SPELLINGS``), a unified name as it is.
+    A :class:`ConfigError` naming ``{precision}`` and the ``accepted`` spellings for anything else."""
+    spelled = str(precision) if isinstance(precision, int) and not isinstance(precision, bool) else precision
+    if not isinstance(spelled, str) or spelled not in accepted:
+        check_choice("precision", precision, accepted)  # raises: precision is not one of them
+    return PRECISION_SPELLINGS.get(spelled, spelled)
+
+
+def resolve_precision(precision: Any, accelerator: str) -> str:
     """The precision Lightning will run, with the switch made explicit.
 
-    16-mixed needs CUDA's fp16 kernels and a GradScaler; on CPU we switch to bf16-mixed (same memory and
-    speed intent, no loss scaling needed) and say so once. Whether the GPU has bf16 is checked in the rank
-    (:func:`check_bf16_device`): asking here would initialise CUDA in the launching process.
+    Any of Lightning's spellings (:func:`lightning_precision`). 16-mixed needs CUDA's fp16 kernels and a
+    GradScaler; on CPU we switch to bf16-mixed (same memory and speed intent, no loss scaling needed) and say so
+    once. Lightning's true-precision and transformer-engine ones run as given. Whether the GPU has bf16 is checked
+    in the rank (:func:`check_bf16_device`): asking here would initialise CUDA in the launching process.
     """
-    check_choice("precision", precision, PRECISIONS)
+    precision = lightning_precision(precision)
     if precision == "16-mixed" and accelerator == "cpu":
         # Imported here: the doctor and the bench resolve accelerators without loading Lightning.
         from lightning.pytorch.utilities.rank_zero import rank_zero_info

@@ -4,7 +4,10 @@ them (torchvision's ``find_classes`` and ``make_dataset``), and the per-file wor
 A sample is the file's encoded bytes as they are on disk (not decoded pixels: a JPEG stays a JPEG, so the
 stream is as small as the folder and decoding stays in the training loader), its class index and its path
 relative to SRC. A file is decoded in full once here (``Image.load``; ``verify`` misses a cut JPEG) so that a
-corrupt one is found now, named, and left out, not at epoch 37 of a training run.
+corrupt one is found now, named, and left out, not at epoch 37 of a training run; so is one the training loader
+would refuse for having no faithful 8-bit picture (a 32-bit image outside 16-bit values, a float one outside
+[0, 1]: :mod:`ddp_recipes.data.pixels`). The bytes stay as they are: the training loader reads a 16-bit PNG of the
+stream exactly as it reads the folder's file, scaled.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_recipes.data.pixels import as_rgb
 from ddp_recipes.data.unreadable import unreadable
 from ddp_recipes.errors import DataError, MissingDataError, lit
 
@@ -111,6 +115,7 @@ def encode(item: list[Any], corrupt_log: str) -> dict[str, Any] | None:
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()  # the whole decode: verify() passes a truncated JPEG
+            as_rgb(image)  # the training loader's conversion: a mode it refuses is refused now
     except (OSError, SyntaxError, ValueError) as err:  # what the recipe's loader names (data/unreadable.py)
         named = str(unreadable(rel, None, err))
         print(f"{PROG}: corrupt file: {named}", file=sys.stderr, flush=True)

@@ -22,8 +22,10 @@ by the previous step could be overwritten by nvJPEG before the kernels queued on
 
 A file ``decode_jpeg`` refuses (nvJPEG: CMYK and other 4-channel JPEGs, PNG or other files named ``.JPEG``,
 some progressive corner cases; the CPU decoder: anything not a JPEG) makes the batch decode one file at a time
-and that file is decoded by ``torchvision.io.decode_image`` on the CPU (RGB) and copied to the device; each is
-counted in :attr:`DeviceDecoder.fallbacks`.
+and that file is decoded on the CPU by the very loader of ``--decode cpu`` (Pillow, 8-bit RGB, 16-bit and float
+images scaled rather than clipped: :mod:`ddp_recipes.data.pixels`) and copied to the device; each is counted in
+:attr:`DeviceDecoder.fallbacks`. (``torchvision.io.decode_image`` would hand a 16-bit PNG back as uint16, which
+the batch's uint8 steps then misread, and reads no TIFF or BMP that the folder's loader reads.)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 from ddp_recipes.data.encoded import Draws, EncodedBatch, EvalPipeline, TrainPipeline
-from ddp_recipes.data.unreadable import unreadable
+from ddp_recipes.data.pixels import open_rgb, to_tensor
 
 JpegDecoder = Callable[..., Any]
 
@@ -55,19 +57,17 @@ def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
 def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: JpegDecoder | None = None,
                name: str | None = None) -> tuple[torch.Tensor, bool]:
     """One file's bytes as an RGB uint8 ``[3, H, W]`` image on ``device``, and whether it needed the CPU fallback:
-    ``jpeg_decoder`` (default ``decode_jpeg``) first; a file it refuses is decoded by ``decode_image`` on the CPU.
-    A file neither decodes is an :class:`~ddp_recipes.data.unreadable.UnreadableImage` naming it (``name``)."""
-    from torchvision.io import decode_image, decode_jpeg
+    ``jpeg_decoder`` (default ``decode_jpeg``) first; a file it refuses is decoded on the CPU by ``--decode cpu``'s
+    loader (:func:`~ddp_recipes.data.pixels.open_rgb`). A file neither decodes, or with no faithful 8-bit picture, is
+    an :class:`~ddp_recipes.data.unreadable.UnreadableImage` naming it (``name``)."""
+    from torchvision.io import decode_jpeg
 
     device = torch.device(device)
     try:
         return (jpeg_decoder or decode_jpeg)(data, device=device, mode=_rgb()), False
     except (RuntimeError, ValueError):  # torchvision's "Not a JPEG file", nvJPEG's unsupported layouts
         pass
-    try:
-        image = decode_image(data, mode=_rgb())
-    except (RuntimeError, ValueError) as err:
-        raise unreadable(name or "(unnamed)", None, err) from None
+    image = to_tensor(open_rgb(data.numpy().tobytes(), name or "(unnamed)"))
     return _to_device(image, device), True
 
 

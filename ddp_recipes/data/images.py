@@ -31,8 +31,8 @@ from ddp_recipes.data import augment
 from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.data.device_decode import DeviceDecoder
 from ddp_recipes.data.encoded import EncodedBatch, EncodedImageFolder, EvalPipeline, TrainPipeline
+from ddp_recipes.data.pixels import named_loader
 from ddp_recipes.data.samplers import TensorBatchDataset
-from ddp_recipes.data.unreadable import named_loader
 from ddp_recipes.errors import ConfigError, DataError, MissingDataError, lit
 
 # Per-channel statistics of the 50k CIFAR-10 training images (std over pixels, not the often-copied

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import bisect
 import errno
-import io
 import itertools
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
 from torch.utils.data import Dataset
 from typing_extensions import override
 
@@ -37,7 +35,7 @@ from ddp_recipes.data.encoded import EncodedImageFolder, EvalPipeline, TrainPipe
 from ddp_recipes.data.images import ImageFolderDataModule, warn_not_jpeg
 from ddp_recipes.data.litdata_lib import import_litdata
 from ddp_recipes.data.node_cache import dataset_key, join
-from ddp_recipes.data.unreadable import unreadable
+from ddp_recipes.data.pixels import open_rgb
 from ddp_recipes.errors import MissingDataError, lit
 from ddp_recipes.storage import Url, absolute
 from ddp_recipes.storage.retry import StorageError, filesystem, reason, retrying
@@ -183,7 +181,8 @@ def describe_outage(err: BaseException) -> str | None:
 
 class StreamImages(Dataset):
     """A split's samples decoded by PIL as ``(transform(image), label)``: ImageFolder's ``__getitem__`` on the
-    stream's bytes (``pil_loader``'s ``convert("RGB")``), so the same file gives the same tensor."""
+    stream's bytes, with the folder's loader (:func:`~ddp_recipes.data.pixels.open_rgb`), so the same file gives the
+    same tensor."""
 
     def __init__(self, split: StreamSplit, transform: Any) -> None:
         self.split, self.transform = split, transform
@@ -193,11 +192,7 @@ class StreamImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
         sample = self.split[index]
-        try:
-            with Image.open(io.BytesIO(sample["image"])) as opened:
-                image = opened.convert("RGB")
-        except (OSError, SyntaxError, ValueError) as err:
-            raise unreadable(sample["path"], None, err) from None
+        image = open_rgb(sample["image"], sample["path"])
         return self.transform(image), int(sample["label"])
 
 

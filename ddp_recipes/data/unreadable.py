@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 MARK = "UnreadableImage: "  # how a worker's re-raised traceback ends: "<module>.UnreadableImage: <name> (<why>)"
 
@@ -40,17 +39,6 @@ def unreadable(path: str | os.PathLike, root: str | os.PathLike | None, err: Bas
     if reason.startswith("cannot identify image file"):  # PIL names its buffer or the path, not the problem
         reason = "not an image: no decoder recognises its contents"
     return UnreadableImage(f"{relative_name(path, root)} ({reason})")
-
-
-def named_loader(path: str, root: str | None = None) -> Any:
-    """torchvision's ImageFolder loader (PIL, RGB), whose failure names the file (a module function: with
-    ``functools.partial`` it pickles into the loader workers)."""
-    from torchvision.datasets.folder import pil_loader
-
-    try:
-        return pil_loader(path)
-    except (OSError, SyntaxError, ValueError) as err:  # PIL: truncated, unidentified, broken headers
-        raise unreadable(path, root, err) from None
 
 
 def describe(err: BaseException) -> str | None:

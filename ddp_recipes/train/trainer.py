@@ -99,7 +99,6 @@ def build_trainer(
     """
     devices, device_ids = _devices(devices, accelerator)
     accelerator = _accelerator(accelerator)
-    precision, lightning_precision = _precision(precision)
     strategy_kwargs = dict(strategy_kwargs or {})
     if "seed" in strategy_kwargs:  # one seed for the run: the strategy's is build_trainer's
         given = strategy_kwargs.pop("seed")
@@ -113,8 +112,6 @@ def build_trainer(
                            ddp=ddp, accumulate_grad_batches=accumulate_grad_batches, lr_scaling=lr_scaling,
                            max_epochs=max_epochs, max_steps=max_steps, seed=seed, tf32=tf32,
                            diagnostics=diagnostics, warmup_epochs=warmup_epochs, reference_batch=reference_batch)
-    if lightning_precision is not None:
-        plan = plan.replace(precision=lightning_precision)
     if device_ids is not None:
         trainer_kwargs["devices"] = device_ids if plan.accelerator == "cuda" else len(device_ids)
     lifecycle = Lifecycle(preemption, checkpoint_dir, checkpoint_every_n_steps, prebuilt=models_built_before(seed),
@@ -351,20 +348,3 @@ def _accelerator(accelerator: Any) -> str:
     if isinstance(accelerator, CUDAAccelerator):
         return "cuda"
     raise ConfigError(f"{{accelerator}} must be one of auto, cpu, gpu, cuda (got {lit(repr(accelerator))})")
-
-
-# Lightning's other spellings of the pack's precisions, and the precisions it runs without the pack's
-# resolution (passed through unchanged).
-_PRECISION_ALIASES = {32: "32-true", "32": "32-true", 16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed",
-                      "16-mixed": "16-mixed"}
-_PRECISION_PASS_THROUGH = ("bf16-true", "16-true", "64-true", "64", 64, "transformer-engine",
-                           "transformer-engine-float16")
-
-
-def _precision(precision: Any) -> tuple[str, str | int | None]:
-    """(the pack precision to resolve, Lightning's precision to run instead or None)."""
-    if precision in _PRECISION_PASS_THROUGH and not isinstance(precision, bool):
-        return "32-true", precision
-    if isinstance(precision, str | int) and not isinstance(precision, bool):
-        return _PRECISION_ALIASES.get(precision, precision), None
-    return precision, None

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import ddp_recipes.train.trainer as trainer_module
 from ddp_recipes import TunedDDPStrategy, build_trainer
-from ddp_recipes.config.choices import ACCELERATORS, COMM_HOOKS, LR_SCALING_RULES, PRECISIONS, RESNET_DATA
+from ddp_recipes.config.choices import ACCELERATORS, COMM_HOOKS, LR_SCALING_RULES, PRECISION_FLAGS, RESNET_DATA
 from ddp_recipes.config.cli import build_parser, parse_config
 from ddp_recipes.config.plan import BatchPlan, DDPOptions, RunPlan
 from ddp_recipes.config.run_config import RunConfig
@@ -82,7 +82,7 @@ def test_build_trainer_has_one_way_in():
     assert info.value.param == "comm_hook" and info.value.cli().startswith("--comm-hook must be one of none,")
 
 
-@pytest.mark.parametrize("field, choices", [("precision", PRECISIONS), ("comm_hook", COMM_HOOKS),
+@pytest.mark.parametrize("field, choices", [("precision", PRECISION_FLAGS), ("comm_hook", COMM_HOOKS),
                                             ("lr_scaling", LR_SCALING_RULES), ("accelerator", ACCELERATORS)])
 def test_each_choice_list_is_defined_once(field, choices):
     """The CLI's choices and the config's validation are the Literal of ddp_recipes.config.choices."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_recipes.data.unreadable import UnreadableImage, describe, named_loader
+from ddp_recipes.data.pixels import named_loader
+from ddp_recipes.data.unreadable import UnreadableImage, describe
 from tests.helpers import write_jpeg_tree
 
 

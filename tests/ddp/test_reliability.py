@@ -341,7 +341,7 @@ def test_two_torchrun_nodes_train_exactly_like_two_devices(tmp_path):
 
 # (id, program, arguments, substrings of the error line). Placeholders are filled by the `bad` fixture.
 BAD_INPUT = [
-    ("unknown-precision", "mnist", "--precision fp8", ["--precision", "invalid choice"]),
+    ("unknown-precision", "mnist", "--precision fp8", ["--precision must be one of", "bf16-mixed", "(got 'fp8')"]),
     ("unknown-flag", "resnet", "--epochs 3", ["unrecognized arguments: --epochs"]),
     ("zero-devices", "mnist", "--devices 0", ["--devices must be >= 1"]),
     ("zero-max-steps", "resnet", "--max-steps 0", ["--max-steps", "-1 for no limit"]),

@@ -171,7 +171,8 @@ def test_print_config_round_trips(recipe, config_cls, argv, tmp_path, capsys):
     ("seed: three\n", "--config {p}: seed must be an integer (got 'three')"),
     ("- 1\n- 2\n", "--config {p} must hold a mapping of flag names to values (got a list)"),
     ("seed: [\n", "--config {p} is not valid YAML"),
-    ("precision: fp8\n", "--precision must be one of 32-true, 16-mixed, bf16-mixed (got 'fp8')"),
+    ("precision: fp8\n", "--precision must be one of 32-true, 16-mixed, bf16-mixed, bf16-true, 16-true, 64-true, "
+     "32, 16, bf16, 64 (got 'fp8')"),
     # YAML's traps
     ("seed: 1\nseed: 2\n", "is not valid YAML (line 1: key 'seed' given twice)"),
     ("comm_hook: off\n", "comm_hook must be a string (got False: quote it"),
