@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
     """
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     from ddp_recipes.checkpointing.checkpoint import check_compatible
+    from ddp_recipes.checkpointing.state_match import check_state_fits, meta_module
     from ddp_recipes.data.base import known_train_size
     from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
     from ddp_recipes.train.checkpoints import checkpoint_callbacks
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
         classes = run.classes
         if run.resume:
             check_compatible(run.checkpoint, run.resume, {"arch": cfg.arch}, accepted={"arch": ARCHS})
+            module = meta_module(lambda: build_model(cfg, classes.model_class))
+            if module is not None:  # names and shapes, before any process starts
+                check_state_fits(run.checkpoint, run.resume, module, MNISTClassifier, "{arch}")
         model_kwargs(classes.model_class, model_args(cfg))  # before any process starts: one line if not
         datamodule = build_datamodule(cfg, classes.datamodule)
         own_data = classes.datamodule is None

@@ -165,6 +165,7 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
                        cfg.dropout, None if resume else cfg.pretrained)
     if resume:
         preflight.check_resumed_network(checkpoint, resume, cfg.arch, num_classes, cfg.cifar_stem, cfg.dropout)
+        preflight.check_resumed_state(checkpoint, resume, lambda: build_model(cfg, num_classes, model_class, True))
     model_kwargs(model_class, model_args(cfg, num_classes, bool(resume)))
     mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
     preflight.check_overrides(model_class, cfg.optimizer, mixing, num_classes)

@@ -1,15 +1,17 @@
 """What the ResNet recipe's network can take, checked before any process starts: the input sizes an
 architecture accepts and the fit of a local weights file, both on the meta device (no memory, milliseconds),
-the flags a user's subclass would ignore, and whether a checkpoint's optimizer state fits the run's optimizer."""
+the flags a user's subclass would ignore, and whether a checkpoint's weights and optimizer state fit the run's
+network and optimizer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ddp_recipes.checkpointing.checkpoint import check_compatible
+from ddp_recipes.checkpointing.state_match import check_state_fits, meta_module
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.modules.architectures import ARCHS, RESNET_FAMILY, build_arch, fit_pretrained
 from ddp_recipes.modules.finetuning import BackboneFineTuning, default_backbone
@@ -84,6 +86,15 @@ def check_resumed_network(checkpoint: dict[str, Any], path: str, arch: str, num_
     and dropout."""
     check_compatible(checkpoint, path, {"arch": arch, "num_classes": num_classes, "cifar_stem": cifar_stem,
                                         "dropout": dropout}, accepted={"arch": ARCHS})
+
+
+def check_resumed_state(checkpoint: dict[str, Any], path: str, build: Callable[[], ResNetClassifier]) -> None:
+    """The weights of ``checkpoint`` (at ``path``) against the names and shapes of the module ``build`` makes
+    (built on the meta device): a plain Lightning checkpoint of another model is one line, not a traceback per
+    rank after the launch."""
+    module = meta_module(build)
+    if module is not None:
+        check_state_fits(checkpoint, path, module, ResNetClassifier, "{arch}, {num_classes} or {cifar_stem}")
 
 
 def check_optimizer_state(checkpoint: dict[str, Any], path: str, settings: Mapping[str, Any]) -> None:
