@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from ddp_recipes.data.mnist import MNISTDataModule
 from ddp_recipes.modules.resnet import ResNetClassifier
 from recipes import mnist, resnet
 from tests.helpers import MNIST_CPU, RESNET_TINY, SHARED_DATA, cpu_trainer, files_of, write_jpeg_tree
@@ -205,6 +206,28 @@ def test_mnist_validation_smaller_than_the_ranks_under_torchrun_is_printed_once(
     assert len(lines) == 1, output[-3000:]
     assert "the validation set has 1 sample(s) for 2 ranks" in lines[0] and "pass --val-size 2 or more" in lines[0]
     assert not (tmp_path / "o").exists()
+
+
+class OneValidationImage(MNISTDataModule):
+    """A user's DataModule whose own ``setup`` holds out 1 validation image: unknown before the ranks start."""
+
+    def setup(self, stage: str | None = None) -> None:
+        self.val_size = 1
+        super().setup(stage)
+
+
+@pytest.mark.slow  # 2 ranks started and stopped (about 20 s here)
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="needs the shared mini-MNIST")
+def test_a_validation_set_found_too_small_in_the_ranks_is_printed_once(tmp_path):
+    """Every rank knows the sizes and stops alike; rank 0 prints the line."""
+    proc = run(["-m", "recipes.mnist", *MNIST_CPU, "--devices", "2", "--max-steps", "1", "--timeout-s", "120",
+                "--datamodule-class", f"{__name__}:OneValidationImage", "--output-dir", str(tmp_path / "o")],
+               timeout=200)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    lines = [line for line in output.splitlines() if "recipes.mnist: error:" in line]
+    assert len(lines) == 1 and "the validation set has 1 sample(s) for 2 ranks" in lines[0], output[-3000:]
+    assert "Traceback" not in output
 
 
 # ---- a place that cannot be written ------------------------------------------------------------------------------
