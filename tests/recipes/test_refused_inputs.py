@@ -271,3 +271,21 @@ def test_an_output_dir_without_write_permission_is_one_line(tmp_path, capsys):
         assert list(locked.iterdir()) == []
     finally:
         locked.chmod(0o755)
+
+
+def test_build_trainer_refuses_a_checkpoint_folder_it_cannot_write_before_any_rank_starts(tmp_path):
+    """The library path: ``build_trainer`` in a read-only working directory (Lightning's default_root_dir) is one
+    ``ConfigError`` naming ``default_root_dir`` when the Trainer is built, not an ``OSError`` on rank 0 at fit."""
+    prefix = _read_only(tmp_path)
+    if prefix is None:
+        pytest.skip("no read-only mount can be made here (unshare -rm refused): nothing to test against")
+    script = ("from ddp_recipes import build_trainer\n"
+              "build_trainer(accelerator='cpu', devices=2, max_steps=1, logger=False)\n"
+              "print('built')\n")
+    proc = subprocess.run([*prefix, sys.executable, "-c", script], capture_output=True, text=True, env=launch_env(),
+                          timeout=300)
+    assert proc.returncode == 1 and "built" not in proc.stdout, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"ddp_recipes.errors.ConfigError: default_root_dir: the checkpoint folder {tmp_path}/checkpoints "
+                    f"cannot be written (read-only file system at {tmp_path}); pass a writable default_root_dir")
+    assert list(tmp_path.iterdir()) == []
