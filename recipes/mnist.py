@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
     """
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     from ddp_recipes.checkpointing.checkpoint import check_compatible
-    from ddp_recipes.data.base import known_train_size
+    from ddp_recipes.checkpointing.state_match import check_state_fits, meta_module
+    from ddp_recipes.data.base import check_before_launch, known_train_size, pack_built
     from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
     from ddp_recipes.train.checkpoints import checkpoint_callbacks
     from ddp_recipes.train.run import has_loader, run_fit_test
@@ -85,11 +86,16 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
         classes = run.classes
         if run.resume:
             check_compatible(run.checkpoint, run.resume, {"arch": cfg.arch}, accepted={"arch": ARCHS})
+            module = meta_module(lambda: build_model(cfg, classes.model_class))
+            if module is not None:  # names and shapes, before any process starts
+                check_state_fits(run.checkpoint, run.resume, module, MNISTClassifier, "{arch}")
         model_kwargs(classes.model_class, model_args(cfg))  # before any process starts: one line if not
         datamodule = build_datamodule(cfg, classes.datamodule)
         own_data = classes.datamodule is None
-        if own_data:  # before any process starts; a DataModule of yours is checked in the ranks
+        if own_data:  # before any process starts (downloading first when the files are missing)
             datamodule.check_split(cfg.plan.world_size)
+        check_before_launch(datamodule, cfg.plan.world_size)  # the evaluation sets against the ranks
+        if pack_built(datamodule):  # any other DataModule of yours is checked in the ranks
             cfg.check_batch_fits(known_train_size(datamodule))
         has_val = cfg.val_size > 0 if own_data else has_loader(datamodule, "val")
         how = "hold some out with {val_size} N" if own_data else f"give {type(datamodule).__name__} a val_dataloader"

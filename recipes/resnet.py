@@ -144,17 +144,23 @@ def eval_sets(cfg: ResNetConfig, run: RunStart, datamodule: L.LightningDataModul
 
 def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.LightningDataModule, num_classes: int,
                          has_test: bool) -> None:
-    """Refuse, before any process starts, a run that cannot fit: the data's image size against
+    """Refuse, before any process starts, a run that cannot fit: the data's folders, evaluation sets and classes
+    against the ranks and the classifier, the data's image size against
     ``--image-size``, the input the architecture takes, the checkpoint's network and optimizer state against
     this run's, a weights file against the network, the module's arguments, the flags a subclass ignores, and
     what ``--test-only`` needs."""
-    from ddp_recipes.data.base import known_train_size
+    from ddp_recipes.data.base import check_before_launch, known_train_size, pack_built
     from ddp_recipes.modules import preflight
     from ddp_recipes.optim.ema import ema_state_dict
     from ddp_recipes.train.userclass import model_kwargs
 
     model_class, resume, checkpoint = run.classes.model_class, run.resume, run.checkpoint
-    if not cfg.test_only and run.classes.datamodule is None:  # a DataModule of yours: checked in the ranks
+    try:  # the folders and the evaluation sets against the ranks
+        check_before_launch(datamodule, cfg.plan.world_size)
+    except ConfigError as err:  # the synthetic data's validation samples are --synthetic-val-samples here
+        raise err.renamed(val_samples="synthetic_val_samples") from None
+    preflight.check_class_count(model_class, num_classes, datamodule, cfg.num_classes is not None)
+    if not cfg.test_only and pack_built(datamodule):  # any other DataModule of yours: checked in the ranks
         cfg.check_batch_fits(known_train_size(datamodule))
     data_size = getattr(datamodule, "image_size", cfg.image_size)
     if isinstance(data_size, int) and data_size != cfg.image_size:
@@ -165,6 +171,7 @@ def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.Lightni
                        cfg.dropout, None if resume else cfg.pretrained)
     if resume:
         preflight.check_resumed_network(checkpoint, resume, cfg.arch, num_classes, cfg.cifar_stem, cfg.dropout)
+        preflight.check_resumed_state(checkpoint, resume, lambda: build_model(cfg, num_classes, model_class, True))
     model_kwargs(model_class, model_args(cfg, num_classes, bool(resume)))
     mixing = [name for name in ("mixup_alpha", "cutmix_alpha") if getattr(cfg, name) > 0]
     preflight.check_overrides(model_class, cfg.optimizer, mixing, num_classes)

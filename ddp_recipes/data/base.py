@@ -51,16 +51,37 @@ class SplitDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader | list:
         return self._eval_loader(self._require(self.test_set, "test"), "test")
 
+    def eval_sizes(self) -> dict[str, int]:
+        """The samples of the validation and test sets (``{"validation": n, "test": m}``) where they are known
+        before ``setup`` without loading the data; none by default (checked when the loaders are made)."""
+        return {}
+
+    def more_eval_samples(self, what: str, need: int) -> str:
+        """How to give the ``what`` set ("validation" or "test") ``need`` samples, in the words of this
+        DataModule's parameters: the fix of a set too small for the ranks."""
+        return f"give the {what} set at least {need} samples"
+
+    def check_eval_sizes(self, world: int) -> None:
+        """Refuse, before any process starts, an evaluation set (:meth:`eval_sizes`) with fewer samples than
+        ``world`` ranks, which exact sharding cannot split."""
+        for what, size in self.eval_sizes().items():
+            self._check_eval_size(what, size, world)
+
+    def _check_eval_size(self, what: str, size: int, world: int) -> None:
+        if 0 < size < world:
+            raise DataError(f"the {what} set has {size} sample(s) for {world} ranks: with exact sharding every "
+                            f"rank needs one; {self.more_eval_samples(what, world)}, or use fewer {{devices}}")
+
     def _eval_loader(self, dataset: Dataset, what: str) -> DataLoader | list:
         if len(dataset) == 0:
             return []  # Lightning skips the stage
-        world = _world()[0]
-        if len(dataset) < world:
+        try:
             # Exact (unpadded) sharding would leave a rank without a batch; Lightning then fails on that rank
             # only and the others wait for it. Every rank knows the sizes, so every rank stops here.
-            raise DataError(f"the {what} set has {len(dataset)} sample(s) for {world} ranks: with exact sharding "
-                             f"every rank needs one; give it at least {world} (e.g. {{val_size}}) or use "
-                             "fewer {devices}")
+            self._check_eval_size(what, len(dataset), _world()[0])
+        except DataError as err:
+            err.agreed = True  # the same on every rank: rank 0 prints it
+            raise
         return exact_eval_loader(dataset, self.batch_size, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     @staticmethod
@@ -78,6 +99,26 @@ class TensorDataModule(SplitDataModule):
         super().__init__()
         self.train_set, self.val_set, self.test_set = train, val, val
         self.batch_size, self.seed, self.num_workers, self.pin_memory = batch_size, seed, 0, False
+
+
+def pack_built(datamodule: L.LightningDataModule) -> bool:
+    """Whether the pack's own ``setup`` builds the DataModule's sets (one of its DataModules, or a user's subclass
+    that keeps that ``setup``): what it tells before ``setup`` (sizes, folders) is then what the ranks load, and
+    can be checked before any process starts."""
+    setup = getattr(type(datamodule), "setup", None)
+    return isinstance(datamodule, SplitDataModule) and getattr(setup, "__module__", "").startswith("ddp_recipes.")
+
+
+def check_before_launch(datamodule: L.LightningDataModule, world: int) -> None:
+    """What a :func:`pack_built` DataModule can tell of its data before any process starts, checked against a
+    run of ``world`` ranks: its files (``check_files()``, e.g. an image folder's class folders) and its
+    evaluation sets' sizes. Anything else is checked in the ranks."""
+    if not pack_built(datamodule):
+        return
+    check_files = getattr(datamodule, "check_files", None)
+    if callable(check_files):
+        check_files()
+    datamodule.check_eval_sizes(world)
 
 
 def known_train_size(datamodule: L.LightningDataModule) -> int | None:

@@ -115,6 +115,14 @@ class SyntheticImageDataModule(_ImageDataModule):
                 f"training loss falls only as the network memorises them; it measures speed, not learning")
 
     @override
+    def eval_sizes(self) -> dict[str, int]:
+        return {"validation": self.val_samples, "test": self.val_samples}
+
+    @override
+    def more_eval_samples(self, what: str, need: int) -> str:
+        return f"pass {{val_samples}} {need} or more"
+
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
@@ -245,7 +253,7 @@ class ImageFolderDataModule(_ImageDataModule):
         self.val_crop_size = image_size if val_crop_size is None else val_crop_size
         self.val_resize_size = val_resize_size
         self._classes: list[str] | None = None
-        self._train_size: int | None = None
+        self._counts: dict[str, dict[str, int]] = {}  # image files per class folder, per split (listed once)
         self._record: dict = {"device": None, "images": 0, "cpu_fallbacks": 0} if decode == "gpu" else {}
         # A bad option fails here, once, not in setup on every rank.
         self.train_transform()
@@ -265,11 +273,49 @@ class ImageFolderDataModule(_ImageDataModule):
         batch against it before any rank starts)."""
         if self.train_set is not None:
             return len(self.train_set)
-        if self._train_size is None:
-            classes = {name: i for i, name in enumerate(self._train_classes())}
-            self._train_size = len(datasets.folder.make_dataset(os.fspath(self.data_dir / "train"), classes,
-                                                                 extensions=datasets.folder.IMG_EXTENSIONS))
-        return self._train_size
+        return sum(self._image_counts("train").values())
+
+    @property
+    def class_names(self) -> list[str]:
+        """The class folders under ``train/``, in label order."""
+        return list(self._train_classes())
+
+    def _image_counts(self, split: str) -> dict[str, int]:
+        """Image files per class folder of ``split``, counted as ImageFolder lists them (its extensions, links
+        followed); listed once."""
+        if split not in self._counts:
+            classes = self._train_classes() if split == "train" else self._split_classes(split)
+            counts = {}
+            for name in classes:
+                found = 0
+                for _, _, files in os.walk(self.data_dir / split / name, followlinks=True):
+                    found += sum(datasets.folder.has_file_allowed_extension(f, datasets.folder.IMG_EXTENSIONS)
+                                 for f in files)
+                counts[name] = found
+            self._counts[split] = counts
+        return self._counts[split]
+
+    def check_files(self) -> None:
+        """The folders against what a run needs, before any rank starts (and in ``setup`` when a listing fails):
+        ``train/`` and ``val/`` with the same class folders and an image in each (ImageFolder's extensions)."""
+        self.check_layout()
+        self._check_val_classes()
+        for split in ("train", "val"):
+            empty = [name for name, found in self._image_counts(split).items() if found == 0]
+            if empty:
+                more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+                raise DataError(f"{{data_dir}} {lit(self.data_dir)}: the class folder {split}/{lit(empty[0])}{more} "
+                                "holds no image file (" + ", ".join(datasets.folder.IMG_EXTENSIONS) + "); add "
+                                "images to it, or remove that class from train/ and val/", "data_dir")
+
+    @override
+    def eval_sizes(self) -> dict[str, int]:
+        val = sum(self._image_counts("val").values())
+        return {"validation": val, "test": val}
+
+    @override
+    def more_eval_samples(self, what: str, need: int) -> str:
+        return f"put at least {need} images in {lit(self.data_dir / 'val')} (it serves validation and test)"
 
     def _train_classes(self) -> list[str]:
         if self._classes is None:
@@ -292,12 +338,16 @@ class ImageFolderDataModule(_ImageDataModule):
         raise MissingDataError(f"{{data}} imagefolder needs <dir>/train and <dir>/val class subfolders; "
                                f"{{data_dir}} {lit(self.data_dir)} has {state}", "data_dir")
 
-    def _check_val_classes(self) -> None:
-        train = self._train_classes()
+    def _split_classes(self, split: str) -> list[str]:
         try:
-            val, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "val"))
+            found, _ = datasets.folder.find_classes(os.fspath(self.data_dir / split))
         except FileNotFoundError as err:
             raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
+        return found
+
+    def _check_val_classes(self) -> None:
+        train = self._train_classes()
+        val = self._split_classes("val")
         if val != train:
             # ImageFolder numbers classes by sorted folder name per split: any difference mislabels val.
             missing, extra = sorted(set(train) - set(val)), sorted(set(val) - set(train))
@@ -358,6 +408,7 @@ class ImageFolderDataModule(_ImageDataModule):
             val = datasets.ImageFolder(os.fspath(self.data_dir / "val"), loader=loader,
                                        transform=None if gpu else self.val_transform())
         except FileNotFoundError as err:  # torchvision: a class folder without a single image file
+            self.check_files()  # names the folder and the fix
             raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
         if gpu:
             train = EncodedImageFolder(train.samples, self.train_pipeline(), root=self.data_dir)

@@ -192,6 +192,20 @@ class MNISTDataModule(SplitDataModule):
             raise ConfigError(f"{{val_size}} {self.val_size} {short} (the train split has {train} images); pass a "
                               f"{{val_size}} of at most {train - max(1, world_size)}")
 
+    @override
+    def eval_sizes(self) -> dict[str, int]:
+        try:
+            counts = check_mnist(self.data_dir)
+        except FileNotFoundError:  # still to be downloaded: checked when the loaders are made
+            return {}
+        return {"validation": self.val_size, "test": counts["t10k"]}
+
+    @override
+    def more_eval_samples(self, what: str, need: int) -> str:
+        if what == "validation":
+            return f"pass {{val_size}} {need} or more"
+        return super().more_eval_samples(what, need)
+
     @property
     def train_size(self) -> int:
         """Training images after the validation hold-out (reads the file headers before ``setup``)."""

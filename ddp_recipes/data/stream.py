@@ -349,6 +349,19 @@ class StreamImageDataModule(ImageFolderDataModule):
         return split in self.record["splits"]
 
     @override
+    def check_files(self) -> None:
+        self.check_layout()  # the converter checked the folders it read; the record is what there is
+
+    @override
+    def eval_sizes(self) -> dict[str, int]:
+        val = int(self.record["splits"].get("val", {}).get("samples", 0))
+        return {"validation": val, "test": val}
+
+    @override
+    def more_eval_samples(self, what: str, need: int) -> str:
+        return f"convert a folder whose val/ holds at least {need} images into {{data_dir}}"
+
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return

@@ -1,16 +1,18 @@
 """What the ResNet recipe's network can take, checked before any process starts: the input sizes an
 architecture accepts and the fit of a local weights file, both on the meta device (no memory, milliseconds),
-the flags a user's subclass would ignore, and whether a checkpoint's optimizer state fits the run's optimizer."""
+the flags a user's subclass would ignore, and whether a checkpoint's weights and optimizer state fit the run's
+network and optimizer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ddp_recipes.checkpointing.checkpoint import check_compatible
-from ddp_recipes.errors import ConfigError
+from ddp_recipes.checkpointing.state_match import check_state_fits, meta_module
+from ddp_recipes.errors import ConfigError, DataError, lit
 from ddp_recipes.modules.architectures import ARCHS, RESNET_FAMILY, build_arch, fit_pretrained
 from ddp_recipes.modules.finetuning import BackboneFineTuning, default_backbone
 from ddp_recipes.modules.pretrained import LoadReport, PretrainedWeights, head_keys, read_weights
@@ -86,6 +88,15 @@ def check_resumed_network(checkpoint: dict[str, Any], path: str, arch: str, num_
                                         "dropout": dropout}, accepted={"arch": ARCHS})
 
 
+def check_resumed_state(checkpoint: dict[str, Any], path: str, build: Callable[[], ResNetClassifier]) -> None:
+    """The weights of ``checkpoint`` (at ``path``) against the names and shapes of the module ``build`` makes
+    (built on the meta device): a plain Lightning checkpoint of another model is one line, not a traceback per
+    rank after the launch."""
+    module = meta_module(build)
+    if module is not None:
+        check_state_fits(checkpoint, path, module, ResNetClassifier, "{arch}, {num_classes} or {cifar_stem}")
+
+
 def check_optimizer_state(checkpoint: dict[str, Any], path: str, settings: Mapping[str, Any]) -> None:
     """The optimizer state of ``checkpoint`` (at ``path``) must fit the run's optimizer and parameter groups
     (``settings``: the module's hyper-parameters); SGD with or without Nesterov keep the same state."""
@@ -94,6 +105,25 @@ def check_optimizer_state(checkpoint: dict[str, Any], path: str, settings: Mappi
     expected = {"optimizer": optimizer_state_kind(settings.get("optimizer")),
                 **{name: settings.get(name, default) for name, default in OPTIMIZER_STATE_DEFAULTS.items()}}
     check_compatible({"hyper_parameters": saved}, path, expected, defaults=OPTIMIZER_STATE_DEFAULTS)
+
+
+def check_class_count(cls: type[ResNetClassifier], num_classes: int, datamodule: object, given: bool) -> None:
+    """A classifier needs 2 or more classes (the pack's accuracy, torchmetrics' ``MulticlassAccuracy``, refuses
+    fewer, on every rank after the launch): refuse fewer before any process starts, naming where the count came
+    from (``given``: ``--num-classes``; else the data). A subclass with its own ``build_metrics()`` decides."""
+    if num_classes >= 2 or cls.build_metrics is not ResNetClassifier.build_metrics:
+        return
+    if given:
+        raise ConfigError(f"{{num_classes}} {num_classes}: a classifier needs 2 or more classes; pass {{num_classes}} "
+                          "2 or more, or leave it out to take the data's")
+    names = getattr(datamodule, "class_names", None)
+    data_dir = getattr(datamodule, "data_dir", None)
+    found = f" ({', '.join(map(str, names[:3]))})" if names else ""
+    if data_dir is not None:
+        raise DataError(f"{{data_dir}} {lit(data_dir)} holds {num_classes} class{lit(found)}: a classifier needs 2 or "
+                        "more; add a folder of images per class under its train/ and val/", "data_dir")
+    raise DataError(f"{type(datamodule).__name__}.num_classes is {num_classes}: a classifier needs 2 or more classes; "
+                    "give the data 2 or more, or pass {num_classes}")
 
 
 def check_overrides(cls: type[ResNetClassifier], optimizer: str, mixing: list[str], num_classes: int) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +48,18 @@ def open_run(cfg: RunConfig, base: type[L.LightningModule], model_cls: type | No
     return RunStart(classes, user, resume, checkpoint)
 
 
+def said_by_the_nodes_first() -> bool:
+    """Whether a refusal is another process's to print: under torchrun every rank's process runs the recipe's
+    checks alike before the process group is up (the same flags, the node's same files), so each would print the
+    same line; the node's first process (LOCAL_RANK 0) prints it, the others exit 2 silently. Lightning's own
+    launcher checks once, in the process that starts the ranks."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return False  # inside the run: each rank's error is its own (an agreed one is printed by rank 0)
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_RANK", "0") != "0"
+
+
 @contextmanager
 def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None]:
     """A recipe's ``main`` after its flags: bad input (a :class:`ConfigError`, naming its flag) is one line and exit
@@ -58,6 +71,8 @@ def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None
         yield
     except ConfigError as err:
         discard_unused_output_dirs()
+        if said_by_the_nodes_first():
+            raise SystemExit(2) from None
         fail(err, prog)
     except OSError as err:
         name = describe_unreadable(err)  # "train/c1/x.jpg (why)"

@@ -8,6 +8,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -26,11 +27,17 @@ from ddp_recipes.checkpointing.position import RunPosition
 from ddp_recipes.checkpointing.run_folder import ownership
 from ddp_recipes.checkpointing.run_folder.rank0_decision import check_checkpoint_names, find_last_checkpoint
 from ddp_recipes.config.plan import DDPOptions, RunPlan
-from ddp_recipes.config.world import check_node_env, cuda_devices, launched_by_torchrun, launched_per_pod
+from ddp_recipes.config.world import (
+    check_node_env,
+    cuda_devices,
+    launched_by_torchrun,
+    launched_per_pod,
+    will_be_global_zero,
+)
 from ddp_recipes.data.adopt import adopt_user_loaders
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
-from ddp_recipes.storage import location
+from ddp_recipes.storage import is_url, location
 from ddp_recipes.train.callbacks import BatchFitsData
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.hooks import SkipUnusedHooks
@@ -212,6 +219,8 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         trainer._callback_connector._pending_litmodels_tip = False
     if last is not None and last.dirpath is None:
         last.dirpath = location(trainer.default_root_dir) / CHECKPOINT_DIR
+    if last is not None and lifecycle is not None and lifecycle.library:  # a recipe proved its --output-dir already
+        refuse_unwritable(last.dirpath, "checkpoint_dir" if lifecycle.checkpoint_dir else "default_root_dir")
     if last is not None:
         check_checkpoint_names(trainer.callbacks, last)  # the dirpaths given; the others when fit sets them
     see_published(trainer.checkpoint_callbacks)  # ModelCheckpoint's version counter on a URL
@@ -219,6 +228,24 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         adopt_user_loaders(trainer)
         find_last_checkpoint(trainer)
     return trainer
+
+
+def refuse_unwritable(folder: Any, param: str) -> None:
+    """The checkpoint folder of a ``build_trainer`` run, on the process that will write it (rank 0), before any
+    rank starts: a local folder that cannot be made or written (a read-only mount, another user's folder) is one
+    ``ConfigError`` naming ``param``, not an ``OSError`` on rank 0 when the run starts. Nothing is created: the
+    nearest existing folder is asked (a URL is checked by its store when the run starts)."""
+    if is_url(folder) or not will_be_global_zero():
+        return
+    existing = Path(os.path.abspath(folder))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return
+    why = "not a folder" if not existing.is_dir() else (
+        "read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "permission denied")
+    raise ConfigError(f"{{{param}}}: the checkpoint folder {lit(folder)} cannot be written ({why} at {lit(existing)}); "
+                      f"pass a writable {{{param}}}", param)
 
 
 class _NoAdverts(logging.Filter):

@@ -368,6 +368,12 @@ BAD_INPUT = [
      ["--data-dir", "class folder"]),
     ("imagefolder-class-mismatch", "resnet", "--data imagefolder --data-dir {val_mismatch}",
      ["--data-dir", "val/ class folders differ", "missing in val: ['b']"]),
+    ("imagefolder-one-class", "resnet", "--data imagefolder --data-dir {one_class}",
+     ["--data-dir", "holds 1 class (a)", "a classifier needs 2 or more", "add a folder of images per class"]),
+    ("imagefolder-empty-class", "resnet", "--data imagefolder --data-dir {empty_class}",
+     ["--data-dir", "the class folder train/c holds no image file", "add images to it"]),
+    ("imagefolder-too-small-for-ranks", "resnet", "--devices 5 --data imagefolder --data-dir {tree}",
+     ["the validation set has 4 sample(s) for 5 ranks", "put at least 5 images in", "or use fewer --devices"]),
     ("imagefolder-corrupt-image", "resnet", "--data imagefolder --data-dir {corrupt_images} --max-steps 2",
      ["--data-dir", "cannot be decoded", "bad.png", "remove or replace"]),
     ("resume-missing", "resnet", "--resume {missing}/last.ckpt", ["--resume", "no such checkpoint file"]),
@@ -375,6 +381,8 @@ BAD_INPUT = [
     ("resume-corrupt", "resnet", "--resume {corrupt_ckpt}", ["--resume", "cut or damaged checkpoint"]),
     ("resume-text-file", "resnet", "--resume {notes}", ["--resume", "is not a checkpoint file"]),
     ("resume-not-lightning", "resnet", "--resume {plain_ckpt}", ["--resume", "no state_dict"]),
+    ("resume-another-model", "resnet", "--resume {lightning_ckpt}",
+     ["--resume", "does not hold the network this run builds", "'net.'", "'model.'", "--resume none"]),
     ("resume-other-arch", "resnet", "--resume auto --arch resnet34", ["--arch resnet18", "--arch resnet34"]),
     ("resume-other-classes", "resnet", "--resume auto --num-classes 5", ["--num-classes 10", "--num-classes 5"]),
     ("stem-too-small", "resnet", "--image-size 8 --no-cifar-stem", ["--image-size", "--cifar-stem"]),
@@ -399,11 +407,14 @@ RESNET_BASE = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "1
 SENTINEL_SUMMARY = b'{"sentinel": "an earlier run\'s summary"}\n'
 
 
-def _image_tree(root: Path, classes_val: tuple[str, ...] = ("a", "b"), corrupt: bool = False) -> Path:
+def _image_tree(root: Path, classes_val: tuple[str, ...] | None = None, corrupt: bool = False,
+                classes: tuple[str, ...] = ("a", "b"), empty: str | None = None) -> Path:
     from PIL import Image
 
-    for split, classes in (("train", ("a", "b")), ("val", classes_val)):
-        for i, name in enumerate(classes):
+    for split, names in (("train", classes), ("val", classes_val or classes)):
+        if empty:  # a class folder without a single image
+            (root / split / empty).mkdir(parents=True)
+        for i, name in enumerate(names):
             (root / split / name).mkdir(parents=True)
             for j in range(2):
                 Image.new("RGB", (20, 20), (40 * i + 10 * j, 0, 0)).save(root / split / name / f"{j}.png")
@@ -422,7 +433,10 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     (base / "no_classes" / "val").mkdir()
     paths = {"missing": base / "missing", "empty": base / "empty", "file": base / "file.txt",
              "no_classes": base / "no_classes", "val_mismatch": _image_tree(base / "mismatch", classes_val=("a",)),
-             "corrupt_images": _image_tree(base / "corrupt_images", corrupt=True)}
+             "corrupt_images": _image_tree(base / "corrupt_images", corrupt=True),
+             "one_class": _image_tree(base / "one_class", classes=("a",)),
+             "empty_class": _image_tree(base / "empty_class", empty="c"),
+             "tree": _image_tree(base / "tree")}  # 4 validation images
     if HAVE_MNIST:
         paths["small_mnist"] = write_mnist_subset(base / "small_mnist", n_train=300, n_test=100)
         corrupt = write_mnist_subset(base / "corrupt_mnist", n_train=300, n_test=100)
@@ -434,9 +448,12 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     torch.save(real, base / "resnet18.ckpt")
     (base / "corrupt.ckpt").write_bytes((base / "resnet18.ckpt").read_bytes()[:300])
     torch.save({"w": torch.zeros(3)}, base / "plain.ckpt")
+    # what trainer.save_checkpoint writes for a user's own LightningModule: another network's names
+    torch.save({"state_dict": {"net.1.weight": torch.zeros(8, 768), "net.1.bias": torch.zeros(8)}, "epoch": 0,
+                "global_step": 1, "pytorch-lightning_version": "2.6.0"}, base / "lightning.ckpt")
     (base / "notes.txt").write_text("what I tried today\n" * 20)
     paths.update(resnet18_ckpt=base / "resnet18.ckpt", corrupt_ckpt=base / "corrupt.ckpt",
-                 plain_ckpt=base / "plain.ckpt", notes=base / "notes.txt")
+                 plain_ckpt=base / "plain.ckpt", notes=base / "notes.txt", lightning_ckpt=base / "lightning.ckpt")
     return {k: str(v) for k, v in paths.items()}
 
 

@@ -10,6 +10,7 @@ from ddp_recipes.checkpointing.run_folder.ownership import output_survey
 from ddp_recipes.config.cli import writable_dir
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
+from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage import Url, is_url, location
 
 VERSION = "version_"  # the default output dir: <DEFAULT_OUTPUT_ROOT>/version_N, a new N for each run
@@ -41,21 +42,32 @@ def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
         if create and will_be_global_zero():
             # runs/<recipe> itself too, where this run made it: a refused first run leaves no empty folder at all
             _MADE.extend(reversed([p.absolute() for p in (root, *root.parents) if not p.exists()]))
-            root.mkdir(parents=True, exist_ok=True)
-            while True:
-                try:
-                    (root / f"{VERSION}{number}").mkdir()
-                    _MADE.append((root / f"{VERSION}{number}").absolute())
-                    break
-                except FileExistsError:
-                    number += 1
-                except FileNotFoundError:  # a refused run beside this one removed the empty root it had made
-                    root.mkdir(parents=True, exist_ok=True)
+            try:
+                number = _claim_version(root, number)
+            except OSError as err:  # a read-only or foreign working directory: the flag that moves it
+                raise ConfigError(f"no {{output_dir}} given, and the default {lit(root / f'{VERSION}{number}')} "
+                                  f"cannot be made under {lit(Path.cwd())} ({lit(err.strerror or err)}); pass "
+                                  "{output_dir} DIR on a writable disk (or run from a writable folder)",
+                                  "output_dir") from None
         chosen = root / f"{VERSION}{number}"
     elif will_be_global_zero():
         asked = "--resume auto" if cfg.resume == "auto" else "--resume"
         print(f"{asked}: continuing the run in {chosen} (--output-dir picks another)", flush=True)
     cfg.output_dir = str(chosen)
+
+
+def _claim_version(root: Path, number: int) -> int:
+    """Make ``root/version_<number>`` (the next free number: an exclusive mkdir) and return its number."""
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            (root / f"{VERSION}{number}").mkdir()
+            _MADE.append((root / f"{VERSION}{number}").absolute())
+            return number
+        except FileExistsError:
+            number += 1
+        except FileNotFoundError:  # a refused run beside this one removed the empty root it had made
+            root.mkdir(parents=True, exist_ok=True)
 
 
 def output_folder(cfg: RunConfig) -> Path | Url:
