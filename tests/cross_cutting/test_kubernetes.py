@@ -2,7 +2,8 @@
 on loopback (each "pod" a process group of its own on 127.0.0.1).
 
 Two ways a pod starts the recipe: under torchrun, told its topology by the operator's ``PET_*``
-variables (PyTorchJob with ``nprocPerNode``, the JobSet example); or as the pod's only process with
+variables (PyTorchJob with ``nprocPerNode``, the JobSet example, Kubeflow Trainer v2's TrainJob, which sets
+those five and nothing else); or as the pod's only process with
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (a PyTorchJob without torchrun), which
 Lightning does not detect (its KubeflowEnvironment must be passed by hand) and would run as node 0.
 """
@@ -67,6 +68,77 @@ def test_pytorchjob_manifest():
         (container,) = pod["containers"]
         assert container["name"] == "pytorch"  # the operator's required container name
         check_container(container, gpus, pod["terminationGracePeriodSeconds"])
+
+
+# What Kubeflow Trainer v2's Torch plugin gives the container named "node" of every TrainJob pod, as its
+# pkg/runtime/framework/plugins/torch/torch.go writes it (the same from v2.0.0 to v2.3.0), and which of them
+# a TrainJob may not set (constants.TorchRunReservedEnvNames: its webhook refuses them).
+TRAINER_PORT = 29500  # constants.ContainerTrainerPort
+TRAINER_PET = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def trainjob_manifests() -> tuple[dict, dict]:
+    """examples/k8s/trainjob.yaml: the ClusterTrainingRuntime, then the TrainJob that runs on it."""
+    runtime, job = yaml.safe_load_all((EXAMPLES / "trainjob.yaml").read_text())
+    return runtime, job
+
+
+def trainer_pet_env(job: dict) -> list[dict]:
+    """The PET_* entries the Trainer upserts into the node container for this TrainJob (torch.go)."""
+    trainer, name = job["spec"]["trainer"], job["metadata"]["name"]
+    return [{"name": "PET_NNODES", "value": str(trainer["numNodes"])},
+            {"name": "PET_NPROC_PER_NODE", "value": str(trainer.get("numProcPerNode", "auto"))},
+            {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
+            {"name": "PET_MASTER_ADDR", "value": f"{name}-node-0-0.{name}"},  # pod 0 of Job "node", JobSet DNS
+            {"name": "PET_MASTER_PORT", "value": str(TRAINER_PORT)}]
+
+
+def trainjob_container(runtime: dict, job: dict) -> tuple[dict, dict]:
+    """The pod spec and the node container a TrainJob's pods get: the runtime's, with the TrainJob's trainer
+    image, command and args in place of the runtime's, its env merged by name, resourcesPerNode as the
+    container's resources (the runtime sets none), and the Torch plugin's PET_* on top (jobset/builder.go,
+    core/trainingruntime.go, torch.go)."""
+    (rjob,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    (node,) = [c for c in pod["containers"] if c["name"] == "node"]
+    trainer = job["spec"]["trainer"]
+    env = {e["name"]: e for e in [*node.get("env", []), *trainer.get("env", []), *trainer_pet_env(job)]}
+    return pod, {**node, **{k: trainer[k] for k in ("image", "command", "args") if k in trainer},
+                 "env": list(env.values()), "resources": trainer["resourcesPerNode"]}
+
+
+def trainjob_pod_env(job: dict, index: int, nproc: int, port: int) -> dict:
+    """Pod ``index``'s environment from the TrainJob's PET_* entries, on loopback: the completion index for
+    PET_NODE_RANK, 127.0.0.1 and ``port`` for pod 0's DNS name and port, ``nproc`` processes (CPU)."""
+    env = {e["name"]: e.get("value") for e in trainer_pet_env(job)}
+    return {**env, "PET_NODE_RANK": str(index), "PET_NPROC_PER_NODE": str(nproc), "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": str(port), "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+            "HOSTNAME": f"{job['metadata']['name']}-node-0-{index}"}
+
+
+def test_trainjob_manifest():
+    runtime, job = trainjob_manifests()
+    assert runtime["apiVersion"] == job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert (runtime["kind"], job["kind"]) == ("ClusterTrainingRuntime", "TrainJob")
+    assert job["spec"]["runtimeRef"] == {"name": runtime["metadata"]["name"], "apiGroup": "trainer.kubeflow.org",
+                                         "kind": "ClusterTrainingRuntime"}
+    spec = runtime["spec"]
+    assert "torch" in spec["mlPolicy"]  # the Torch plugin, which sets the PET_* variables
+    assert spec["template"]["spec"]["failurePolicy"]["maxRestarts"] >= 1
+    (rjob,) = spec["template"]["spec"]["replicatedJobs"]
+    # The Trainer's rules: the trainer Job is labelled so, replicated once, and holds a container "node"; the
+    # master address it writes names the Job "node".
+    assert rjob["name"] == "node" and rjob.get("replicas", 1) == 1
+    assert rjob["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
+    jobspec = rjob["template"]["spec"]
+    assert jobspec["completionMode"] == "Indexed" and jobspec["backoffLimit"] == 0  # the set restarts, not a pod
+    trainer = job["spec"]["trainer"]
+    assert not {e["name"] for e in trainer["env"]} & set(TRAINER_PET)  # the webhook refuses the Trainer's own
+    assert trainer["numNodes"] >= 2 and isinstance(trainer["numProcPerNode"], int)
+    pod, container = trainjob_container(runtime, job)
+    assert pod["restartPolicy"] == "Never"
+    check_container(container, trainer["numProcPerNode"], pod["terminationGracePeriodSeconds"])
 
 
 def test_jobset_manifest():
@@ -184,9 +256,22 @@ def test_two_pods_without_torchrun_train_as_one_world(tmp_path):
     assert "world size       2 (2 node(s) x 1 device(s), cpu)" in done[0].stdout
 
 
+@pytest.fixture(scope="module")
+def per_pod_weights(tmp_path_factory) -> Path:
+    """The reference the torchrun launches below must match: the same 2-rank world started one process per pod
+    (RANK/WORLD_SIZE), same seed and flags; its last.ckpt. Run once for the module."""
+    tmp = tmp_path_factory.mktemp("per-pod-reference")
+    port = free_port()
+    env = lambda i: {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # noqa: E731
+    done = pods([*MNIST, "--output-dir", str(tmp / "out"), "--checkpoint-every-n-steps", "6"], env, tmp)
+    for d in done:
+        assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-3000:]
+    return tmp / "out" / "checkpoints" / "last.ckpt"
+
+
 @pytest.mark.slow
 @needs_mnist
-def test_two_pods_under_torchrun_with_the_operators_pet_variables(tmp_path):
+def test_two_pods_under_torchrun_with_the_operators_pet_variables(tmp_path, per_pod_weights):
     """What the PyTorchJob (nprocPerNode) and the JobSet example give each pod: torchrun with no topology
     flags, PET_* plus the operator's own RANK/WORLD_SIZE. Same world and seed as the per-pod launch: the
     same weights."""
@@ -204,12 +289,29 @@ def test_two_pods_under_torchrun_with_the_operators_pet_variables(tmp_path):
         assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["num_nodes"] == 2
+    assert_same_weights(out / "checkpoints" / "last.ckpt", per_pod_weights)
 
-    port2 = free_port()
-    per_pod = tmp_path / "per-pod"
-    pods([*MNIST, "--output-dir", str(per_pod), "--checkpoint-every-n-steps", "6"],
-         lambda i: {"RANK": str(i), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port2)}, tmp_path)
-    assert_same_weights(out / "checkpoints" / "last.ckpt", per_pod / "checkpoints" / "last.ckpt")
+
+@pytest.mark.slow
+@needs_mnist
+def test_two_trainjob_pods_under_torchrun_with_only_the_trainers_pet_variables(tmp_path, per_pod_weights):
+    """What Kubeflow Trainer v2 gives each pod of examples/k8s/trainjob.yaml: the five PET_* variables and no
+    RANK, WORLD_SIZE or MASTER_* (unlike the PyTorchJob), read by torchrun with no topology flags as in the
+    manifest's command (the MNIST recipe, as in the other loopback runs), 1 process per pod on CPU. The same
+    world as the per-pod launch, and the same weights."""
+    runtime, job = trainjob_manifests()
+    _, container = trainjob_container(runtime, job)
+    nodes, port = job["spec"]["trainer"]["numNodes"], free_port()
+    assert nodes == 2 and container["command"][:2] == ["torchrun", "-m"]  # no topology flags: PET_* only
+    out = tmp_path / "trainjob"
+    done = pods(["-m", "torch.distributed.run", *MNIST, "--output-dir", str(out), "--checkpoint-every-n-steps", "6"],
+                lambda i: trainjob_pod_env(job, i, 1, port), tmp_path)
+    for d in done:
+        assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["num_nodes"] == 2 and summary["devices_per_node"] == 1
+    assert "world size       2 (2 node(s) x 1 device(s), cpu)" in done[0].stdout
+    assert_same_weights(out / "checkpoints" / "last.ckpt", per_pod_weights)
 
 
 @pytest.mark.slow
