@@ -197,6 +197,23 @@ def test_a_pod_without_torchrun_is_one_node_of_world_size(pod):
         check_node_env(2, "cpu")
 
 
+def test_a_trainjob_pod_whose_command_is_not_torchrun_is_refused_not_trained_alone(monkeypatch):
+    """Kubeflow Trainer gives each pod only the PET_* variables, for torchrun: a `python -m recipes.X` command
+    would make every pod a one-process world of its own, writing into the same --output-dir."""
+    from ddp_recipes.config.world import resolve_world
+
+    for name in (*POD_VARS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("PET_NNODES", "2"), ("PET_NPROC_PER_NODE", "1"), ("PET_NODE_RANK", "1"),
+                        ("PET_MASTER_ADDR", "job-node-0-0.job"), ("PET_MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    with raises_cli(Exception, r"^PET_NNODES=2: the operator .* not torchrun, so each pod would train alone; make "
+                               r"the container's command torchrun -m recipes.<name>"):
+        resolve_world(None, None)
+    monkeypatch.setenv("PET_NNODES", "1")  # one node: a single pod's run is what it asked for
+    assert resolve_world(None, None) == (1, 1)
+
+
 def test_several_gpus_in_a_pod_without_torchrun_is_an_error_not_a_one_gpu_run(pod):
     from ddp_recipes.config import world
 
