@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
-from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, ModelSummary, ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, ModelSummary, ProgressBar
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -32,6 +32,7 @@ from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage import location
 from ddp_recipes.train.callbacks import BatchFitsData
+from ddp_recipes.train.checkpoints import DefaultCheckpoint
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.hooks import SkipUnusedHooks
 from ddp_recipes.train.perf import BF16Check, InputWaitProfiler, TF32Setting, configure_tf32
@@ -236,7 +237,7 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         # Lightning's default (no monitor, save_top_k=1: "best" is the newest epoch's), in last.ckpt's folder
         # rather than the logger's version folder: a run continued with ckpt_path="last" gets a new version folder,
         # where Lightning would drop the restored state (top-k files, best_model_score) with a warning.
-        trainer.callbacks.insert(trainer.callbacks.index(last), ModelCheckpoint(dirpath=str(last.dirpath)))
+        trainer.callbacks.insert(trainer.callbacks.index(last), DefaultCheckpoint(dirpath=str(last.dirpath)))
     if last is not None:
         check_checkpoint_names(trainer.callbacks, last)  # the dirpaths given; the others when fit sets them
     see_published(trainer.checkpoint_callbacks)  # ModelCheckpoint's version counter on a URL

@@ -104,7 +104,8 @@ def facts(trainer: L.Trainer, model: L.LightningModule, out: Path) -> dict[str, 
     validate/test/predict load for "best" and "last" (and whether its weights are what the model then holds)."""
     callback = trainer.checkpoint_callback
     found: dict[str, Any] = {
-        "callback": type(callback).__name__,
+        "callback": type(callback).__name__ if not isinstance(callback, ModelCheckpoint) else "ModelCheckpoint",
+        "state_keys": sorted(c.state_key for c in trainer.callbacks if isinstance(c, ModelCheckpoint)),
         "model_checkpoints": sum(isinstance(c, ModelCheckpoint) for c in trainer.callbacks),
         "best_model_path": _rel(callback.best_model_path, out),
         "best_model_score": None if callback.best_model_score is None else float(callback.best_model_score),

@@ -48,7 +48,7 @@ def test_best_and_last_after_fit_at_two_ranks_as_lightning_gives_them(tmp_path):
     keeps the weights in memory: the same weights). EarlyStopping stops where it does on plain Lightning."""
     pack = two_ranks(tmp_path / "pack", "default", 5)
     plain = plain_lightning(tmp_path / "plain", "default", 5)
-    for key in ("callback", "model_checkpoints", "best_model_path", "best_model_score", "best_k_models",
+    for key in ("callback", "model_checkpoints", "state_keys", "best_model_path", "best_model_score", "best_k_models",
                 "current_epoch", "global_step", "stopped_epoch"):
         assert pack[key] == plain[key], key
     assert pack["best_model_path"] == "checkpoints/epoch=1-step=6.ckpt" and pack["stopped_epoch"] == 1
@@ -80,8 +80,12 @@ def test_a_continued_run_keeps_lightnings_checkpoint_state(tmp_path):
     replaced as in a run never stopped, and "best" is epoch 2's."""
     out = tmp_path / "pack"
     two_ranks(out, "plain", 2)
-    continued = two_ranks(out, "plain", 3, quiet=False)
+    done = run([SCRIPT, str(out), "plain", "3"], check=True, quiet=False)
+    continued = json.loads((out / "facts-3.json").read_text())
     plain = plain_lightning(tmp_path / "plain", "plain", 3)
+    # the state came back whole, in the run's own folder: neither of Lightning's warnings about its folder
+    assert "dirpath has changed" not in done.stdout + done.stderr
+    assert "exists and is not empty" not in done.stdout + done.stderr
     assert continued["best_model_path"] == plain["best_model_path"] == "checkpoints/epoch=2-step=9.ckpt"
     assert continued["folder"] == ["epoch=2-step=9.ckpt", "last.ckpt", "run.json"]
     assert continued["global_step"] == 9
@@ -112,3 +116,38 @@ def test_lightning_cli_examples_idiom_at_two_ranks(tmp_path, trainer):
     assert "multiple `ModelCheckpoint`" not in done.stdout + done.stderr
     if trainer == "build_trainer":
         assert "LastCheckpoint" in facts["callbacks"] and (out / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_the_checkpoint_callbacks_build_trainer_adds(tmp_path):
+    """Lightning's rule: its default ModelCheckpoint when the script gives no checkpoint callback, first among the
+    checkpoint callbacks (trainer.checkpoint_callback), in last.ckpt's folder; none beside a user's own."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    from ddp_recipes import LastCheckpoint, build_trainer
+
+    def checkpoints(**kwargs):
+        trainer = build_trainer(devices=1, accelerator="cpu", default_root_dir=str(tmp_path), logger=False, **kwargs)
+        return trainer, [type(c).__name__ for c in trainer.checkpoint_callbacks]
+
+    trainer, names = checkpoints()
+    assert names == ["DefaultCheckpoint", "LastCheckpoint"] and isinstance(trainer.checkpoint_callback, ModelCheckpoint)
+    assert trainer.checkpoint_callback.dirpath == str(tmp_path / "checkpoints")
+    assert trainer.checkpoint_callback.state_key == ModelCheckpoint().state_key  # Lightning's default's key
+    mine = ModelCheckpoint(monitor="valid_loss")
+    trainer, names = checkpoints(callbacks=[LastCheckpoint(tmp_path / "ck"), mine])  # theirs first, Last after
+    assert names == ["ModelCheckpoint", "LastCheckpoint"] and trainer.checkpoint_callback is mine
+    assert checkpoints(callbacks=OnExceptionCheckpoint(str(tmp_path)))[1] == ["OnExceptionCheckpoint", "LastCheckpoint"]
+    assert checkpoints(preemption=False)[1] == ["ModelCheckpoint"]  # Lightning's own
+    assert checkpoints(enable_checkpointing=False)[1] == []
+
+
+def test_lightning_defaults_passed_explicitly_mean_what_leaving_them_out_means():
+    """LightningCLI(trainer_class=build_trainer) passes strategy="auto" and profiler=None on every run: they used
+    to replace TunedDDPStrategy with Lightning's DDPStrategy and drop the input-wait profiler."""
+    from ddp_recipes import TunedDDPStrategy, build_trainer
+    from ddp_recipes.train.perf import InputWaitProfiler
+
+    trainer = build_trainer(devices=2, accelerator="cpu", strategy="auto", profiler=None, logger=False)
+    assert type(trainer.strategy) is TunedDDPStrategy and isinstance(trainer.profiler, InputWaitProfiler)
+    given = build_trainer(devices=2, accelerator="cpu", strategy="ddp", logger=False)
+    assert type(given.strategy).__name__ == "DDPStrategy"  # a strategy named is used as given
