@@ -1,5 +1,6 @@
 """Which checkpoints a recipe run writes: ``last.ckpt`` and ``best.ckpt`` (which one ``--resume`` opens:
-:mod:`~ddp_recipes.checkpointing.run_folder.resume_choice`)."""
+:mod:`~ddp_recipes.checkpointing.run_folder.resume_choice`); and the ModelCheckpoint that ``build_trainer``
+adds where Lightning adds its default one."""
 
 from __future__ import annotations
 
@@ -15,7 +16,19 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.storage import location
 
 
-class BestCheckpoint(ModelCheckpoint):
+class RunFolderCheckpoint(ModelCheckpoint):
+    """A ModelCheckpoint of the pack's in the run's own checkpoint folder."""
+
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # The folder is this run's own (a new run into another run's is refused), so Lightning's "Checkpoint
+        # directory ... exists and is not empty" would only greet every resumed run.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
+
+
+class BestCheckpoint(RunFolderCheckpoint):
     """The recipe's ``best.ckpt``: a ModelCheckpoint under a state key of its own (led by this class's name), so
     a user's ModelCheckpoint on the same metric (``--callbacks ModelCheckpoint`` with ``monitor: val_acc``)
     runs beside it: Lightning refuses two stateful callbacks with one key. A checkpoint that holds best.ckpt's
@@ -30,18 +43,21 @@ class BestCheckpoint(ModelCheckpoint):
         return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
 
     @override
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        # The folder is this run's own (a new run into another run's is refused), so Lightning's "Checkpoint
-        # directory ... exists and is not empty" would only greet every resumed run.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-            super().setup(trainer, pl_module, stage)
-
-    @override
     def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
         if self.monitor not in monitor_candidates:
             return  # no validation has run yet (a run stopped by --max-steps before it): nothing to rank
         super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+
+class DefaultCheckpoint(RunFolderCheckpoint):
+    """Lightning's default ``ModelCheckpoint()`` (no monitor, ``save_top_k=1``), which ``build_trainer`` adds where
+    Lightning would (:func:`~ddp_recipes.train.trainer.trainer_for`), in ``last.ckpt``'s folder. Its state goes
+    under ModelCheckpoint's own key: a checkpoint holds what a plain Trainer's default would, and restores
+    into one."""
+
+    @property
+    def state_key(self) -> str:
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
 
 
 def checkpoint_callbacks(cfg: RunConfig, has_val: bool, model_class: type | None = None) -> list[Callback]:

@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment, KubeflowEnvironment
-from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, ModelSummary, ProgressBar
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -39,6 +39,7 @@ from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.storage import is_url, location
 from ddp_recipes.train.callbacks import BatchFitsData
+from ddp_recipes.train.checkpoints import DefaultCheckpoint
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.hooks import SkipUnusedHooks
 from ddp_recipes.train.perf import BF16Check, InputWaitProfiler, TF32Setting, configure_tf32
@@ -100,7 +101,9 @@ def build_trainer(
     ``checkpoint_every_n_steps`` steps; SIGTERM (and SLURM's requeue signal) only set a flag, every rank
     saves at the next step boundary and exits with 128 + signal; ``trainer.fit(..., ckpt_path="last")``
     continues from the newest complete checkpoint (starting fresh when there is none). ``preemption=False``
-    leaves signals and ``last.ckpt`` to the caller (Lightning's own handlers run).
+    leaves signals and ``last.ckpt`` to the caller (Lightning's own handlers run). Without a checkpoint callback
+    of the caller's, Lightning's default ``ModelCheckpoint()`` is added as Lightning adds it (in ``last.ckpt``'s
+    folder): ``trainer.checkpoint_callback`` and ``ckpt_path="best"`` mean what they mean to Lightning.
     Training loaders Lightning re-creates get the pack's resumable order and per-sample augmentation
     seeding; evaluation loaders an unpadded shard (:mod:`ddp_recipes.data.adopt`).
     """
@@ -119,6 +122,10 @@ def build_trainer(
                            ddp=ddp, accumulate_grad_batches=accumulate_grad_batches, lr_scaling=lr_scaling,
                            max_epochs=max_epochs, max_steps=max_steps, seed=seed, tf32=tf32,
                            diagnostics=diagnostics, warmup_epochs=warmup_epochs, reference_batch=reference_batch)
+    if trainer_kwargs.get("strategy") == "auto":
+        # Lightning's default, which LightningCLI(trainer_class=build_trainer) passes on every run: "choose for me"
+        # is the pack's choice here (TunedDDPStrategy on more than one device), as when it is left out.
+        del trainer_kwargs["strategy"]
     if device_ids is not None:
         trainer_kwargs["devices"] = device_ids if plan.accelerator == "cuda" else len(device_ids)
     lifecycle = Lifecycle(preemption, checkpoint_dir, checkpoint_every_n_steps, prebuilt=models_built_before(seed),
@@ -138,7 +145,8 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
     configure_tf32(plan.tf32, plan.accelerator)
     if plan.batch is not None:
         global_batch = plan.batch.global_batch
-    trainer_kwargs.setdefault("profiler", InputWaitProfiler())
+    if trainer_kwargs.get("profiler") is None:  # None is Lightning's default (LightningCLI passes it): no profiler
+        trainer_kwargs["profiler"] = InputWaitProfiler()
     if plan.seed is not None:
         # Same seed on every rank before the model is built: identical initial weights everywhere.
         L.seed_everything(plan.seed, workers=True, verbose=False)
@@ -158,7 +166,17 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
     callbacks = _as_list(trainer_kwargs.pop("callbacks", None), "callbacks")
     # enable_checkpointing=False (the bench, evaluation): Lightning refuses any Checkpoint callback then.
     checkpointing = trainer_kwargs.get("enable_checkpointing", True) is not False
+    # Lightning adds its own ModelCheckpoint() only to a Trainer with no Checkpoint callback, and LastCheckpoint is
+    # one: without this a script's ckpt_path="best" and trainer.checkpoint_callback.best_model_path would fail.
+    theirs = [c for c in callbacks if isinstance(c, Checkpoint) and not isinstance(c, LastCheckpoint)]
+    lightning_default = lifecycle is not None and lifecycle.library and checkpointing and not theirs
     last = lifecycle.callback(callbacks) if lifecycle is not None and checkpointing else None
+    if last is not None:
+        # After every ModelCheckpoint (Lightning keeps the Checkpoints' order): trainer.checkpoint_callback is then
+        # the ModelCheckpoint, as in Lightning, and a save of theirs at the same boundary lands in last.ckpt's
+        # copy of their state, so a resumed run knows the files they wrote.
+        callbacks.remove(last)
+        callbacks.append(last)
     if plan.accelerator == "cuda":
         callbacks.append(TF32Setting(plan.tf32))  # again in each rank: spawned ranks do not inherit it
         if not plan.distributed:
@@ -221,6 +239,11 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         last.dirpath = location(trainer.default_root_dir) / CHECKPOINT_DIR
     if last is not None and lifecycle is not None and lifecycle.library:  # a recipe proved its --output-dir already
         refuse_unwritable(last.dirpath, "checkpoint_dir" if lifecycle.checkpoint_dir else "default_root_dir")
+    if last is not None and lightning_default:
+        # Lightning's default (no monitor, save_top_k=1: "best" is the newest epoch's), in last.ckpt's folder
+        # rather than the logger's version folder: a run continued with ckpt_path="last" gets a new version folder,
+        # where Lightning would drop the restored state (top-k files, best_model_score) with a warning.
+        trainer.callbacks.insert(trainer.callbacks.index(last), DefaultCheckpoint(dirpath=str(last.dirpath)))
     if last is not None:
         check_checkpoint_names(trainer.callbacks, last)  # the dirpaths given; the others when fit sets them
     see_published(trainer.checkpoint_callbacks)  # ModelCheckpoint's version counter on a URL

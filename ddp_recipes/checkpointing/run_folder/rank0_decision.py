@@ -26,6 +26,7 @@ An error of step 1 is raised on every rank with the same text (printed once, by 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,13 @@ class RunCheckpointConnector(_CheckpointConnector):
     def _parse_ckpt_path(self, state_fn: TrainerFn, ckpt_path: Any, model_provided: bool,
                          model_connected: bool) -> Any:
         if ckpt_path != "last":
-            return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
+            with warnings.catch_warnings():
+                if sum(not isinstance(c, LastCheckpoint) for c in self.trainer.checkpoint_callbacks) == 1:
+                    # Lightning counts LastCheckpoint among "multiple ModelCheckpoint callbacks" and warns that
+                    # "best" is the first one's: with one ModelCheckpoint of the user's (or Lightning's default),
+                    # that one is the first (build_trainer puts LastCheckpoint last), so nothing is ambiguous.
+                    warnings.filterwarnings("ignore", message=r".*multiple `ModelCheckpoint` callbacks")
+                return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
         if _last_checkpoint(self.trainer) is not None:
             return ckpt_path if isinstance(ckpt_path, Continue) else Continue()  # decided in resume_start
         fitting = state_fn == TrainerFn.FITTING
