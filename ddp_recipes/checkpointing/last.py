@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from ddp_recipes.checkpointing import kept
 from ddp_recipes.checkpointing.checkpoint import RUN_KEY
 from ddp_recipes.checkpointing.preemption import (
     FlagSignalConnector,
@@ -93,6 +94,7 @@ class LastCheckpoint(Checkpoint):
         # The step this process starts at is a boundary already passed (and saved, when resuming): the
         # first micro-batch of an accumulation window must not look like a new optimizer step.
         self._seen_step = self._saved_step = trainer.global_step
+        kept.started(trainer.ckpt_path, trainer.global_step)
         self._vote = StopVote.open(trainer)
 
     @override
@@ -147,6 +149,7 @@ class LastCheckpoint(Checkpoint):
             return
         trainer.save_checkpoint(self.path, weights_only=False)
         self._saved_step = trainer.global_step
+        kept.saved(str(self.path), trainer.global_step)
 
     # ---- preemption ----------------------------------------------------------------------------------
 

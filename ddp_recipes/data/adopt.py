@@ -40,7 +40,7 @@ from torch.utils.data.distributed import DistributedSampler
 from typing_extensions import override
 
 from ddp_recipes.data.litdata_lib import adopt_litdata_loader, is_litdata_loader
-from ddp_recipes.data.loader_workers import ignore_preemption_signals, kill_loader_workers_at_exit
+from ddp_recipes.data.loader_workers import kill_loader_workers_at_exit, loader_worker_init
 from ddp_recipes.data.resumable import ResumableDataLoader, ResumableSampler, SeededDataset
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from ddp_recipes.data.streams import RankShardedStream, StreamLoader, classify
@@ -49,14 +49,14 @@ _EVAL = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHEC
 
 
 class WorkerInit:
-    """worker_init_fn: leave preemption signals to the training process, then run the user's own."""
+    """worker_init_fn: leave preemption signals to the training process and end with it, then run the user's own."""
 
     def __init__(self, user: Any = None) -> None:
         self.user = user
         kill_loader_workers_at_exit()  # made in the training process, for loaders with workers
 
     def __call__(self, worker_id: int) -> None:
-        ignore_preemption_signals(worker_id)
+        loader_worker_init(worker_id)
         if self.user is not None:
             self.user(worker_id)
 

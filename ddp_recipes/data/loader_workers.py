@@ -1,5 +1,5 @@
-"""DataLoader worker processes: they leave preemption signals to their training process, and the ones a
-finished run leaves behind are killed at exit instead of hanging it.
+"""DataLoader worker processes: they leave preemption signals to their training process, end with it however it
+ends, and the ones a finished run leaves behind are killed at exit instead of hanging it.
 
 The workers ignore SIGTERM (:func:`ignore_preemption_signals`), so multiprocessing's exit handler, which
 sends its daemon children SIGTERM and joins them, would wait for them forever; :func:`kill_loader_workers_at_exit`
@@ -11,7 +11,42 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import multiprocessing.util  # noqa: F401  (its exit handler is registered on import: before ours)
+import os
 import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def loader_worker_init(worker_id: int) -> None:
+    """worker_init_fn of the pack's loaders: :func:`ignore_preemption_signals`, then :func:`die_with_rank`."""
+    ignore_preemption_signals(worker_id)
+    die_with_rank()
+
+
+def die_with_rank() -> None:
+    """Have the kernel SIGKILL this loader worker when the process that started it ends (Linux), and stop now if
+    it has ended already.
+
+    torch's worker notices a dead rank only between two samples (its watchdog compares ``getppid()``); a worker
+    inside a sample's read, retrying a store that is down with backoff, outlived a SIGKILLed rank by minutes,
+    orphaned, still downloading and logging. SIGKILL because the worker ignores SIGTERM
+    (:func:`ignore_preemption_signals`). The parent is the rank under the fork and spawn start methods; under
+    forkserver it is the fork server, which exits when the rank does (its pipe from the rank closes), so the
+    signal follows. The kernel ties it to the thread that started the worker: torch starts workers from the
+    thread that iterates the loader, Lightning's main thread. Elsewhere (no prctl) the storage layer's retry loop
+    gives up once the parent is gone (:func:`~ddp_recipes.storage.retry.retrying`).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    parent = multiprocessing.parent_process()
+    if parent is not None and not parent.is_alive():  # it ended before the kernel was told
+        os._exit(1)
 
 
 def ignore_preemption_signals(worker_id: int) -> None:

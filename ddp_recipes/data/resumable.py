@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, get_worker_info
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_recipes.data.loader_workers import ignore_preemption_signals, kill_loader_workers_at_exit
+from ddp_recipes.data.loader_workers import kill_loader_workers_at_exit, loader_worker_init
 from ddp_recipes.data.seeding import RestoredRNG, sample_seed, seed_all
 from ddp_recipes.errors import CheckpointError
 
@@ -294,7 +294,7 @@ def resumable_loader(dataset: Dataset, batch_size: int, seed: int, num_replicas:
     """A :class:`ResumableDataLoader` over ``SeededDataset(dataset, seed)`` for this rank."""
     seeded = SeededDataset(dataset, seed)
     sampler = ResumableSampler(seeded, num_replicas=num_replicas, rank=rank, seed=seed)
-    kwargs.setdefault("worker_init_fn", ignore_preemption_signals)
+    kwargs.setdefault("worker_init_fn", loader_worker_init)
     if num_workers > 0:
         kill_loader_workers_at_exit()
     return ResumableDataLoader(seeded, batch_size=batch_size, sampler=sampler, num_workers=num_workers,

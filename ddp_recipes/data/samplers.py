@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp_recipes.data.loader_workers import ignore_preemption_signals, kill_loader_workers_at_exit
+from ddp_recipes.data.loader_workers import kill_loader_workers_at_exit, loader_worker_init
 from ddp_recipes.data.resumable import resumable_loader
 
 
@@ -74,7 +74,7 @@ def exact_eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0,
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, persistent_workers=num_workers > 0, drop_last=False,
                       collate_fn=_collate(dataset), generator=torch.Generator(),
-                      worker_init_fn=ignore_preemption_signals)
+                      worker_init_fn=loader_worker_init)
 
 
 def resumable_train_loader(dataset: Dataset, batch_size: int, seed: int, num_workers: int = 0,

@@ -91,7 +91,9 @@ class StreamSplit:
             from botocore.config import Config
 
             options["storage_options"] = {"config": Config(retries=S3_RETRIES, connect_timeout=10, read_timeout=60)}
-        dataset = litdata.StreamingDataset(self.url, shuffle=False, drop_last=False, cache_dir=self.cache, **options)
+        # drop_last left to litdata: it shapes only litdata's own iteration, which the pack never uses (samples are
+        # read by index in the pack's order); set to False it made litdata warn in every rank and loader worker.
+        dataset = litdata.StreamingDataset(self.url, shuffle=False, cache_dir=self.cache, **options)
         # The converter's samples carry bytes: read by litdata's item-range path (its default for a remote split)
         # they come back empty in 0.2.76 ("unpack_from requires a buffer"); whole chunks it reads.
         dataset._on_demand_bytes = False

@@ -71,6 +71,7 @@ from ddp_recipes.ddp.failures import (
     stop_processes,
 )
 from ddp_recipes.ddp.group_exit import destroy_group_at_exit, keep_group_at_exit
+from ddp_recipes.ddp.launcher import ObservedLauncher
 from ddp_recipes.ddp.syncbn import SyncBatchNormPlugin
 from ddp_recipes.ddp.unused_params import (
     is_unused_parameters_error,
@@ -229,6 +230,8 @@ class TunedDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:  # its observer SIGKILLs rank 0 on a child's failure
+            self._launcher = ObservedLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         if isinstance(self._launcher, _SubprocessScriptLauncher):
             tag_children_with_launcher(self._launcher)
 

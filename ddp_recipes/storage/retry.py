@@ -102,6 +102,9 @@ def retrying(what: str, call: Callable[[], T], *, param: str = "output_dir", att
             if not is_transient(err) or attempt == attempts:
                 again = f" after {attempt} attempts" if attempt > 1 else ""
                 raise StorageError(f"{{{param}}}: {lit(what)} failed{again} ({lit(reason(err))})", param) from err
+            if _abandoned():
+                raise StorageError(f"{{{param}}}: {lit(what)} given up ({lit(reason(err))}): the process that started "
+                                   "this one has exited", param) from err
             delay = min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (attempt - 1)) * random.uniform(0.75, 1.25)
             if attempt == 1 and _reporting_rank():
                 print(f"storage: {what}: {reason(err)}; retrying with backoff (up to {attempts} attempts)",
@@ -112,6 +115,16 @@ def retrying(what: str, call: Callable[[], T], *, param: str = "output_dir", att
                 print(f"storage: {what}: done after {attempt} attempts", file=sys.stderr, flush=True)
             return result
     raise AssertionError("unreachable")
+
+
+def _abandoned() -> bool:
+    """Whether this is a multiprocessing child (a loader worker) whose parent has exited: nobody waits for what it
+    reads, so it stops retrying instead of downloading and logging for minutes as an orphan (Linux kills such a
+    worker anyway: :func:`~ddp_recipes.data.loader_workers.die_with_rank`)."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return parent is not None and not parent.is_alive()
 
 
 def _reporting_rank() -> bool:

@@ -11,12 +11,14 @@ from typing import Any
 
 import lightning as L
 
+from ddp_recipes.checkpointing import kept
 from ddp_recipes.checkpointing.run_folder.output_dir import discard_unused_output_dirs
 from ddp_recipes.checkpointing.run_folder.resume_choice import open_resume
 from ddp_recipes.config.cli import fail
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.unreadable import describe as describe_unreadable
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.storage.retry import StorageError
 from ddp_recipes.train.console import quiet_recipe_console
 from ddp_recipes.train.surface import UserSurface, open_surface
 from ddp_recipes.train.userclass import RecipeClasses, follow_checkpoint, resolve_classes
@@ -65,10 +67,16 @@ def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None
     """A recipe's ``main`` after its flags: bad input (a :class:`ConfigError`, naming its flag) is one line and exit
     2, and the run leaves nothing behind (not even the empty ``version_N`` of a default output dir); an image
     file no decoder reads is named relative to ``data_dir``, from any decoder, in a loader worker or not; so is a
-    stream whose store stopped delivering mid-run (the checkpoints are kept: ``--resume auto`` continues). Anything
-    else is a bug and keeps its traceback."""
+    stream whose store stopped delivering mid-run, and a store of ``--output-dir`` that stopped taking the run's
+    files: their line says whether a checkpoint is kept, and where (:mod:`~ddp_recipes.checkpointing.kept`).
+    Anything else is a bug and keeps its traceback."""
+    kept.reset()
     try:
         yield
+    except StorageError as err:  # the store of --output-dir (or of --data-dir, read before the launch)
+        discard_unused_output_dirs()
+        after = kept.current().words("once the store answers")
+        fail(f"{err.cli()}; {after}" if after else err, prog)
     except ConfigError as err:
         discard_unused_output_dirs()
         if said_by_the_nodes_first():
@@ -85,5 +93,5 @@ def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None
             raise
         if isinstance(err, StreamCacheError):  # the node's disk: the line names the cache and its fix
             fail(outage, prog)
-        fail(f"--data-dir {data_dir}: {outage}; training stopped, its last checkpoint is kept: rerun with "
-             "--resume auto once the store answers", prog)
+        after = kept.current().words("once the store answers") or "rerun the same command once the store answers"
+        fail(f"--data-dir {data_dir}: {outage}; {after}", prog)

@@ -288,11 +288,11 @@ def test_an_outage_a_killed_rank_and_a_killed_job_each_resume_exactly_on_a_new_m
     finally:
         s3.reset_faults()
     said = outage_line(down.stderr)
-    assert down.returncode != 0 and said, down.stderr[-3000:]
+    assert down.returncode == 2 and said, down.stderr[-3000:]
     assert re.fullmatch(rf"{re.escape(PROG)}--data-dir {stream}: reading train sample \d+ failed: download of "
                         rf"{stream}/train/chunk-0-\d+\.bin failed after 8 attempts \(.*Service is unavailable.*\); "
-                        r"training stopped, its last checkpoint is kept: rerun with --resume auto once the store "
-                        r"answers", said[0]), said[0]
+                        rf"training stopped; its last checkpoint is kept \({re.escape(str(last))}, step \d+\): rerun "
+                        r"with --resume auto once the store answers", said[0]), said[0]
     assert "PrepareChunksThread" not in down.stderr  # litdata never fails a download: no report of its own
     outage_step = saved_step(last)
     assert 0 < outage_step < STEPS_PER_EPOCH, outage_step  # a mid-epoch save, not overwritten by a later one

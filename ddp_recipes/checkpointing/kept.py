@@ -1,0 +1,54 @@
+"""What a run that fails mid-training leaves to continue from, for the one line that ends it: the checkpoint it last
+saved, or the one it resumed from, or none.
+
+Recorded by :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` in every rank: rank 0 writes ``last.ckpt`` and
+every rank passes the save's barrier after it, so each rank knows the same thing without reading the store (which,
+in an outage of ``--output-dir``'s bucket, would not answer). Per process, reset when a recipe run starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Kept:
+    """This process's fit: whether training started, and the checkpoint a rerun continues from (None: none)."""
+
+    started: bool = False
+    path: str | None = None
+    step: int | None = None
+
+    def words(self, how: str) -> str | None:
+        """The end of a failed run's line (``how``: what to wait for, e.g. "once the store answers"); None
+        before training started (nothing was trained, nothing is lost: the failure says enough)."""
+        if not self.started:
+            return None
+        if self.path is None:
+            return f"training stopped before its first checkpoint (none was saved): rerun the same command {how}"
+        return f"training stopped; its last checkpoint is kept ({self.path}, step {self.step}): rerun with " \
+               f"--resume auto {how}"
+
+
+_kept = Kept()
+
+
+def current() -> Kept:
+    """What this process's run has kept so far."""
+    return _kept
+
+
+def reset() -> None:
+    """A new run in this process: nothing started, nothing kept."""
+    _kept.started, _kept.path, _kept.step = False, None, None
+
+
+def started(resumed_from: str | None, step: int) -> None:
+    """Training starts, from the checkpoint ``resumed_from`` (at ``step``) or from scratch (None)."""
+    _kept.started = True
+    _kept.path, _kept.step = (str(resumed_from), step) if resumed_from else (None, None)
+
+
+def saved(path: str, step: int) -> None:
+    """A checkpoint was written (and every rank passed its barrier)."""
+    _kept.path, _kept.step = str(path), step
