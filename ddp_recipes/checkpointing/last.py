@@ -94,7 +94,9 @@ class LastCheckpoint(Checkpoint):
         # The step this process starts at is a boundary already passed (and saved, when resuming): the
         # first micro-batch of an accumulation window must not look like a new optimizer step.
         self._seen_step = self._saved_step = trainer.global_step
-        kept.started(trainer.ckpt_path, trainer.global_step)
+        resumed = trainer.ckpt_path
+        kept.started(resumed, trainer.global_step,
+                     own=resumed is not None and str(resumed).startswith(str(self.dirpath).rstrip("/") + "/"))
         self._vote = StopVote.open(trainer)
 
     @override

@@ -62,7 +62,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     @override
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default in (None, argparse.SUPPRESS) or "default" in text or action.option_strings == []:
+        if action.default in (None, argparse.SUPPRESS) or "(default" in text or action.option_strings == []:
             return text
         return f"{text} (default: %(default)s)"
 

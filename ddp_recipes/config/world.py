@@ -80,14 +80,15 @@ def launch_environment(env: Mapping[str, str] | None = None) -> str:
     return f"started directly{pod} (no launcher variables)"
 
 
-def _check_operator_nodes(env: Mapping[str, str] | None = None) -> None:
+def _check_operator_nodes(num_nodes: int | None, env: Mapping[str, str] | None = None) -> None:
     """Refuse a pod that an operator told it is one of several nodes (Kubeflow Trainer's TrainJob, a PyTorchJob
-    with nprocPerNode: ``PET_NNODES``, for torchrun to read) when no launcher read it: every pod would train
-    alone, as a world of its own, into the same output dir."""
+    with nprocPerNode: ``PET_NNODES``, for torchrun to read) when no launcher read it and the run would be one
+    node: every pod would train alone, as a world of its own, into the same output dir. Lightning's own
+    multi-node launch (``num_nodes`` > 1, or ``NODE_RANK`` from the environment) joins the others and is left be."""
     env = os.environ if env is None else env
     nodes = env.get("PET_NNODES", "").strip()
     if (not nodes or nodes == "1" or launched_by_torchrun(env) or launched_per_pod(env)
-            or any(name in env for name in SCHEDULER_VARS)):
+            or any(name in env for name in SCHEDULER_VARS) or (num_nodes or 1) > 1 or "NODE_RANK" in env):
         return
     raise ConfigError(f"PET_NNODES={nodes}: the operator (a Kubeflow TrainJob or PyTorchJob) started this pod as one "
                       "of several nodes, but its command is not torchrun, so each pod would train alone; make the "
@@ -122,7 +123,7 @@ def resolve_world(devices: int | None, num_nodes: int | None) -> tuple[int, int]
     if launched_per_pod():
         devices, num_nodes = _pod_world(devices, num_nodes)
     else:
-        _check_operator_nodes()
+        _check_operator_nodes(num_nodes)
     if launched_by_torchrun():
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         world = int(os.environ.get("WORLD_SIZE", local))

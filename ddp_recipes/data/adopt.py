@@ -207,8 +207,13 @@ class _AdoptingDataConnector(_DataConnector):
             return None
         if type(sampler) in (SequentialSampler, RandomSampler) and type(loader.batch_sampler) is BatchSampler:
             # Order does not matter for a metric; every sample scored once does.
-            return _update_dataloader(loader, ExactDistributedSampler(loader.dataset, num_replicas=world, rank=rank),
-                                      mode=mode)
+            sharded = _update_dataloader(loader, ExactDistributedSampler(loader.dataset, num_replicas=world,
+                                                                         rank=rank), mode=mode)
+            if sharded.num_workers > 0 and not isinstance(sharded.worker_init_fn, WorkerInit):
+                # Its workers end with the rank, as the training loader's do (set after the rebuild: Lightning
+                # re-applies the user's own constructor arguments there).
+                sharded.worker_init_fn = WorkerInit(sharded.worker_init_fn)
+            return sharded
         length = len(sampler) if hasattr(sampler, "__len__") else 0  # type: ignore[arg-type]
         duplicated = -length % world
         if duplicated:

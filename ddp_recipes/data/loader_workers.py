@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
-import multiprocessing.util  # noqa: F401  (its exit handler is registered on import: before ours)
+import multiprocessing.util  # its exit handler is registered on import: before ours
 import os
 import signal
 import sys
@@ -114,7 +114,10 @@ _reaper = {"registered": False}
 def kill_loader_workers_at_exit() -> None:
     """Register :func:`_kill_workers_left_at_exit` (once per process), when the pack makes a loader whose
     workers ignore SIGTERM: not at import, so a process that only imports the pack keeps its exit as it was.
-    Exit handlers run last registered first: this one before multiprocessing's (imported above)."""
+    Exit handlers run last registered first: this one before multiprocessing's (imported above). A process that
+    multiprocessing started (a spawned rank) runs no exit handler before its own clean-up, which terminates and
+    joins its daemon children: there a multiprocessing finalizer of priority >= 0 runs first."""
     if not _reaper["registered"]:
         _reaper["registered"] = True
         atexit.register(_kill_workers_left_at_exit)
+        multiprocessing.util.Finalize(None, _kill_workers_left_at_exit, exitpriority=10)

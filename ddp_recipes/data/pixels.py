@@ -8,9 +8,13 @@ the rule of ``torchvision.transforms.v2.functional.to_dtype(..., torch.uint8, sc
   uint16 -> uint8 rule, and what Pillow itself does when it reads a 16-bit RGB PNG, so a 16-bit grey and a
   16-bit colour file of the same scene give the same levels. (``round(v * 255 / 65535)`` differs from it by
   one level at most.)
-* 32-bit integer (``I``): Pillow reads 16-bit PGM/TIFF files (and older Pillows 16-bit PNGs) into it, so values
-  within ``0..65535`` are taken as 16-bit, as above. Values outside it have no one range to scale by.
-* 32-bit float (``F``): to_dtype's float convention, ``[0, 1]`` is black to white: ``floor(v * 255.999)``.
+* 32-bit integer (``I``): a file stored with 16 bits a sample (Pillow reads 16-bit PGM files into ``I``) is
+  16-bit, as above. A file stored with 32 bits says nothing of its range, so its values decide: within
+  ``0..255`` they are 8-bit levels kept as they are (what ``convert("RGB")`` gave them: an 8-bit picture saved
+  as 32-bit must not turn black), within ``0..65535`` 16-bit as above. Values outside it have no one range to
+  scale by.
+* 32-bit float (``F``): to_dtype's float convention, ``[0, 1]`` is black to white: ``floor(v * 255.999)``; an
+  image whose values exceed 1 but stay within ``0..255`` holds 8-bit levels, kept as they are (as above).
 
 Scaling by the file's full range, never by its own min/max: a per-image stretch would give the same intensity
 a different level in each file (a dark scan brightened, a bright one dimmed), which no one training on the
@@ -41,7 +45,9 @@ def as_rgb(image: Image.Image) -> Image.Image:
     A :class:`ValueError` naming the mode when no rule maps it faithfully."""
     mode = image.mode
     if mode in SIXTEEN_BIT or mode in ("I", "F"):
-        return Image.fromarray(_eight_bit(np.asarray(image), mode), mode="L").convert("RGB")
+        stored = {tile.args if isinstance(tile.args, str) else (tile.args or ("",))[0] for tile in image.tile or ()}
+        sixteen = mode in SIXTEEN_BIT or any(str(raw).startswith("I;16") for raw in stored)
+        return Image.fromarray(_eight_bit(np.asarray(image), "I;16" if sixteen else mode), mode="L").convert("RGB")
     try:
         return image.convert("RGB")
     except ValueError as err:  # "conversion from X to RGB not supported"
@@ -56,10 +62,14 @@ def _eight_bit(values: np.ndarray, mode: str) -> np.ndarray:
         if low < 0 or high > 65535:
             raise ValueError(f"image mode I (32-bit integer) with values {low}..{high}: only 0..65535 (16-bit) "
                              f"scales to 8 bits without picking a window; {FIX}")
+        if high <= 255:  # 8-bit levels in a 32-bit file: as they are
+            return values.astype(np.uint8)
         return (values.astype(np.uint16) >> 8).astype(np.uint8)
-    if not (np.isfinite(low) and np.isfinite(high)) or low < 0 or high > 1:
-        raise ValueError(f"image mode F (32-bit float) with values {low:g}..{high:g}: only [0, 1] maps to 8 bits "
-                         f"without picking a window; {FIX}")
+    if not (np.isfinite(low) and np.isfinite(high)) or low < 0 or high > 255:
+        raise ValueError(f"image mode F (32-bit float) with values {low:g}..{high:g}: only [0, 1] (or 8-bit levels "
+                         f"0..255) maps to 8 bits without picking a window; {FIX}")
+    if high > 1:  # 8-bit levels in a float file: as convert("RGB") kept them
+        return values.astype(np.uint8)
     return (values * np.float32(255.999)).astype(np.uint8)  # to_dtype's float -> uint8: scale by 256 - eps, floor
 
 

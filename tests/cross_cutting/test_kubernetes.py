@@ -210,6 +210,10 @@ def test_a_trainjob_pod_whose_command_is_not_torchrun_is_refused_not_trained_alo
     with raises_cli(Exception, r"^PET_NNODES=2: the operator .* not torchrun, so each pod would train alone; make "
                                r"the container's command torchrun -m recipes.<name>"):
         resolve_world(None, None)
+    assert resolve_world(None, 2) == (1, 2)  # Lightning's own multi-node launch (--num-nodes 2) joins the others
+    monkeypatch.setenv("NODE_RANK", "1")  # ... as does one told its node by the environment
+    assert resolve_world(None, None) == (1, 1)
+    monkeypatch.delenv("NODE_RANK")
     monkeypatch.setenv("PET_NNODES", "1")  # one node: a single pod's run is what it asked for
     assert resolve_world(None, None) == (1, 1)
 

@@ -115,6 +115,24 @@ def test_32_bit_and_float_images_within_range_scale_by_to_dtypes_rule(tmp_path):
     assert np.asarray(named_loader(str(floats)))[0, :, 0].tolist() == [0, 127, 255, 255]
 
 
+def test_8_bit_levels_in_a_32_bit_file_stay_as_they_are_and_a_16_bit_pgm_is_16_bit(tmp_path):
+    """A 32-bit file says nothing of its range: 8-bit levels saved in it (``convert("I")``, ``convert("F")``) are
+    kept as torchvision's loader kept them, never scaled to black; a file stored with 16 bits a sample (a PGM
+    Pillow opens as ``I``) is 16-bit whatever its values."""
+    levels = np.array([[0, 17, 128, 255]], dtype=np.uint8)
+    for mode in ("I", "F"):
+        path = tmp_path / f"eight-{mode}.tif"
+        Image.fromarray(levels).convert(mode).save(path, format="TIFF")
+        assert Image.open(path).mode == mode
+        assert np.asarray(named_loader(str(path)))[0, :, 0].tolist() == [0, 17, 128, 255]
+    dark = tmp_path / "dark.pgm"
+    Image.fromarray(np.array([[0, 255, 512, 65535]], dtype=np.uint16)).save(dark)
+    assert Image.open(dark).mode == "I"
+    assert np.asarray(named_loader(str(dark)))[0, :, 0].tolist() == [0, 0, 2, 255]
+    Image.fromarray(np.array([[0, 100, 200, 255]], dtype=np.uint16)).save(dark)  # maxval 65535, values all low
+    assert np.asarray(named_loader(str(dark)))[0, :, 0].tolist() == [0, 0, 0, 0]
+
+
 @pytest.mark.parametrize(("values", "needle"), [
     (np.array([[-5, 70000]], dtype=np.int32), "image mode I (32-bit integer) with values -5..70000"),
     (np.array([[0.0, 1000.0]], dtype=np.float32), "image mode F (32-bit float) with values 0..1000"),

@@ -289,3 +289,23 @@ def test_build_trainer_refuses_a_checkpoint_folder_it_cannot_write_before_any_ra
     assert last == (f"ddp_recipes.errors.ConfigError: default_root_dir: the checkpoint folder {tmp_path}/checkpoints "
                     f"cannot be written (read-only file system at {tmp_path}); pass a writable default_root_dir")
     assert list(tmp_path.iterdir()) == []
+
+
+class WithSetupLayer(ResNetClassifier):
+    """A user's subclass that builds a layer in ``setup`` (which Lightning runs before it restores a checkpoint)."""
+
+    def setup(self, stage):
+        if not hasattr(self, "head2"):
+            self.head2 = nn.Linear(4, 4)
+
+
+def test_a_subclass_that_builds_layers_in_setup_keeps_its_own_checkpoint():
+    """The check before launch builds the module without its ``setup`` (no trainer, no data there): a class that
+    overrides it is left to the load, never refused for the layers only ``setup`` makes."""
+    from ddp_recipes.checkpointing.state_match import check_state_fits, meta_module
+
+    built = WithSetupLayer(arch="resnet18", num_classes=10, cifar_stem=True)
+    built.setup("fit")
+    checkpoint = {"state_dict": built.state_dict()}
+    module = meta_module(lambda: WithSetupLayer(arch="resnet18", num_classes=10, cifar_stem=True))
+    check_state_fits(checkpoint, "last.ckpt", module, ResNetClassifier, "{arch}")  # no CheckpointError
