@@ -90,3 +90,10 @@ def test_any_flag_with_choices_refuses_in_one_line(capsys):
     err = capsys.readouterr().err
     assert stopped.value.code == 2
     assert err.strip().splitlines() == [f"{PROG}--accelerator must be one of auto, cpu, gpu, cuda (got 'tpu')"]
+
+
+def test_the_bench_takes_the_same_short_spellings():
+    from ddp_recipes.bench.speedup.run import BenchConfig
+
+    assert BenchConfig(precision="bf16", accelerator="cpu").resolve()["precision"] == "bf16-mixed"
+    assert BenchConfig(precision="32", accelerator="cpu").resolve()["precision"] == "32-true"

@@ -23,14 +23,15 @@ from ddp_recipes.bench.cli import config_from
 from ddp_recipes.bench.commodel import LINKS, predict_table, validate_against_pytorch_benchmark
 from ddp_recipes.bench.hostinfo import host_facts, parallel_ceiling, parallel_warning, usable_cpus
 from ddp_recipes.bench.speedup.report import PLOT_NEEDS, markdown_report, summary_line, write_report
-from ddp_recipes.config.choices import ACCELERATORS, MNIST_ARCHS, check_choice
+from ddp_recipes.config.choices import ACCELERATORS, MNIST_ARCHS, PRECISION_SPELLINGS, check_choice
 from ddp_recipes.config.choices import PRECISIONS as RUN_PRECISIONS
 from ddp_recipes.config.cli import fail, opt, writable_dir
 from ddp_recipes.config.world import cuda_devices, resolve_accelerator
 from ddp_recipes.errors import ConfigError, lit
 
 PROG = "python -m ddp_recipes.bench"
-PRECISIONS = ("auto", *RUN_PRECISIONS)  # auto: fitted to the host in BenchConfig.resolve
+# auto: fitted to the host in BenchConfig.resolve; Lightning's short spellings of these (16, bf16, 32) as the recipes
+PRECISIONS = ("auto", *RUN_PRECISIONS, *(s for s, name in PRECISION_SPELLINGS.items() if name in RUN_PRECISIONS))
 RECIPES = ("resnet", "mnist")
 RESNET_ARCHS = ("resnet18", "resnet34", "resnet50")
 RUN_TIMEOUT_S = 600
@@ -100,7 +101,7 @@ class BenchConfig:
         if arch not in valid:
             raise ConfigError(f"{{arch}} {arch!r} does not fit {{recipe}} {self.recipe}; "
                               f"choose one of {', '.join(valid)}")
-        precision = self.precision if self.precision != "auto" else (
+        precision = PRECISION_SPELLINGS.get(self.precision, self.precision) if self.precision != "auto" else (
             "bf16-mixed" if accelerator == "cuda" else "32-true")
         if precision == "16-mixed" and accelerator == "cpu":
             raise ConfigError("{precision} 16-mixed needs CUDA; use {precision} bf16-mixed or 32-true on CPU")
