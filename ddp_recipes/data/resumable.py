@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sized
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -194,6 +195,25 @@ class ResumableDataLoader(DataLoader):
         self._live = it
         self._live_version = self._loaded_version
         return it
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_iterator" and value is None:
+            self._let_go_of_live()
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name == "_iterator":
+            self._let_go_of_live()
+        super().__delattr__(name)
+
+    def _let_go_of_live(self) -> None:
+        """When the persistent iterator is dropped (Lightning's ``CombinedLoader.reset`` at a loop's teardown),
+        keep only its count: a reference held here would keep its workers alive. Lightning 2.6 shuts them down
+        itself; its development head (2026-07, PR #21708) only deletes its own reference and leaves the
+        workers to the iterator's ``__del__``, which never ran while this loader held it."""
+        live = self.__dict__.get("_live")
+        if live is not None and live is self.__dict__.get("_iterator"):
+            self._live = SimpleNamespace(_num_yielded=getattr(live, "_num_yielded", 0))
 
     def samples_seen(self) -> int:
         """Samples of the current epoch consumed over all ranks (skipped + yielded)."""

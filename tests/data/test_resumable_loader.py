@@ -119,6 +119,26 @@ def test_mid_epoch_resume_yields_the_rest_of_the_epoch(world):
         assert_same(epoch_batches(resumed, 1), straight[rank][2:])
 
 
+def test_the_workers_end_when_the_loop_drops_the_persistent_iterator():
+    """Lightning's development head (2026-07, PR #21708) ends a loop by deleting the loader's persistent iterator
+    and leaving its workers to the iterator's ``__del__`` (2.6 shut them down itself): the loader must hold no
+    reference that keeps them alive after ``fit``, and its position must stay readable for a checkpoint."""
+    loader = resumable_loader(TensorBatchDataset(torch.arange(64.0)), BATCH, SEED, 1, 0, num_workers=1)
+    loader.sampler.set_epoch(0)
+    it = iter(loader)
+    next(it), next(it)
+    workers = list(it._workers)
+    seen = loader.samples_seen()
+    assert seen == 2 * BATCH and all(w.is_alive() for w in workers)
+    del it
+    del loader._iterator  # what Lightning's CombinedLoader.reset does at the end of fit
+    loader._iterator = None
+    for w in workers:
+        w.join(timeout=30)
+    assert not any(w.is_alive() for w in workers)
+    assert loader.samples_seen() == seen and loader.state_dict()["samples_seen"] == seen
+
+
 EXIT_SCRIPT = """
 import torch
 from ddp_recipes.data.resumable import resumable_loader
