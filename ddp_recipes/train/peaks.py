@@ -2,10 +2,10 @@
 
 MFU divides achieved FLOP/s by a peak. Lightning's ``get_available_flops`` misses some names as
 ``torch.cuda.get_device_name`` spells them (``NVIDIA H200`` gives None; ``NVIDIA L40S`` is read as an
-L4), and its H100 NVL / H200 rows are the datasheets' "with sparsity" figures, twice what dense training
-can reach: MFU would read half. This table holds the vendor datasheets' *dense* tensor-core figures
-(a datasheet footnoted "with sparsity" is halved here), matched on the names torch reports; for any
-other GPU :func:`peak` falls back to Lightning's table and says so.
+L4), and in 2.6 its H100 NVL / H200 rows are the datasheets' "with sparsity" figures, twice what dense
+training can reach: MFU would read half (its development head, 2026-07, has the dense ones). This table
+holds the vendor datasheets' *dense* tensor-core figures (a datasheet footnoted "with sparsity" is halved
+here), matched on the names torch reports; for any other GPU :func:`peak` falls back to Lightning's table and says so.
 
 ``python -m ddp_recipes.bench peak --device-name NAME --precision P`` prints what a run would use (the command
 is in ``ddp_recipes.bench.__main__``; this module is the table).
