@@ -175,31 +175,3 @@ def read_attempts(folder: Any, run_id: str | None = None) -> list[dict[str, Any]
                 run_id is None or record.get("run_id") == run_id):
             records.append(record)
     return sorted(records, key=lambda r: r["attempt"])
-
-
-def stop_costs(records: list[dict[str, Any]], ended_at: float | None = None) -> dict[str, Any]:
-    """summary.json's ``stops`` block: the run's wall and training time over its attempts, the goodput, and per
-    stop how it ended, the steps redone and the seconds from the stop to the resumed attempt's first step."""
-    if not records:
-        return {}
-    stops = []
-    for before, after in zip(records, records[1:], strict=False):
-        stopped_at = before.get("ended_at") or before.get("last_step_at")
-        first = after.get("first_step_at")
-        stops.append({
-            "attempt": before["attempt"],
-            "how": before.get("ended") or "killed (no clean exit: SIGKILL, a lost rank or machine)",
-            "at_step": before.get("last_step"),
-            "resumed_from_step": after.get("start_step"),
-            "steps_redone": max(0, int(before.get("last_step") or 0) - int(after.get("start_step") or 0)),
-            "seconds_to_first_step": round(first - stopped_at, 3) if first and stopped_at else None,
-        })
-    last = records[-1]
-    end = ended_at or last.get("ended_at") or last.get("last_step_at")
-    wall = end - records[0]["started_at"] if end else None
-    training = sum(max(0.0, (r.get("ended_at") or r.get("last_step_at") or 0) - r["train_started_at"])
-                   for r in records if r.get("train_started_at"))
-    return {"attempts": len(records), "wall_seconds": round(wall, 3) if wall else None,
-            "training_seconds": round(training, 3),
-            "goodput": round(training / wall, 4) if wall else None,
-            "steps_redone": sum(s["steps_redone"] for s in stops), "stops": stops}

@@ -17,12 +17,11 @@ from ddp_recipes.checkpointing.checkpoint import (
     read_checkpoint,
 )
 from ddp_recipes.checkpointing.run_folder.output_dir import output_folder
-from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR, refuse_other_runs
+from ddp_recipes.checkpointing.run_folder.ownership import refuse_other_runs
 from ddp_recipes.checkpointing.run_folder.rank0_decision import Continue
 from ddp_recipes.config.run_config import RunConfig, changed_fields
-from ddp_recipes.storage import location
 from ddp_recipes.storage.store import write_json_atomic
-from ddp_recipes.train.attempts import AttemptLog, read_attempts, stop_costs, trainer_run_id
+from ddp_recipes.train.attempts import AttemptLog
 from ddp_recipes.train.callbacks import BatchFitsData, PlannedBatch, ThroughputMeter
 from ddp_recipes.train.console import LogCadence
 from ddp_recipes.train.perf import (
@@ -153,12 +152,10 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
                                                   if meter.example is not None else None)
     flops = flops_summary(flops_per_sample, meter.samples_per_sec, trainer.world_size,
                           peak_flops(trainer.strategy.root_device, trainer.precision))
-    summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops)
+    summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops,
+                        attempts=not debugging)
     if trainer.is_global_zero:
         summary["trackers"] = identities(trainer.loggers)
-        if not debugging:
-            attempts = read_attempts(location(cfg.output_dir) / ATTEMPTS_DIR, trainer_run_id(trainer))
-            summary["stops"] = stop_costs(attempts, time.time())
         if not debugging:
             write_json_atomic(out / "summary.json", summary)
         shown = {k: summary[k] for k in ("world_size", "global_batch_size", "epochs", "steps", "fit_seconds",
