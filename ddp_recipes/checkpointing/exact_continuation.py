@@ -35,7 +35,7 @@ from ddp_recipes.checkpointing.position import open_next_epoch, reopen_cut_epoch
 from ddp_recipes.data.litdata_lib import end_litdata_epoch
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.data.seeding import seed_rank
-from ddp_recipes.optim.schedules import steps_per_epoch
+from ddp_recipes.optim.schedules import schedule_length, steps_per_epoch
 
 PREBUILT = "_ddp_recipes_built_before"  # the mark build_trainer(seed=...) leaves on a model built before it
 
@@ -180,9 +180,9 @@ def close_finished_epoch(trainer: L.Trainer) -> None:
 
 
 def _schedule_steps(trainer: L.Trainer) -> list[int | None]:
-    """The run length each LR schedule was sized for (``run_steps``: the pack's cosine decays over the run),
-    None for a schedule that does not depend on it."""
-    return [getattr(config.scheduler, "run_steps", None) for config in trainer.lr_scheduler_configs]
+    """The run length each LR schedule was sized for (the pack's cosine decays over the run), None for a schedule
+    that does not depend on it."""
+    return [schedule_length(config.scheduler) for config in trainer.lr_scheduler_configs]
 
 
 def _warn_resized_schedule(trainer: L.Trainer, saved: list[int | None] | None, now: list[int | None]) -> None:
