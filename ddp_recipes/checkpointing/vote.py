@@ -42,7 +42,6 @@ STOP_KEY = "stop"  # "<step>:<signum>", or CLOSED once a rank has finished the f
 CLOSED = "closed"
 ACK_TIMEOUT = timedelta(seconds=60)  # a rank that has not acknowledged by then is dead or hung
 WATCH_POLL = timedelta(days=1)  # the watcher re-enters its wait after this; no message in between
-_STORE_TIMEOUT = getattr(dist, "DistStoreError", RuntimeError)
 _fits = itertools.count()  # one namespace per fit in this process; every rank runs the same fits
 
 
@@ -81,11 +80,6 @@ class StopVote:
         prefix = f"ddp_recipes/preemption/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_fits)}/"
         store = dist.PrefixStore(prefix, _get_default_store())
         return cls(store, trainer.global_rank, trainer.world_size, trainer.strategy.root_device)
-
-    @property
-    def stop_step(self) -> int | None:
-        """The step every rank stops at, once one was announced (and this rank knows it)."""
-        return self._stop[0] if self._stop else None
 
     def at_boundary(self, step: int, local: int) -> int:
         """At optimizer-step boundary ``step`` with this rank's signal ``local`` (0: none): the agreed signal
@@ -136,7 +130,7 @@ class StopVote:
         acks = [f"ack/{rank}" for rank in range(self._world)]
         try:
             self._store.wait(acks, ACK_TIMEOUT)
-        except _STORE_TIMEOUT:
+        except dist.DistStoreError:  # the wait timed out
             # A rank that cannot acknowledge in a minute is gone or stuck; the others stop as announced,
             # and DDP's next all-reduce reports the lost peer if there is one.
             pass
@@ -146,10 +140,11 @@ class StopVote:
         while not self._closed:
             try:
                 store.wait([STOP_KEY], WATCH_POLL)
-            except RuntimeError as err:
-                if isinstance(err, _STORE_TIMEOUT) and "timeout" in str(err).lower():
-                    continue
-                return  # the store is gone (rank 0 ended): nothing more to agree on
+            except dist.DistStoreError:
+                # TCPStore's wait timing out (torch 2.11-2.15: "wait timeout after ..."); whatever its wording
+                continue
+            except RuntimeError:
+                return  # the store is gone (rank 0 ended: DistNetworkError): nothing more to agree on
             try:
                 stop = _parse(store.get(STOP_KEY))
                 if stop is not None:
