@@ -175,3 +175,18 @@ def test_public_api_names_the_defining_modules():
                    if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in n.targets))
     assert [f"{name} from {module}" for name, module in exports.items()
             if module not in MODULES or name not in _defined(module)] == []
+
+
+def test_an_editor_finds_every_public_name_where_it_is_defined():
+    """The lazy exports have a ``TYPE_CHECKING`` import of each name from the same module, so go-to-definition
+    on ``ddp_recipes.build_trainer`` lands in ``train/trainer.py``; ``__all__`` lists the same names."""
+    tree = ast.parse(MODULES["ddp_recipes"].read_text(encoding="utf-8"))
+    exports = next(ast.literal_eval(n.value) for n in tree.body
+                   if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in n.targets))
+    checked = {f"{alias.name} from {node.module}" for block in tree.body
+               if isinstance(block, ast.If) and _is_type_checking(block)
+               for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert checked == {f"{name} from {module}" for name, module in exports.items()}
+    import ddp_recipes
+
+    assert sorted(ddp_recipes.__all__) == sorted(exports)
