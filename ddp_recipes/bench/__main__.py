@@ -21,9 +21,9 @@ import sys
 from ddp_recipes.bench import commodel, loader, stops
 from ddp_recipes.bench.account import overhead
 from ddp_recipes.bench.account import run as account
-from ddp_recipes.bench.cli import OneLineParser, config_parser
+from ddp_recipes.bench.cli import config_parser
 from ddp_recipes.bench.speedup import run as speedup
-from ddp_recipes.config.cli import fail
+from ddp_recipes.config.cli import FlagParser, fail
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.train.peaks import PEAK_PRECISIONS, format_table, peak
 
@@ -71,7 +71,7 @@ def _visible_gpu() -> str:
     return torch.cuda.get_device_name(0)
 
 
-def build_cli() -> tuple[OneLineParser, dict[str, argparse.ArgumentParser]]:
+def build_cli() -> tuple[FlagParser, dict[str, argparse.ArgumentParser]]:
     """The bench's parser (the speedup bench's flags at the top, one subparser per command) and the subparsers
     by command name."""
     parser = config_parser(speedup.BenchConfig, PROG, __doc__)

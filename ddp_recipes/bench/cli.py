@@ -1,7 +1,6 @@
-"""The bench's one parser class: every bench command line reports bad input as one line naming the flag.
-
-``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``), the checkout's ``tests.gpucheck``,
-``bench.memory`` and ``bench.jpeg_folder`` all parse with :class:`OneLineParser`; a subparser of it is one too.
+"""The bench's command lines: ``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``),
+the checkout's ``tests.gpucheck``, ``bench.memory`` and ``bench.jpeg_folder`` all parse with the pack's one parser
+class, :class:`~ddp_recipes.config.cli.FlagParser` (bad input: one line naming the flag, exit 2).
 :func:`measuring_args` is the command line a generated table quotes (``bench account``, ``bench loader``).
 """
 
@@ -9,24 +8,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
-from ddp_recipes.config.cli import HelpFormatter, build_parser, fail
+from ddp_recipes.config.cli import FlagParser, HelpFormatter, build_parser
 
 C = TypeVar("C")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line, ``prog: error: ...`` naming the flag, and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(message, self.prog)
-
-
-def config_parser(cls: type, prog: str, description: str | None) -> OneLineParser:
-    """A :class:`OneLineParser` with one flag per field of the config dataclass ``cls`` (the recipes' flags,
-    from :func:`~ddp_recipes.config.cli.build_parser`), defaults shown in ``--help``."""
-    return OneLineParser(prog=prog, description=description, parents=[build_parser(cls)], add_help=False,
+def config_parser(cls: type, prog: str, description: str | None) -> FlagParser:
+    """A :class:`~ddp_recipes.config.cli.FlagParser` with one flag per field of the config dataclass ``cls`` (the
+    recipes' flags, from :func:`~ddp_recipes.config.cli.build_parser`), defaults shown in ``--help``."""
+    return FlagParser(prog=prog, description=description, parents=[build_parser(cls)], add_help=False,
                          formatter_class=HelpFormatter)
 
 

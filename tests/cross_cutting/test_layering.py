@@ -190,3 +190,11 @@ def test_an_editor_finds_every_public_name_where_it_is_defined():
     import ddp_recipes
 
     assert sorted(ddp_recipes.__all__) == sorted(exports)
+
+
+def test_one_argument_parser_class_serves_every_command_line():
+    """Bad input reads the same on every command of the pack because one class makes it one line."""
+    parsers = [f"{name}.{node.name}" for name, path in MODULES.items()
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(node, ast.ClassDef)
+               for base in node.bases if ast.unparse(base) in ("argparse.ArgumentParser", "ArgumentParser")]
+    assert parsers == ["ddp_recipes.config.cli.FlagParser"]
