@@ -21,12 +21,12 @@ from lightning.pytorch.callbacks import Callback
 
 from ddp_recipes.bench.harness.step_counts import HOST_READS, OpCounts, StepCounts
 from ddp_recipes.config.run_config import RunConfig
-from ddp_recipes.data.base import TensorDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
 from ddp_recipes.modules.logging import SyncFreeMean
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.train.checkpoints import checkpoint_callbacks
 from ddp_recipes.train.run import make_trainer, run_fit_test
+from tests.tiny_modules import TensorDataModule
 
 BATCH, START, WINDOW = 16, 12, 24  # steps 13..36 of a 200-step epoch: no epoch end, no first-step work
 

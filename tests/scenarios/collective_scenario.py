@@ -97,9 +97,9 @@ def main(out: Path, mode: str) -> None:
                     DataLoader(val, batch_size=BATCH, collate_fn=keep_batch))
         return
     from ddp_recipes.config.run_config import RunConfig
-    from ddp_recipes.data.base import TensorDataModule
     from ddp_recipes.train.checkpoints import checkpoint_callbacks
     from ddp_recipes.train.run import run_fit_test
+    from tests.tiny_modules import TensorDataModule
 
     cfg = RunConfig(devices=2, accelerator="cpu", max_epochs=EPOCHS, batch_size=BATCH, output_dir=str(out / mode),
                     num_workers=0)
