@@ -1,5 +1,5 @@
-"""docs/architecture.md's folder map names every module of the package: a newcomer finds each file there, and a
-file added without its line fails here (read as text: nothing is imported)."""
+"""docs/architecture.md's folder map names every module of the package and of the clone's ``benchmarks/``: a
+newcomer finds each file there, and a file added without its line fails here (read as text: nothing is imported)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+TOP_FOLDERS = ("recipes", "benchmarks")  # mapped at the map's left edge, beside ddp_recipes/
 
 
 def _folder_map() -> list[str]:
@@ -17,9 +18,9 @@ def _folder_map() -> list[str]:
 
 
 def _section(lines: list[str], folder: str) -> str:
-    """The map's lines from the one that opens ``folder/`` (a top-level folder of the package, or ``recipes``) to
-    the next line opening a name at the same depth."""
-    indent = 0 if folder == "recipes" else 2
+    """The map's lines from the one that opens ``folder/`` (a top-level folder of the package, or one of
+    :data:`TOP_FOLDERS`) to the next line opening a name at the same depth."""
+    indent = 0 if folder in TOP_FOLDERS else 2
     opener = re.compile(rf"^ {{{indent}}}{re.escape(folder)}/")
     start = next((i for i, line in enumerate(lines) if opener.match(line)), None)
     if start is None:
@@ -34,11 +35,11 @@ def _named(text: str, name: str) -> bool:
 
 
 def unmapped() -> list[str]:
-    """Package files the folder map does not name (an ``__init__.py`` is named by its folder)."""
+    """Package and benchmark files the folder map does not name (an ``__init__.py`` is named by its folder)."""
     lines = _folder_map()
     whole = "\n".join(lines)
     missing = []
-    for path in sorted([*(ROOT / "ddp_recipes").rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]):
+    for path in sorted(p for top in ("ddp_recipes", *TOP_FOLDERS) for p in (ROOT / top).rglob("*.py")):
         parts = path.relative_to(ROOT).parts
         inner = parts[1:-1] if parts[0] == "ddp_recipes" else parts[:-1]
         if not inner:  # a file of ddp_recipes/ itself

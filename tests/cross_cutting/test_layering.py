@@ -22,6 +22,7 @@ LAYERS = [
     ("ddp_recipes.train",),
     ("ddp_recipes.bench", "ddp_recipes.doctor"),
     ("recipes",),
+    ("benchmarks",),  # the clone's developer benchmarks: not installed, so nothing below may import them
 ]
 
 
@@ -32,7 +33,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-MODULES = {_module_name(p): p for top in ("ddp_recipes", "recipes") for p in sorted((ROOT / top).rglob("*.py"))}
+MODULES = {_module_name(p): p for top in ("ddp_recipes", "recipes", "benchmarks")
+           for p in sorted((ROOT / top).rglob("*.py"))}
 PACKAGES = {name for name, path in MODULES.items() if path.name == "__init__.py"}
 
 
@@ -66,7 +68,7 @@ def _imports(name: str) -> list[tuple[str, list[str], int]]:
             visit(child)
 
     visit(ast.parse(path.read_text(encoding="utf-8")))
-    return [(m, names, line) for m, names, line in found if m.split(".")[0] in ("ddp_recipes", "recipes")]
+    return [(m, names, line) for m, names, line in found if m.split(".")[0] in ("ddp_recipes", "recipes", "benchmarks")]
 
 
 def _layer(module: str) -> int | None:
@@ -162,7 +164,8 @@ def test_names_come_from_the_module_that_defines_them(importer):
     else:
         tree = ast.parse((ROOT / importer).read_text(encoding="utf-8"))
         imports = [(n.module, [a.name for a in n.names], n.lineno) for n in ast.walk(tree)
-                   if isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").startswith("ddp_recipes")]
+                   if isinstance(n, ast.ImportFrom) and not n.level
+                   and (n.module or "").startswith(("ddp_recipes", "benchmarks"))]
     borrowed = [f"{importer}:{line} takes {name} from {module}" for module, names, line in imports
                 if module in MODULES and module != "ddp_recipes" for name in names
                 if f"{module}.{name}" not in MODULES and name not in _defined(module)]

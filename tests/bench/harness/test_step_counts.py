@@ -59,7 +59,7 @@ def test_per_step_leaves_out_ddps_own_call_and_iterations_that_held_an_epoch_end
 
 
 def _overhead(tmp_path, count_steps: int) -> dict:
-    from ddp_recipes.bench.__main__ import main
+    from benchmarks.__main__ import main
 
     out = tmp_path / "overhead.json"
     assert main(["overhead", "--steps", "4", "--warmup-steps", "2", "--rounds", "2", "--batch-size", "16",
@@ -116,7 +116,7 @@ def test_a_bench_worker_counts_after_its_timed_steps_and_times_as_many_as_withou
 
 
 def test_bench_overhead_refuses_a_negative_count(tmp_path, capsys):
-    from ddp_recipes.bench.__main__ import main
+    from benchmarks.__main__ import main
 
     with pytest.raises(SystemExit) as exc:
         main(["overhead", "--count-steps", "-1", "--out", str(tmp_path / "o.json")])

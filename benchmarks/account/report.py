@@ -1,8 +1,7 @@
-"""The tables of ``bench account`` (:mod:`ddp_recipes.bench.account.run`), and the docs block they replace."""
+"""The tables of ``benchmarks account`` (:mod:`benchmarks.account.run`), and the docs block they replace."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ddp_recipes.bench.harness.components import PACK_COMPONENTS
@@ -148,14 +147,3 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"{len(failed)} run(s) failed: "
                   + ", ".join(f"{r['label']} N={r['devices']} round {r['round'] + 1}" for r in failed) + "."]
     return "\n".join(lines)
-
-
-def rewrite_doc(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace what is between the ``begin`` and ``end`` markers in ``path`` with ``text`` (markers kept)."""
-    doc = path.read_text()
-    if begin not in doc or end not in doc or doc.index(begin) > doc.index(end):
-        raise SystemExit(f"{path} has no {begin} ... {end} block to rewrite; add the two markers where the "
-                         "table goes")
-    head, rest = doc.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
