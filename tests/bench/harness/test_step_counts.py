@@ -1,4 +1,4 @@
-"""The bench's whole-iteration count (``bench/harness/step_counts.py``) and the fields ``bench overhead`` and the bench
+"""The bench's whole-iteration count (``bench/harness/step_counts.py``) and the fields ``benchmarks overhead`` and the bench
 workers report from it (counts only: nothing here is timed)."""
 
 from __future__ import annotations
