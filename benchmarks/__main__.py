@@ -21,8 +21,9 @@ from ddp_recipes.config.cli import FlagParser
 PROG = "python -m benchmarks"
 
 
-def build_cli() -> FlagParser:
-    """One subparser per command, each with the flags it had under ``python -m ddp_recipes.bench``."""
+def build_cli() -> tuple[FlagParser, dict[str, argparse.ArgumentParser]]:
+    """The parser, one subparser per command (each with the flags it had under ``python -m ddp_recipes.bench``),
+    and the subparsers by command name."""
     parser = FlagParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", prog=PROG, title="commands", required=True)
     for name, help_text, module in (
@@ -35,13 +36,16 @@ def build_cli() -> FlagParser:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run_command)
-    return parser
+    return parser, commands.choices
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks COMMAND [flags]``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_cli().parse_args(argv)
+    parser, command_parsers = build_cli()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser: its prog, the flag it likely means
+        command_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.command_argv = argv[1:]  # as typed: account's table quotes them
     return args.run(args)
 
