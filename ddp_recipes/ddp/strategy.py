@@ -384,7 +384,8 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
 def bucket_view_default(device: Any) -> bool:
     """``gradient_as_bucket_view`` when none is given: True on CUDA, False elsewhere. With gloo on CPU the view
     makes ResNet-18's step at 2 ranks ~50 ms slower (of ~920 ms), all of it in the backward, while the training
-    thread does less work: it waits on the all-reduce (``benchmarks account``, part ``bucket-view``; docs/benchmark.md)."""
+    thread does less work: it waits on the all-reduce (``benchmarks account``, part ``bucket-view``;
+    docs/benchmark.md)."""
     return getattr(device, "type", str(device)) == "cuda"
 
 

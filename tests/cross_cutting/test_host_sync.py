@@ -6,8 +6,8 @@ to the next one's: every hook of every callback, Lightning's own batch-end work 
 progress bar), the optimizer step and the next batch's fetch and transfer. Each iteration is counted on its
 own, for the MNIST recipe's path (``run_fit_test`` with the recipe's callbacks, ``build_trainer``, resumable
 loader, diagnostics), by the bench's own counter (``ddp_recipes/bench/harness/step_counts.py`` ``StepCounts``, what
-``benchmarks overhead`` and ``benchmarks account`` report). On CPU these reads cost little, but each is a stream stall on
-CUDA. The same count at 2 ranks is tests/cross_cutting/test_step_collectives.py's.
+``benchmarks overhead`` and ``benchmarks account`` report). On CPU these reads cost little, but each is a stream
+stall on CUDA. The same count at 2 ranks is tests/cross_cutting/test_step_collectives.py's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The bench's whole-iteration count (``bench/harness/step_counts.py``) and the fields ``benchmarks overhead`` and the bench
-workers report from it (counts only: nothing here is timed)."""
+"""The bench's whole-iteration count (``bench/harness/step_counts.py``) and the fields ``benchmarks overhead`` and
+the bench workers report from it (counts only: nothing here is timed)."""
 
 from __future__ import annotations
 
