@@ -8,7 +8,7 @@ applied PYTHONWARNINGS, so these filters come first and win over the ``ignore`` 
 ``__main__`` is the child's own script: a recipe run with ``-m``, a scenario, ``-c`` code (``__mp_main__`` in a
 process that multiprocessing spawned from it).
 
-This file shadows the environment's own ``sitecustomize`` (Debian's Python has one): that one runs next.
+This file shadows the environment's own ``sitecustomize`` (Debian's Python has one): it runs that one first.
 """
 
 import importlib.machinery
@@ -22,10 +22,6 @@ import warnings
 OWN_MODULES = r"(ddp_recipes|recipes|tests)(\..*)?$"
 CATEGORIES = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
 
-for category in CATEGORIES:
-    warnings.filterwarnings("error", category=category, module=OWN_MODULES)
-    warnings.filterwarnings("error", category=category, module=r"__(mp_)?main__$")
-
 
 def _run_shadowed() -> None:
     """The ``sitecustomize`` this one hides (the next on sys.path), run as Python would have run it."""
@@ -36,4 +32,7 @@ def _run_shadowed() -> None:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-_run_shadowed()
+_run_shadowed()  # first: a filter it sets must not come before ours
+for category in CATEGORIES:
+    warnings.filterwarnings("error", category=category, module=OWN_MODULES)
+    warnings.filterwarnings("error", category=category, module=r"__(mp_)?main__$")

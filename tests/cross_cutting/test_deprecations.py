@@ -102,12 +102,16 @@ def test_a_child_goes_on_past_a_third_party_deprecation():
     assert "went on" in done.stdout
 
 
-def test_the_child_site_runs_the_environments_own_sitecustomize(tmp_path):
-    """tests/childsite/sitecustomize.py hides the one the environment has (Debian's Python has one): it runs it."""
-    (tmp_path / "sitecustomize.py").write_text("print('the environment\\'s own')\n")
+def test_the_child_site_runs_the_environments_own_sitecustomize_first(tmp_path):
+    """tests/childsite/sitecustomize.py hides the one the environment has (Debian's Python has one): it runs it,
+    before its own filters, so that a filter that one sets does not win over them."""
+    (tmp_path / "sitecustomize.py").write_text("import warnings\nwarnings.simplefilter('always')\n"
+                                               "print('the environment\\'s own')\n")
     path = os.pathsep.join([str(CHILD_SITE), str(tmp_path)])
-    done = run(["-c", "pass"], port=False, timeout=60, check=True, env={"PYTHONPATH": path})
+    done = run(["-c", CALL_FROM.format(module="ddp_recipes.x", category="DeprecationWarning")], port=False,
+               timeout=60, env={"PYTHONPATH": path})
     assert done.stdout == "the environment's own\n"
+    assert done.returncode == 1 and "DeprecationWarning: old" in done.stderr, done.stderr
 
 
 def test_the_child_site_and_pyproject_name_the_same_modules():
