@@ -14,7 +14,7 @@ every worker, before and after a restart.
 
 A collated :class:`EncodedBatch` holds the bytes of its files in one uint8 buffer (one shared-memory transfer
 from a worker per batch, one pinned copy, instead of one per file) and hands them out as a list of uint8
-tensors, one view per file, which is what ``torchvision.io.decode_jpeg`` takes.
+tensors, one view per file, which is what ``decode_jpeg`` takes (TorchCodec's and torchvision.io's).
 """
 
 from __future__ import annotations
