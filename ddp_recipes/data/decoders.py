@@ -4,7 +4,10 @@
 torchvision 0.29 deprecates its image decoders (every call warns) in favour of TorchCodec's, which take the same
 arguments (a list of files for one batched nvJPEG call on CUDA, decoded on the current stream and waited for on
 the host, as torchvision's) and decode a JPEG to the same pixels on the CPU (both use libjpeg-turbo:
-tests/data/test_decoders.py). Decided once per process; ``DDP_RECIPES_IMAGE_DECODER=torchvision`` forces
+tests/data/test_decoders.py), but for one thing: TorchCodec always turns the image as its EXIF orientation
+says, torchvision.io's default and ``--decode cpu``'s PIL loader do not (and the crops are drawn on the stored
+size). The pack hands TorchCodec a JPEG's EXIF segments renamed (:func:`unrotated`), so that both decode what
+the file stores. Decided once per process; ``DDP_RECIPES_IMAGE_DECODER=torchvision`` forces
 torchvision.io (how the tests run a subprocess on both). Where torchvision deprecates its decoders and torchcodec
 is missing, the first decode says so once, naming the extra, and torchvision's per-call warning is silenced for
 the pack's own calls only.
@@ -16,7 +19,10 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
+
+import torch
 
 ENV = "DDP_RECIPES_IMAGE_DECODER"
 #: torchvision 0.29's per-call warning (torchvision/io/image.py), matched from its start.
@@ -43,7 +49,7 @@ def image_decoders(library: str | None = None) -> ImageDecoders:
         try:
             from torchcodec.decoders import decode_image, decode_jpeg
 
-            return ImageDecoders("torchcodec", decode_jpeg, decode_image)
+            return ImageDecoders("torchcodec", _stored(decode_jpeg), _stored(decode_image))
         except (ImportError, OSError) as error:  # OSError: installed, but its libraries do not load with this torch
             if library:
                 raise ImportError(f"torchcodec does not import here ({error})") from error
@@ -75,3 +81,35 @@ def _quiet(decode: Callable[..., Any]) -> Callable[..., Any]:
             return decode(*args, **kwargs)
 
     return call
+
+
+def _stored(decode: Callable[..., Any]) -> Callable[..., Any]:
+    """TorchCodec's ``decode`` of what a file stores: its source (or each of a list) through :func:`unrotated`."""
+
+    @functools.wraps(decode)
+    def call(source: Any, **kwargs: Any) -> Any:
+        many = isinstance(source, list | tuple)
+        return decode([unrotated(s) for s in source] if many else unrotated(source), **kwargs)
+
+    return call
+
+
+APP1, UNREAD_APP = 0xE1, 0xEF  # EXIF (and XMP) live in APP1 segments; APP15 is read by no decoder
+
+
+def unrotated(source: torch.Tensor | str | os.PathLike) -> torch.Tensor:
+    """A file's bytes (a path is read), with each APP1 segment of a JPEG's header renamed APP15 in a copy:
+    TorchCodec then finds no EXIF orientation and decodes the pixels as stored. Other files are left as they are."""
+    data = source if isinstance(source, torch.Tensor) else torch.frombuffer(bytearray(Path(source).read_bytes()),
+                                                                              dtype=torch.uint8)
+    view, pos, found = data.numpy(), 2, []
+    if view[:2].tobytes() != b"\xff\xd8":
+        return data
+    while pos + 4 <= len(view) and view[pos] == 0xFF and view[pos + 1] not in (0xDA, 0xD9):  # up to SOS/EOI
+        if view[pos + 1] == APP1:
+            found.append(pos + 1)
+        pos += 2 + (int(view[pos + 2]) << 8 | int(view[pos + 3]))
+    if found:
+        data = data.clone()
+        data[found] = UNREAD_APP
+    return data

@@ -3,8 +3,9 @@ torchvision.io's where it does not (the lent stack), chosen once per process.
 
 Proves: the choice; the two decode the repo's test JPEGs (smooth fields at 4:2:0, a CMYK one, a grayscale one) and
 the bench's real-size ones to the same pixels on the CPU, bit for bit (both are libjpeg-turbo; the CUDA decode is
-nvJPEG with either, compared against the CPU in tests/gpu/test_gpu_decode.py); no decode through the pack warns
-a deprecation; without torchcodec, where torchvision deprecates its decoders (>= 0.29), one line names the extra,
+nvJPEG with either, compared against the CPU in tests/gpu/test_gpu_decode.py); neither turns a JPEG by its EXIF
+orientation (TorchCodec's own decoder does), so the crops drawn on the stored size fit; no decode through the pack
+warns a deprecation; without torchcodec, where torchvision deprecates its decoders (>= 0.29), one line names the extra,
 once per process, however many decodes follow. The pipelines with each library: tests/data/test_device_decode.py.
 """
 
@@ -23,6 +24,7 @@ from PIL import Image
 
 from ddp_recipes.data.decoders import ENV, image_decoders
 from ddp_recipes.data.device_decode import DeviceDecoder, decode_images
+from ddp_recipes.data.encoded import image_size
 from ddp_recipes.extras import install_hint
 from tests.helpers import write_jpeg_tree, write_odd_images
 
@@ -107,3 +109,33 @@ def test_both_libraries_decode_the_same_pixels(tmp_path):
         a, b = codec.decode_jpeg(data, mode="RGB"), vision.decode_jpeg(data, mode="RGB")
         assert a.shape == b.shape and a.shape[0] == 3 and torch.equal(a, b), path.name
         assert torch.equal(codec.decode_image(str(path), mode="RGB"), a)
+
+
+def _oriented(orientation: int) -> bytes:
+    """A JPEG whose EXIF says to turn it (``orientation``: 1 upright, 2-4 flips and 180 degrees, 5-8 a quarter
+    turn, which swaps its height and width)."""
+    import numpy as np
+
+    field = Image.fromarray(np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8))
+    exif, out = Image.Exif(), io.BytesIO()
+    exif[0x0112] = orientation
+    field.resize((41, 23), Image.BICUBIC).save(out, format="JPEG", exif=exif.tobytes(), quality=90)
+    return out.getvalue()
+
+
+def test_no_library_turns_a_jpeg_by_its_exif_orientation(image_library, tmp_path):
+    """The workers draw the crops on the stored size (the PIL loader of --decode cpu turns nothing either): a
+    decoder that turned the image would crop the wrong pixels, or outside it. TorchCodec's own turns it."""
+    files = [_oriented(o) for o in range(1, 9)]
+    datas = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files]
+    upright = DeviceDecoder().decode(datas[:1], torch.device("cpu"))[0]
+    assert tuple(upright.shape[1:]) == image_size(files[0]) == (23, 41)
+    one_by_one = [decode_images([d], "cpu")[0][0] for d in datas]
+    for image in [*DeviceDecoder().decode(datas, torch.device("cpu")), *one_by_one]:
+        assert torch.equal(image, upright)
+    (tmp_path / "turned.jpg").write_bytes(files[5])
+    assert torch.equal(image_decoders().decode_image(str(tmp_path / "turned.jpg"), mode="RGB"), upright)
+    if image_library == "torchcodec":  # what the pack keeps it from doing
+        from torchcodec.decoders import decode_jpeg
+
+        assert decode_jpeg(datas[5]).shape[1:] == (41, 23)
