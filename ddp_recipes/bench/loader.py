@@ -230,6 +230,7 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         row = {"source": source, "cache": cache_pass, "decode": decode, "decoder": library, "workers": workers,
                "images_per_s": round(median, 1), "range": [round(min(rates), 1), round(max(rates), 1)],
                "repeats": len(rates), "images_timed": [r[2] for r in results],
+               "images_per_s_rounds": [round(rate, 1) for rate in rates],  # paired across cells by round
                "images_per_s_per_worker": round(median / max(1, workers), 1),
                "first_batch_s": round(statistics.median(r[1] for r in results), 3)}
         if cache_pass:

@@ -201,7 +201,8 @@ def draw_train(steps: TrainSteps, height: int, width: int) -> Draws:
 
 def image_size(data: bytes) -> tuple[int, int]:
     """(height, width) from an image file's header, as the decoders will see it (no EXIF rotation: neither
-    the PIL loader of the CPU pipeline nor ``decode_jpeg`` applies one)."""
+    the PIL loader of the CPU pipeline nor ``decode_jpeg`` applies one, :func:`ddp_recipes.data.decoders.unrotated`
+    keeping TorchCodec's from it)."""
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
     return height, width

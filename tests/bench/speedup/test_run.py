@@ -150,7 +150,7 @@ def test_loader_bench_times_each_decode_path_per_worker_count(tmp_path, capsys):
     cells = {(r["decode"], r["decoder"], r["workers"]): r for r in result["rows"]}
     decoding = {(d, lib, w) for d in ("tensor", "gpu") for lib in libraries for w in (0, 1)}
     assert result["decoders"] == libraries and set(cells) == {("pil", None, w) for w in (0, 1)} | decoding
-    assert all(r["images_per_s"] > 0 for r in cells.values())
+    assert all(r["images_per_s"] > 0 and r["images_per_s_rounds"] == [r["images_per_s"]] for r in cells.values())
     assert all(r["workers_for_target"] >= 1 for (d, _, _), r in cells.items() if d != "gpu")
     # Without CUDA the gpu path runs the recipe's --decode gpu code on the CPU, and the table says so.
     for library in libraries:
