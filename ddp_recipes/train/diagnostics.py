@@ -94,9 +94,9 @@ FIXES = {
                        "{global_batch_size}, or Trainer(limit_train_batches=<a multiple>)).",
     "input-bound": "in this order: more {num_workers} per rank (up to the CPU cores per device), "
                    "persistent_workers=True (workers kept across epochs), pin_memory=True on CUDA, then cheaper "
-                   "decoding (images stored at training size, torchvision.io.decode_image on tensors, or GPU "
+                   "decoding (images stored at training size, TorchCodec's decode_image on tensors, or GPU "
                    "decoding: the ResNet recipe's --decode gpu with --data imagefolder, elsewhere "
-                   "torchvision.io.decode_jpeg(device='cuda')); `python -m ddp_recipes.bench loader` "
+                   "torchcodec.decoders.decode_jpeg(device='cuda')); `python -m ddp_recipes.bench loader` "
                    "measures images/s per worker count.",
     "memory-imbalance": "side work (evaluation, logging, metrics) belongs under torch.no_grad(), on CPU, or on "
                         "all ranks, not on rank 0 only with autograd on the GPU.",
