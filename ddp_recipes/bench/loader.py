@@ -424,7 +424,7 @@ def run_command(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(format_rows(result))
     if args.doc:
-        from ddp_recipes.bench.account.report import rewrite_doc
+        from ddp_recipes.bench.cli import rewrite_doc
 
         rewrite_doc(Path(args.doc), format_rows(result), BEGIN, END)
     print(f"wrote {out}" + (f" and the table in {args.doc}" if args.doc else ""))
