@@ -89,7 +89,7 @@ ASSUMPTIONS: list[Assumption] = [
                lambda t: isinstance(_FIT(t)._can_stop_early, bool)),
     Assumption("fabric.utilities.data._set_sampler_epoch", "each resumed epoch shuffles as in the run never stopped",
                lambda t: _found("lightning.fabric.utilities.data", "_set_sampler_epoch")),
-    Assumption(f"_TrainingEpochLoop.{SIGTERM_BROADCAST}()", "no collective and device read per step for SIGTERM",
+    Assumption(f"_TrainingEpochLoop.{SIGTERM_BROADCAST}()", "a step makes no collective or device read for SIGTERM",
                lambda t: callable(getattr(type(_EPOCH(t)), SIGTERM_BROADCAST, None))),
     Assumption("_TrainingEpochLoop._results", "per-step progress-bar reads are named",
                lambda t: callable(getattr(_EPOCH(t)._results, "values", None))),
@@ -119,15 +119,15 @@ ASSUMPTIONS: list[Assumption] = [
     Assumption("trainer.call._call_callback_hooks skipping a hook that is not callable",
                "a callback hook the run switches off costs nothing per step", _skips_uncallable_hooks),
     Assumption("DDPStrategy/ModelCheckpoint/ExperimentWriter private methods (OVERRIDDEN), DDPStrategy._ddp_kwargs",
-               "comm hooks on every device, DDP re-wrapped when layers unfreeze, best.ckpt ranked after validation "
-               "only, a resumed CSV log kept", _overridden_exist),
+               "comm hooks work on every device, DDP is re-wrapped when layers unfreeze, best.ckpt is ranked only "
+               "after a validation and a resumed CSV log keeps its rows", _overridden_exist),
     Assumption("_SubprocessScriptLauncher._call_children_scripts/_set_num_threads_if_needed",
                "a rank follows its launcher, and a failing rank's exit code is the run's",
                lambda t: callable(getattr(SubprocessScriptLauncher, "_call_children_scripts", None))
                and _found("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed",
                           "_destroy_dist_connection")),
     Assumption("utilities.logger._flatten_dict/_convert_params, MLFlowLogger._tracking_uri",
-               "one tracker run per job across resumes",
+               "a job keeps one tracker run across resumes",
                lambda t: _found("lightning.fabric.utilities.logger", "_flatten_dict", "_convert_params")
                and _sets(L.pytorch.loggers.MLFlowLogger, "_tracking_uri")),
 ]
@@ -160,8 +160,8 @@ def check_lightning(trainer: Any) -> None:
     seam's assumptions: its version, the guarantee that would be lost, the Lightning this pack admits."""
     moved = broken(trainer)
     if moved is not None:
-        raise ConfigError(lit(f"lightning {L.__version__} changed {moved.what}, so {moved.guarantee} would no longer "
-                              f"hold: install a Lightning this ddp-recipes admits (pip install "
+        raise ConfigError(lit(f"lightning {L.__version__} changed {moved.what}, which ddp-recipes relies on so that "
+                              f"{moved.guarantee}: install a Lightning this ddp-recipes admits (pip install "
                               f"'{admitted_lightning()}')"))
 
 

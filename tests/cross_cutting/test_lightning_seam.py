@@ -229,3 +229,32 @@ def test_a_plain_lightning_trainer_with_the_strategy_stops_before_launch(monkeyp
     with pytest.raises(ConfigError, match="changed _TrainingEpochLoop._batches_that_stepped"):
         plain.fit(model, loader)
     assert plain.global_step == 0
+
+
+def test_a_checkpoint_route_resolves_the_path_and_decides_the_file(tmp_path):
+    """The seam's checkpoint route (the run folder's rank-0 decision goes through it): ``parse`` sees the fit's
+    ``ckpt_path`` with Lightning's own resolution at hand, ``resume`` gives the file every rank loads."""
+    from ddp_recipes.lightning_seam.connectors import install_checkpoint_route
+    from tests.tiny_modules import tiny_module_and_data
+
+    model, loader = tiny_module_and_data()
+    first = cpu_trainer(max_steps=2)
+    first.fit(model, loader)
+    first.save_checkpoint(tmp_path / "a.ckpt")
+    seen: list[tuple[str, object]] = []
+
+    class Route:
+        def parse(self, trainer, state_fn, ckpt_path, default):
+            seen.append(("parse", ckpt_path))
+            return default(str(tmp_path / "a.ckpt")) if ckpt_path == "mine" else default(ckpt_path)
+
+        def resume(self, trainer, checkpoint_path):
+            seen.append(("resume", checkpoint_path))
+            return checkpoint_path
+
+    model, loader = tiny_module_and_data()
+    second = cpu_trainer(max_steps=3)
+    install_checkpoint_route(second, Route())
+    second.fit(model, loader, ckpt_path="mine")
+    assert seen == [("parse", "mine"), ("resume", str(tmp_path / "a.ckpt"))]
+    assert second.global_step == 3  # continued from step 2
