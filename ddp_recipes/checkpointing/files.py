@@ -30,10 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_recipes.errors import CheckpointError, lit
+from ddp_recipes.lightning_seam.reach import is_local_path
 from ddp_recipes.storage import Url
 from ddp_recipes.storage.store import (
     cache_dir,
@@ -59,7 +59,7 @@ class OneFile:
     """A checkpoint on a store that renames: the file itself, replaced whole by each save."""
 
     def save(self, path: str, write: Callable[[IO[bytes]], None], step: int, epoch: int, run_id: str | None) -> None:
-        if not _is_local_file_protocol(path):
+        if not is_local_path(path):
             raise TypeError(f"AtomicCheckpointIO cannot save to {path}")
         write_atomic(path, write)
 

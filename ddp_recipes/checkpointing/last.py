@@ -21,14 +21,11 @@ from typing_extensions import override
 
 from ddp_recipes.checkpointing import kept
 from ddp_recipes.checkpointing.checkpoint import RUN_KEY
-from ddp_recipes.checkpointing.preemption import (
-    FlagSignalConnector,
-    Preempted,
-    requeue_slurm_job,
-    skip_sigterm_broadcast,
-)
+from ddp_recipes.checkpointing.preemption import Preempted, requeue_slurm_job, skip_sigterm_broadcast
 from ddp_recipes.checkpointing.run_folder import ownership
 from ddp_recipes.checkpointing.vote import StopVote
+from ddp_recipes.lightning_seam import reach
+from ddp_recipes.lightning_seam.connectors import FlagSignalConnector, install_flag_signals
 from ddp_recipes.storage import Url, location
 
 LAST = "last.ckpt"
@@ -81,10 +78,8 @@ class LastCheckpoint(Checkpoint):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == TrainerFn.FITTING and not isinstance(trainer._signal_connector, FlagSignalConnector):
-            # Before Trainer._run registers handlers: no moment where Lightning's own handlers are live.
-            trainer._signal_connector = self._signals = FlagSignalConnector(trainer)
         if stage == TrainerFn.FITTING:
+            self._signals = install_flag_signals(trainer)
             skip_sigterm_broadcast(trainer)
 
     # ---- the cadence -----------------------------------------------------------------------------------
@@ -183,4 +178,4 @@ def _stops_after_this_batch(trainer: L.Trainer, step: int) -> bool:
     callback's, a module, a callback) where Lightning lets the fit stop early."""
     if trainer.max_steps != -1 and step >= trainer.max_steps:
         return True
-    return bool(trainer.should_stop) and trainer.fit_loop._can_stop_early
+    return bool(trainer.should_stop) and reach.can_stop_early(trainer)

@@ -43,10 +43,8 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -79,6 +77,8 @@ from ddp_recipes.ddp.unused_params import (
     unused_parameter_names,
 )
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.lightning_seam.check import check_at_launch
+from ddp_recipes.lightning_seam.reach import SubprocessScriptLauncher, register_ddp_comm_hook
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +230,11 @@ class TunedDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:  # its observer SIGKILLs rank 0 on a child's failure
+        if type(self._launcher) is SubprocessScriptLauncher:  # its observer SIGKILLs rank 0 on a child's failure
             self._launcher = ObservedLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        if isinstance(self._launcher, _SubprocessScriptLauncher):
+        if isinstance(self._launcher, SubprocessScriptLauncher):
             tag_children_with_launcher(self._launcher)
+        check_at_launch(self._launcher)  # a Trainer built without build_trainer is checked before any rank starts
 
     @override
     def teardown(self) -> None:
@@ -300,8 +301,8 @@ class TunedDDPStrategy(DDPStrategy):
             return
         if self._powersgd_hook is not None:
             self._powersgd_hook.set_module(self.model.module)
-        _register_ddp_comm_hook(model=self.model, ddp_comm_state=state, ddp_comm_hook=hook,
-                                ddp_comm_wrapper=self._ddp_comm_wrapper)
+        register_ddp_comm_hook(model=self.model, ddp_comm_state=state, ddp_comm_hook=hook,
+                               ddp_comm_wrapper=self._ddp_comm_wrapper)
         rank_zero_info(f"DDP comm hook registered on {self.root_device.type}: {getattr(hook, '__name__', hook)}")
 
     # ---- errors that say what to do -----------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from ddp_recipes.checkpointing.preemption import Preempted
 from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
+from ddp_recipes.lightning_seam import reach
 from ddp_recipes.storage import location
 from ddp_recipes.storage.store import listing, read_bytes, write_json_atomic
 
@@ -54,11 +55,11 @@ class AttemptLog(Callback):
         # After the checkpoint is agreed (the run's id is known) and before the sanity check: an attempt that
         # fails there (a corrupt image) still leaves its end, so the same command may start afresh.
         if not trainer.is_global_zero:
-            self.on_train_batch_end = None  # type: ignore[assignment]  # only rank 0 records
+            reach.switch_off_hook(self, "on_train_batch_end")  # only rank 0 records
             return
         self._trainer = trainer
         # Lightning restores the loops (global_step) after on_fit_start: the step is the loaded checkpoint's.
-        loaded = getattr(trainer._checkpoint_connector, "_loaded_checkpoint", None) or {}
+        loaded = reach.loaded_checkpoint(trainer)
         step = int(loaded.get("global_step", trainer.global_step))
         self.record.update(attempt=_next_number(self.folder), run_id=trainer_run_id(trainer), start_step=step,
                            last_step=step, last_step_at=time.time(), world_size=trainer.world_size)
@@ -79,7 +80,7 @@ class AttemptLog(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if trainer.global_step > self.record.get("start_step", 0):  # an accumulation micro-batch is not a step
-            self.on_train_batch_end = None  # type: ignore[assignment]  # the first step only: off the step's path
+            reach.switch_off_hook(self, "on_train_batch_end")  # the first step only: off the step's path
             self.record["first_step_at"] = time.time()
             self._note_step(trainer)
             self._write()  # once: an attempt killed within a heartbeat still shows when it began training

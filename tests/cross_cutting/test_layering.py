@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("ddp_recipes.errors", "ddp_recipes.extras", "ddp_recipes.atomic", "ddp_recipes.storage"),
+    ("ddp_recipes.errors", "ddp_recipes.extras", "ddp_recipes.atomic", "ddp_recipes.storage",
+     "ddp_recipes.lightning_seam"),
     ("ddp_recipes.config",),
     ("ddp_recipes.data",),
     ("ddp_recipes.optim",),

@@ -100,9 +100,10 @@ def switch_off(trainer: Any, names: list[str]) -> None:
     """Take the named parts out of a built pack Trainer (before ``fit``), each as if it had never been added."""
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.profilers import PassThroughProfiler
-    from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 
     from ddp_recipes.checkpointing.last import LastCheckpoint
+    from ddp_recipes.lightning_seam.connectors import remove_loader_hook
+    from ddp_recipes.lightning_seam.reach import ddp_kwargs
     from ddp_recipes.train.callbacks import ThroughputMeter
     from ddp_recipes.train.diagnostics import DDPDiagnostics
     from ddp_recipes.train.tracking import TrackerRun
@@ -121,14 +122,15 @@ def switch_off(trainer: Any, names: list[str]) -> None:
     if "profiler" in names:
         trainer.profiler = PassThroughProfiler()
     if "resumable-loader" in names:
-        trainer._data_connector.__class__ = _DataConnector
-    if "bucket-view" in names and hasattr(trainer.strategy, "_ddp_kwargs"):
+        remove_loader_hook(trainer)
+    kwargs = ddp_kwargs(trainer.strategy)
+    if "bucket-view" in names and kwargs is not None:
         from ddp_recipes.ddp.strategy import bucket_view_default
 
-        chosen = trainer.strategy._ddp_kwargs.get("gradient_as_bucket_view")
+        chosen = kwargs.get("gradient_as_bucket_view")
         if chosen is None:
             chosen = bucket_view_default(trainer.strategy.root_device)
-        trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] = not chosen
+        kwargs["gradient_as_bucket_view"] = not chosen
 
 
 def finish(w: Any, out: str, name: str, trainer: Any, timer: Any, facts: dict[str, Any],

@@ -29,6 +29,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
+from ddp_recipes.lightning_seam.reach import logs_this_step
+
 HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
                "broadcast_object_list", "barrier", "gather", "gather_object", "scatter", "scatter_object_list",
@@ -212,7 +214,7 @@ class StepCounts(Callback):
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Lightning's own test of a log step, before its _batches_that_stepped moves on.
-        self.iterations.note(logs=bool(trainer._logger_connector.should_update_logs))
+        self.iterations.note(logs=logs_this_step(trainer))
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
