@@ -109,14 +109,19 @@ def code_refused(err: pickle.UnpicklingError, param: str, name: object, holds: s
                  f"code from the file, so it is refused: {fix}", param)
 
 
-def _starts_as_checkpoint(local: Any) -> bool:
-    """Whether the file starts as torch.save writes: a zip archive, or a legacy pickle (protocol 2+)."""
+def _head(local: Any) -> bytes | None:
+    """The first bytes of a local file (None when it is none)."""
     try:
         with open(local, "rb") as f:
-            head = f.read(4)
+            return f.read(4)
     except (OSError, TypeError):
-        return True  # not a local file: let the loader's own error speak
-    return head == b"PK\x03\x04" or head[:1] == b"\x80"
+        return None
+
+
+def _starts_as_checkpoint(local: Any) -> bool:
+    """Whether the file starts as torch.save writes: a zip archive, or a legacy pickle (protocol 2+)."""
+    head = _head(local)
+    return head is None or head == b"PK\x03\x04" or head[:1] == b"\x80"  # not a local file: the loader speaks
 
 
 def unreadable_because(local: Any, err: BaseException) -> str:
@@ -137,7 +142,9 @@ def unreadable_because(local: Any, err: BaseException) -> str:
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
-    """Load a checkpoint on CPU as plain data, turning any failure into one line naming ``--resume``.
+    """A checkpoint's header on CPU as plain data (a zip file mapped: its structure read, its tensors not,
+    until used), turning any failure into one line naming ``--resume``. Loading the weights is Lightning's
+    restore's, once per rank.
 
     ``weights_only=True``: a ``.ckpt`` is a pickle, and a full unpickle runs whatever code the file names,
     on every rank. The pack's checkpoints hold only tensors, numbers, strings, lists and dicts; a user's
@@ -148,7 +155,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     try:
         local = files.fetch(path)  # the file itself, or a bucket's object downloaded and checked
         with plain_data():
-            checkpoint = torch.load(local, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(local, map_location="cpu", weights_only=True, mmap=_head(local) == b"PK\x03\x04")
     except pickle.UnpicklingError as err:
         if not _starts_as_checkpoint(local):  # torch reads any other file as a legacy pickle and fails so
             raise CheckpointError(f"{{resume}} {lit(path)} {unreadable_because(local, err)}; "

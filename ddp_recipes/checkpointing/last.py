@@ -49,7 +49,7 @@ class LastCheckpoint(Checkpoint):
     count it as done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
 
     The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.run_folder.ownership`): ``run_id``
-    (decided on rank 0 when fitting starts, :mod:`~ddp_recipes.checkpointing.run_folder.rank0_decision`) goes
+    (decided on rank 0 when fitting starts, :mod:`~ddp_recipes.checkpointing.run_folder.resume`) goes
     into every checkpoint the trainer writes. ``words`` is the vocabulary of the messages: a recipe's flags or
     the library's arguments.
 

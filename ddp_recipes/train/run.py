@@ -12,13 +12,10 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ddp_recipes.checkpointing.checkpoint import (
-    plain_data,
-    read_checkpoint,
-)
+from ddp_recipes.checkpointing.checkpoint import plain_data, read_checkpoint
 from ddp_recipes.checkpointing.run_folder.output_dir import output_folder
-from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR, refuse_other_runs
-from ddp_recipes.checkpointing.run_folder.rank0_decision import Continue
+from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
+from ddp_recipes.checkpointing.run_folder.resume import Continue
 from ddp_recipes.config.run_config import RunConfig, changed_fields
 from ddp_recipes.storage import location
 from ddp_recipes.storage.store import write_json_atomic
@@ -101,8 +98,9 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     """Fit, test, and write ``<output-dir>/summary.json`` on rank 0. Returns the summary (every rank).
 
     ``build_model`` is called after the trainer has seeded every rank, so the initial weights depend on
-    ``--seed`` only (not on whatever drew random numbers earlier in the process). ``checkpoint``: the contents
-    of ``ckpt_path`` when the caller has read them already (the tracker runs to continue are in it).
+    ``--seed`` only (not on whatever drew random numbers earlier in the process). ``checkpoint``: the header
+    of ``ckpt_path`` when the caller has read it already (the tracker runs to continue are in it); the
+    weights are loaded once, by every rank, in Lightning's restore.
     """
     if ckpt_path and checkpoint is None:
         checkpoint = read_checkpoint(ckpt_path)
@@ -121,8 +119,6 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
             callbacks.append(PlannedBatch(cfg.plan.batch.per_device, class_path(classes.datamodule)))
     # The trackers are made with the trainer: a missing tracker package fails here, before anything is written.
     trainer = make_trainer(cfg, callbacks=callbacks, checkpoint=checkpoint, **trainer_kwargs)
-    if not debugging:  # the last check before any rank starts; a debugging run writes nothing, touches no run
-        refuse_other_runs(cfg, ckpt_path, checkpoint)
     out = output_folder(cfg)  # after the trainer: a setting it refuses leaves nothing behind
     model = build_model()
     if cfg.plan.compile_backend:
@@ -134,10 +130,9 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, datamodule), flush=True)
     start = time.perf_counter()
-    # --resume auto: continue the folder's run, as rank 0 decides for every rank once the process group is up
-    # (it opened ckpt_path already; every rank must load that very file).
+    # --resume auto: rank 0 decides for every rank once the process group is up (checkpointing/run_folder/resume.py);
+    # it must be ckpt_path, the checkpoint checked before the launch. weights_only: no code runs from the file.
     request = Continue(ckpt_path) if cfg.resume == "auto" else ckpt_path
-    # weights_only: Lightning's restore must not unpickle code either (read_checkpoint already vetted it).
     with plain_data():
         trainer.fit(model, datamodule=datamodule, ckpt_path=request, weights_only=True if ckpt_path else None)
     fit_seconds = time.perf_counter() - start

@@ -13,7 +13,7 @@ import lightning as L
 
 from ddp_recipes.checkpointing import kept
 from ddp_recipes.checkpointing.run_folder.output_dir import discard_unused_output_dirs
-from ddp_recipes.checkpointing.run_folder.resume_choice import open_resume
+from ddp_recipes.checkpointing.run_folder.resume import open_resume
 from ddp_recipes.config.cli import fail
 from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.data.unreadable import describe as describe_unreadable
@@ -27,7 +27,7 @@ from ddp_recipes.train.userclass import RecipeClasses, follow_checkpoint, resolv
 @dataclass(frozen=True)
 class RunStart:
     """A recipe run as opened: its classes (those of the checkpoint it resumes), the user's part of the
-    Trainer, and the checkpoint to resume (path and contents; None: a fresh run)."""
+    Trainer, and the checkpoint to resume (path and header; None: a fresh run)."""
 
     classes: RecipeClasses
     user: UserSurface
@@ -39,12 +39,13 @@ def open_run(cfg: RunConfig, base: type[L.LightningModule], model_cls: type | No
              datamodule_cls: type | None = None, callbacks: Any = None, logger: Any = None,
              trainer_kwargs: dict[str, Any] | None = None, *, training: bool = True) -> RunStart:
     """Open a recipe's run before any process starts: the classes (``base`` or the user's subclass), the
-    user's callbacks, logger and Trainer settings, and ``--resume``'s checkpoint, whose recorded classes the
-    run then follows. ``training`` False (``--test-only``) only reads the output folder."""
+    user's callbacks, logger and Trainer settings, and ``--resume``'s checkpoint (its header: tensors unread),
+    whose recorded classes the run then follows. ``training`` False (``--test-only``) only reads the output
+    folder."""
     quiet_recipe_console()
     classes = resolve_classes(base, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
     user = open_surface(cfg, callbacks, logger, trainer_kwargs)
-    resume, checkpoint = open_resume(cfg, training=training)
+    resume, checkpoint = open_resume(cfg, training, debugging=bool(user.trainer_kwargs.get("fast_dev_run")))
     if resume:
         classes = follow_checkpoint(classes, checkpoint, resume)
     return RunStart(classes, user, resume, checkpoint)

@@ -29,7 +29,7 @@ def checkpoint(step: int, epoch: int) -> dict:
 
 def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_path, monkeypatch):
     from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO, read_checkpoint
-    from ddp_recipes.checkpointing.run_folder.resume_choice import newest_checkpoint, resolve_resume
+    from ddp_recipes.checkpointing.run_folder.resume import newest_checkpoint, resolve_resume
     from ddp_recipes.errors import CheckpointError
 
     monkeypatch.chdir(tmp_path)

@@ -30,7 +30,7 @@ def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_pat
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing.last import LastCheckpoint
-    from ddp_recipes.checkpointing.run_folder import rank0_decision
+    from ddp_recipes.checkpointing.run_folder import resume as rank0_decision
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -62,7 +62,7 @@ def test_a_checkpoint_without_a_run_id_continues_at_two_ranks(tmp_path, monkeypa
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing.last import LastCheckpoint
-    from ddp_recipes.checkpointing.run_folder import rank0_decision
+    from ddp_recipes.checkpointing.run_folder import resume as rank0_decision
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -87,7 +87,7 @@ def test_a_claim_refused_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing.last import LastCheckpoint
-    from ddp_recipes.checkpointing.run_folder import rank0_decision
+    from ddp_recipes.checkpointing.run_folder import resume as rank0_decision
 
     class Told:
         def __init__(self, outcome):
