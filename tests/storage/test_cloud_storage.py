@@ -70,9 +70,9 @@ def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_pa
         read_checkpoint(f"{run}/checkpoints/best.ckpt")
 
     # --resume URL: the name it was saved under, or nothing there (one line naming --resume).
-    assert resolve_resume(f"{run}/checkpoints/last.ckpt", run) == f"{run}/checkpoints/last.ckpt"
+    assert resolve_resume(f"{run}/checkpoints/last.ckpt") == f"{run}/checkpoints/last.ckpt"
     with pytest.raises(CheckpointError, match=r"^resume s3://rule/run/checkpoints/nope\.ckpt: no such checkpoint"):
-        resolve_resume(f"{run}/checkpoints/nope.ckpt", run)
+        resolve_resume(f"{run}/checkpoints/nope.ckpt")
     # From a URL too, a checkpoint that names a Python object is refused before any of it runs.
     io.save_checkpoint({**checkpoint(9, 1), "extra": fractions.Fraction(1, 3)}, f"{run}/elsewhere/odd.ckpt")
     with pytest.raises(CheckpointError, match=r"holds Python objects.*fractions\.Fraction"):

@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_recipes.checkpointing import files
-from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, plain_data, run_of, unreadable_because
+from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, load_header, run_of, unreadable_because
 from ddp_recipes.errors import CheckpointError, lit
 from ddp_recipes.storage import Url, location, same_path
 from ddp_recipes.storage.store import listing, read_bytes, renames, size, write_new
@@ -104,8 +103,7 @@ def facts(path: str | os.PathLike) -> Found:
     entry = files.manifest(path)
     if entry is not None:
         return _from_manifest(path, entry)
-    with plain_data():  # a file alone, or a bucket's object without a manifest: its header
-        checkpoint = torch.load(files.fetch(path), map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = load_header(files.fetch(path))  # a file alone, or a bucket's object without a manifest
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError("not a Lightning checkpoint")
     return Found(path, int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0)), run_of(checkpoint),
@@ -354,9 +352,9 @@ def live_holder(record: dict[str, Any] | None, attempts: Path | Url | None) -> b
     return not (mine and max(mine, key=lambda r: float(r["started_at"])).get("ended"))
 
 
-def refuse_live(found: Survey, words: Words = RECIPE) -> None:
+def refuse_live(found: Survey, words: Words = RECIPE, attempts: Path | Url | None = None) -> None:
     """Any launch into a folder a live run holds (:func:`live_holder`) is refused naming it and the way on."""
-    attempts = found.folder.parent / ATTEMPTS_DIR if words.parent else None
+    attempts = attempts or (found.folder.parent / ATTEMPTS_DIR if words.parent else None)
     if live_holder(found.record, attempts):
         holder = found.record["holder"]
         raise CheckpointError(f"{folder_text(found, words)} is held by run {found.record.get('run_id')}, running now "
@@ -371,9 +369,7 @@ def claim(folder: str | os.PathLike, run_id: str, free: bool = False, attempts: 
     where = location(folder)
     record = read_record(where)
     ours = record is not None and record.get("run_id") == run_id
-    if record is not None and live_holder(record, attempts):
-        raise CheckpointError(f"{lit(where)} is held by run {record.get('run_id')}, running now; run it with another "
-                              "output folder, or once that run has ended")
+    refuse_live(Survey(where, record), LIBRARY, attempts)
     if record is not None and not ours and record.get("format") != "unreadable":
         if not free:
             raise CheckpointError(f"{lit(where)} was claimed by run {record.get('run_id')} while this run started; "

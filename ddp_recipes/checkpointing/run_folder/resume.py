@@ -1,5 +1,5 @@
 """Which checkpoint a run continues from: decided once, on rank 0, inside the ranks; loaded once, by every rank
-(Lightning's restore). Route and rules: docs/architecture.md#resume and
+(Lightning's restore). The route: docs/architecture.md#the-resume-route; the folder's rules:
 :mod:`~ddp_recipes.checkpointing.run_folder.ownership`.
 
 Before any rank starts, a recipe opens ``--resume`` (:func:`open_resume`): from headers and manifests only
@@ -83,7 +83,7 @@ def open_resume(cfg: RunConfig, training: bool = True, debugging: bool = False
     return resume, header
 
 
-def resolve_resume(resume: str, output_dir: str | None = None) -> str:
+def resolve_resume(resume: str) -> str:
     """``--resume PATH``, which must exist (one line naming ``--resume`` otherwise)."""
     try:
         files.resolve(resume)  # raises naming --resume when there is nothing there
