@@ -139,6 +139,12 @@ class LastCheckpoint(Checkpoint):
         if not isinstance(exception, Preempted) and self._vote is not None:  # Preempted: closed already
             self._vote.abandon()  # a failing rank must not wait for peers that may be gone
             self._vote = None
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero and self.run_id and not trainer.fast_dev_run:
+            ownership.release(self.dirpath, self.run_id)  # the fit is over: it holds the folder no more
 
     def _close_vote(self) -> None:
         if self._vote is not None:

@@ -132,7 +132,7 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     start = time.perf_counter()
     # --resume auto: rank 0 decides for every rank once the process group is up (checkpointing/run_folder/resume.py);
     # it must be ckpt_path, the checkpoint checked before the launch. weights_only: no code runs from the file.
-    request = Continue(ckpt_path) if cfg.resume == "auto" else ckpt_path
+    request = Continue(ckpt_path, checkpoint) if cfg.resume == "auto" else ckpt_path
     with plain_data():
         trainer.fit(model, datamodule=datamodule, ckpt_path=request, weights_only=True if ckpt_path else None)
     fit_seconds = time.perf_counter() - start

@@ -4,6 +4,8 @@ once the file is replaced (issue #40.2, #40.3, #53.5)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ddp_recipes.data.pixels import named_loader
@@ -46,7 +48,7 @@ def test_the_same_command_runs_once_the_image_is_replaced(tmp_path, capsys):
     name = _damage(root, "truncated")
     with pytest.raises(SystemExit):
         _main(root, tmp_path / "out", "cpu", 0)
-    assert (tmp_path / "out" / "checkpoints" / "run.json").exists()
+    assert json.loads((tmp_path / "out" / "checkpoints" / "run.json").read_text())["holder"] is None  # released
     (root / name).write_bytes((root / "train" / "c1" / "0.jpg").read_bytes())
     summary = _main(root, tmp_path / "out", "cpu", 0)
     assert summary["steps"] == 1 and summary["stops"]["attempts"] == 1  # the failed launch was another run's
@@ -55,7 +57,6 @@ def test_the_same_command_runs_once_the_image_is_replaced(tmp_path, capsys):
 def test_a_folder_without_checkpoints_is_held_only_while_its_run_runs(tmp_path):
     """The rule: a folder whose runs left no checkpoint is free, whatever they did (failed, finished, killed);
     one a live run holds is refused until that run ends or dies; one holding checkpoints needs --resume auto."""
-    import json
     import socket
     import subprocess
     import sys
@@ -66,7 +67,7 @@ def test_a_folder_without_checkpoints_is_held_only_while_its_run_runs(tmp_path):
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
-    ownership.claim(folder, "aaaaaaaaaaaa")  # held by this process, whose earlier run is over: free
+    ownership.claim(folder, "aaaaaaaaaaaa")  # held by this process, whose earlier fit is over: free
     ownership.refuse_live(ownership.output_survey(tmp_path))
     ownership.refuse_new_run(ownership.output_survey(tmp_path))
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -77,21 +78,18 @@ def test_a_folder_without_checkpoints_is_held_only_while_its_run_runs(tmp_path):
         with pytest.raises(ownership.CheckpointError, match="is held by run aaaaaaaaaaaa, running now"):
             ownership.refuse_live(ownership.output_survey(tmp_path))
         with pytest.raises(ownership.CheckpointError, match="is held by run aaaaaaaaaaaa, running now"):
-            ownership.claim(folder, "bbbbbbbbbbbb", free=True, attempts=tmp_path / "attempts")
-        # its attempt record says it ended (an error, Ctrl+C, a finish): it holds nothing though its process runs
-        (tmp_path / "attempts").mkdir()
-        (tmp_path / "attempts" / "1.json").write_text(json.dumps(
-            {"attempt": 1, "run_id": "aaaaaaaaaaaa", "started_at": 1.0, "ended": "error: RuntimeError"}))
+            ownership.claim(folder, "bbbbbbbbbbbb", free=True)
+        # its fit ended (an error, Ctrl+C, a finish), which released the record: it holds nothing, though it runs
+        (folder / "run.json").write_text(json.dumps({**record, "holder": None}))
         ownership.refuse_live(ownership.output_survey(tmp_path))
-        (tmp_path / "attempts" / "1.json").write_text(json.dumps(
-            {"attempt": 1, "run_id": "aaaaaaaaaaaa", "started_at": 1.0, "ended": None}))
+        (folder / "run.json").write_text(json.dumps(record))
         with pytest.raises(ownership.CheckpointError, match="running now"):
             ownership.refuse_live(ownership.output_survey(tmp_path))
     finally:
         other.kill()
         other.wait()
     ownership.refuse_live(ownership.output_survey(tmp_path))  # killed: it holds nothing
-    ownership.claim(folder, "bbbbbbbbbbbb", free=True, attempts=tmp_path / "attempts")  # taken over; its record kept
+    ownership.claim(folder, "bbbbbbbbbbbb", free=True)  # taken over; its record kept
     assert json.loads((folder / "run.json").read_text())["run_id"] == "bbbbbbbbbbbb"
     assert json.loads((folder / "run-aaaaaaaaaaaa.json").read_text())["run_id"] == "aaaaaaaaaaaa"
     torch.save({"state_dict": {}, "global_step": 3, "epoch": 0, "ddp_recipes_run": {"run_id": "bbbbbbbbbbbb"}},

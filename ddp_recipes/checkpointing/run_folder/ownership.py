@@ -23,8 +23,8 @@ headers and manifests only:
   checkpoints name several runs and which has no record is refused;
 * a checkpoint given by path continues its own run; into a folder that holds another run it is refused
   (:func:`refuse_foreign_checkpoint`);
-* while the process the record names runs its run, every other launch there is refused (:func:`refuse_live`);
-  two launches at once are told apart by the record's exclusive create.
+* while the process the record names runs its fit, every other launch there is refused (:func:`refuse_live`;
+  the fit's end releases the record); two launches at once are told apart by the record's exclusive create.
 
 A checkpoint or folder may carry no run id (plain Lightning's checkpoints, a folder with no ``run.json``):
 a folder with no record whose checkpoints carry no id is continued from its newest complete checkpoint, and
@@ -48,7 +48,7 @@ from ddp_recipes.checkpointing import files
 from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, load_header, run_of, unreadable_because
 from ddp_recipes.errors import CheckpointError, lit
 from ddp_recipes.storage import Url, location, same_path
-from ddp_recipes.storage.store import listing, read_bytes, renames, size, write_new
+from ddp_recipes.storage.store import read_bytes, renames, size, write_new
 
 RUN_FILE = "run.json"
 FORMAT = "ddp-recipes-run/1"
@@ -333,43 +333,35 @@ def _runs(pid: int) -> bool:
     return True
 
 
-def live_holder(record: dict[str, Any] | None, attempts: Path | Url | None) -> bool:
-    """Whether the process that recorded ``record`` still runs its run there: on this host, its pid is alive
-    and is not this one, and (on any host) it has not recorded its end in ``attempts`` (a recipe's attempt
-    records). A record naming no process (an earlier pack's) holds nothing."""
+def live_holder(record: dict[str, Any] | None) -> bool:
+    """Whether the process that recorded ``record`` still runs its fit there: the fit has not ended (an end it
+    lives to see, finished, failed or preempted, releases the record: :func:`release`) and its pid is alive on
+    this host and is not this one (a SIGKILL leaves no end). A holder on another host cannot be seen: a pod
+    restarted elsewhere after its node was lost must continue its run; two launches at once are still told
+    apart by :func:`claim`'s exclusive create. A record naming no process holds nothing."""
     holder = (record or {}).get("holder")
     if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
         return False
-    if holder.get("host") == socket.gethostname() and (holder["pid"] == os.getpid() or not _runs(holder["pid"])):
-        return False
-    try:  # its launch's attempt record (the newest one started before the claim) says how it ended
-        names = [n for n in map(str, listing(attempts)) if n.endswith(".json")] if attempts is not None else []
-        mine = [json.loads(read_bytes(attempts / n).decode()) for n in names]
-    except (OSError, ValueError, UnicodeDecodeError):
-        mine = []
-    mine = [r for r in mine if isinstance(r, dict) and r.get("run_id") == record.get("run_id")
-            and float(r.get("started_at") or 0) <= float(holder.get("at") or 0)]
-    return not (mine and max(mine, key=lambda r: float(r["started_at"])).get("ended"))
+    return holder.get("host") == socket.gethostname() and holder["pid"] != os.getpid() and _runs(holder["pid"])
 
 
-def refuse_live(found: Survey, words: Words = RECIPE, attempts: Path | Url | None = None) -> None:
+def refuse_live(found: Survey, words: Words = RECIPE) -> None:
     """Any launch into a folder a live run holds (:func:`live_holder`) is refused naming it and the way on."""
-    attempts = attempts or (found.folder.parent / ATTEMPTS_DIR if words.parent else None)
-    if live_holder(found.record, attempts):
+    if live_holder(found.record):
         holder = found.record["holder"]
         raise CheckpointError(f"{folder_text(found, words)} is held by run {found.record.get('run_id')}, running now "
                               f"(pid {holder['pid']} on {holder.get('host')}): pass another {words.another}, or run "
                               "this once it has ended", "output_dir" if words.parent else None)
 
 
-def claim(folder: str | os.PathLike, run_id: str, free: bool = False, attempts: Path | Url | None = None) -> None:
+def claim(folder: str | os.PathLike, run_id: str, free: bool = False) -> None:
     """Record ``run_id`` as the folder's run, held by this process (rank 0, each time training starts there).
     A folder another run recorded is an error, never overwritten, unless it is ``free`` (it holds no
     checkpoint) and its run no longer runs (:func:`live_holder`): that record is kept as ``run-<id>.json``."""
     where = location(folder)
     record = read_record(where)
     ours = record is not None and record.get("run_id") == run_id
-    refuse_live(Survey(where, record), LIBRARY, attempts)
+    refuse_live(Survey(where, record), LIBRARY)
     if record is not None and not ours and record.get("format") != "unreadable":
         if not free:
             raise CheckpointError(f"{lit(where)} was claimed by run {record.get('run_id')} while this run started; "
@@ -388,3 +380,18 @@ def claim(folder: str | os.PathLike, run_id: str, free: bool = False, attempts: 
     except FileExistsError:
         raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
                               "another output folder") from None
+
+
+def release(folder: str | os.PathLike, run_id: str) -> None:
+    """Rank 0, at the end of a fit it lives to see: the record it wrote no longer holds the folder. Best
+    effort (an unreachable store leaves it held, as a SIGKILL does; this host's next launch sees the pid gone)."""
+    where = location(folder)
+    try:
+        record = read_record(where)
+        holder = (record or {}).get("holder") or {}
+        if (record or {}).get("run_id") == run_id and (holder.get("pid"), holder.get("host")) == (
+                os.getpid(), socket.gethostname()):
+            payload = {**record, "holder": None}
+            write_new(where / RUN_FILE, (json.dumps(payload, indent=2) + "\n").encode(), replace=True)
+    except Exception:  # noqa: BLE001 - never in the way of the fit's own outcome
+        pass

@@ -102,12 +102,13 @@ def newest_checkpoint(output_dir: str | os.PathLike, training: bool = True) -> s
 # ---- the decision in the ranks -----------------------------------------------------------------------------
 
 class Continue(str):
-    """``ckpt_path="last"`` of ``--resume auto``, with the checkpoint the recipe opened before the launch
-    (``expected``), which rank 0's decision must be."""
+    """``ckpt_path="last"`` of ``--resume auto``, with the checkpoint this process opened before the launch
+    (``expected``, whose ``header`` it read), which rank 0's decision must be."""
 
-    def __new__(cls, expected: str | None = None) -> Continue:
+    def __new__(cls, expected: str | None = None, header: dict[str, Any] | None = None) -> Continue:
         value = super().__new__(cls, "last")
         value.expected = expected
+        value.seen = (int(header.get("global_step", 0)), run_of(header)) if expected and header else None
         return value
 
 
@@ -256,7 +257,7 @@ def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool)
         error = (CheckpointError if kind == "CheckpointError" else ConfigError)(template, param)
         error.agreed = True  # the same on every rank: rank 0 prints it
         raise error
-    problem = None if trainer.is_global_zero else _check_same(decision, trainer.global_rank)
+    problem = None if trainer.is_global_zero else _check_same(decision, trainer.global_rank, request)
     problems = [p for p in _gather(problem) if p]
     if problems:
         words = last.words
@@ -281,8 +282,7 @@ def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint, free: bool = Fals
     told: str | None = None
     if trainer.is_global_zero:
         try:
-            attempts = last.dirpath.parent / ownership.ATTEMPTS_DIR if last.words.parent else None
-            ownership.claim(last.dirpath, last.run_id, free, attempts)
+            ownership.claim(last.dirpath, last.run_id, free)
         except Exception as err:
             failure, told = err, f"{type(err).__name__}: {err}"
     told = trainer.strategy.broadcast(("claim", told))[1]
@@ -329,16 +329,21 @@ def _same_place(a: Path | Url, b: Path | Url) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _check_same(decision: dict[str, Any], rank: int) -> str | None:
-    """None when this rank reads rank 0's checkpoint as rank 0 does; else what it reads instead."""
+def _check_same(decision: dict[str, Any], rank: int, request: Any = None) -> str | None:
+    """None when this rank reads rank 0's checkpoint as rank 0 does; else what it reads instead. The header this
+    process read before the launch (``request``: a :class:`Continue`) is its read of that path."""
     path = decision["path"]
     if path is None:
         return None
-    try:
-        mine = ownership.facts(path)
-    except Exception as err:
-        reason = "no such file" if isinstance(err, FileNotFoundError) else type(err).__name__
-        return f"rank 0 resumes from {lit(path)} (step {decision['step']}), which rank {rank} cannot read ({reason})"
+    if isinstance(request, Continue) and request.seen is not None and request.expected == path:
+        mine = Found(path, request.seen[0], 0, request.seen[1])
+    else:
+        try:
+            mine = ownership.facts(path)
+        except Exception as err:
+            reason = "no such file" if isinstance(err, FileNotFoundError) else type(err).__name__
+            return (f"rank 0 resumes from {lit(path)} (step {decision['step']}), which rank {rank} cannot read "
+                    f"({reason})")
     if (mine.step, mine.run_id) != (decision["step"], decision["ckpt_run"]):
         return (f"rank 0 resumes from {lit(path)} (step {decision['step']} of run {decision['ckpt_run']}), which rank "
                 f"{rank} reads as step {mine.step} of run {mine.run_id}")

@@ -96,20 +96,34 @@ def test_a_run_killed_before_its_first_save_leaves_its_folder_free(tmp_path, req
     assert _folder(out, s3) == before
 
 
+FAIL = HOLD.replace("class Hold", "class Fail").replace("Hold()", "Fail()").replace(
+    """    def on_train_start(self, trainer, pl_module):
+        time.sleep(600)  # held before the first step: SIGKILLed here, the run left no checkpoint""",
+    """    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= 1:  # a bug after its first step, before any save
+            raise RuntimeError("stopped before its first save")""")
+
+
 @pytest.mark.slow
-def test_a_two_rank_run_stopped_by_an_image_leaves_its_folder_to_other_flags(tmp_path):
+def test_two_rank_runs_stopped_before_their_first_save_leave_the_folder_to_other_flags(tmp_path):
+    """A run that trained a step and failed, then one stopped by an unreadable image with ``--decode gpu``:
+    neither saved, so the next command, with other flags, runs there."""
     root = write_jpeg_tree(tmp_path / "imgs", per_class=8, val_per_class=2, side=40)
     good = (root / "train" / "c1" / "0.jpg").read_bytes()
-    (root / "train" / "c1" / "bad.jpg").write_bytes(b"notes, not an image\n" * 20)
     out = tmp_path / "out"
-    resnet = ["-m", "recipes.resnet", "--accelerator", "cpu", "--devices", "2", "--data", "imagefolder", "--data-dir",
-              root, "--image-size", "32", "--num-workers", "0", "--max-steps", "1", "--logger", "none",
-              "--output-dir", out]
-    stopped = run([*resnet, "--batch-size", "9", "--decode", "gpu"], cwd=tmp_path)
+    flags = ["--accelerator", "cpu", "--devices", "2", "--data", "imagefolder", "--data-dir", root, "--image-size",
+             "32", "--num-workers", "0", "--max-steps", "3", "--logger", "none", "--output-dir", out]
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL)
+    failed = run([script, "resnet", *flags, "--batch-size", "2"], cwd=tmp_path)
+    assert failed.returncode != 0 and "stopped before its first save" in failed.stderr, failed.stderr[-3000:]
+    assert (out / "checkpoints" / "run.json").exists() and not list(out.rglob("*.ckpt"))
+    (root / "train" / "c1" / "bad.jpg").write_bytes(b"notes, not an image\n" * 20)
+    stopped = run(["-m", "recipes.resnet", *flags, "--batch-size", "9", "--decode", "gpu"], cwd=tmp_path)
     assert stopped.returncode == 2 and "holds an image that cannot be decoded: train/c1/bad.jpg" in stopped.stderr, \
         stopped.stderr[-3000:]
-    assert (out / "checkpoints" / "run.json").exists() and not list(out.rglob("*.ckpt"))
+    assert not list(out.rglob("*.ckpt"))
     (root / "train" / "c1" / "bad.jpg").write_bytes(good)
-    again = run([*resnet, "--batch-size", "4"], cwd=tmp_path)  # other flags: the CPU decoder, another batch
+    again = run(["-m", "recipes.resnet", *flags, "--batch-size", "4"], cwd=tmp_path)  # the CPU decoder, other batch
     assert again.returncode == 0, again.stderr[-3000:]
-    assert (out / "checkpoints" / "last.ckpt").exists()
+    assert (out / "checkpoints" / "last.ckpt").exists() and len(list((out / "checkpoints").glob("run-*.json"))) == 2
