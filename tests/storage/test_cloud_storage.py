@@ -29,8 +29,9 @@ def checkpoint(step: int, epoch: int) -> dict:
 
 def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_path, monkeypatch):
     from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO, read_checkpoint
-    from ddp_recipes.checkpointing.run_folder.resume import newest_checkpoint, resolve_resume
+    from ddp_recipes.checkpointing.run_folder.resume import resolve_resume
     from ddp_recipes.errors import CheckpointError
+    from tests.helpers import newest_checkpoint
 
     monkeypatch.chdir(tmp_path)
     run = s3.bucket("rule") + "/run"

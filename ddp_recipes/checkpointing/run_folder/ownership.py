@@ -1,34 +1,27 @@
 """A checkpoint folder belongs to one run: a new run never touches another run's checkpoints, and continuing
 (``--resume auto``, ``trainer.fit(..., ckpt_path="last")``) takes only the folder's own run's.
 
-A run is named by a run id, made when it starts fresh and kept by every continuation of it (a resume, a
-preemption, a requeue). The id is recorded twice:
-
-* in the folder: ``<checkpoint folder>/run.json`` (``{"format", "run_id", "started", "holder"}``), written by
-  rank 0 each time the run starts training there, naming the process that holds the folder (:func:`claim`);
-* in every checkpoint the run writes, under ``checkpoint["ddp_recipes_run"]`` (and on an object store in its
-  manifest too), so a checkpoint says whose it is wherever it is copied.
+A run has an id, made when it starts fresh and kept by every continuation (a resume, a preemption, a requeue),
+recorded in the folder (``run.json``: ``{"format", "run_id", "started", "holder"}``, written by rank 0 each time
+the run starts training there, :func:`claim`) and in every checkpoint it writes (``checkpoint["ddp_recipes_run"]``,
+on a bucket in its manifest too).
 
 The rule (the README's sentence): a folder whose runs left no checkpoint is free for any command; a folder
 holding a run's checkpoints continues only with ``--resume auto`` (or its own run's ``--resume PATH``); a
 folder a live run holds is refused. Decided on rank 0 in the ranks
-(:mod:`~ddp_recipes.checkpointing.run_folder.resume`); a recipe checks it once before it launches, from
-headers and manifests only:
+(:mod:`~ddp_recipes.checkpointing.run_folder.resume`), checked by a recipe before it launches:
 
-* a new run into a folder holding checkpoints is refused in one line naming the run and the ways on
-  (:func:`refuse_new_run`); one holding none is taken over, the earlier run's record kept as
-  ``run-<id>.json`` (:func:`claim`), its attempt records and logs where they are;
-* continuing takes the newest checkpoint of the folder's run (:meth:`Survey.owner`: the record's id, else
-  the one id its checkpoints carry); another run's checkpoint is skipped with a warning, and a folder whose
-  checkpoints name several runs and which has no record is refused;
-* a checkpoint given by path continues its own run; into a folder that holds another run it is refused
-  (:func:`refuse_foreign_checkpoint`);
-* while the process the record names runs its fit, every other launch there is refused (:func:`refuse_live`;
+* a new run into a folder holding checkpoints is refused naming the run and the ways on (:func:`refuse_new_run`);
+  one holding none is taken over, the earlier record kept as ``run-<id>.json`` (its attempt records and logs
+  stay where they are);
+* continuing takes the newest checkpoint of the folder's run (:func:`newest_of_run`; the owner: the record's
+  id, else the one id its checkpoints carry; other runs' checkpoints skipped with a warning; several ids and no
+  record: refused); a checkpoint given by path continues its own run, and is refused in another run's folder;
+* while the process the record names runs its fit there, every other launch is refused (:func:`refuse_live`;
   the fit's end releases the record); two launches at once are told apart by the record's exclusive create.
 
-A checkpoint or folder may carry no run id (plain Lightning's checkpoints, a folder with no ``run.json``):
-a folder with no record whose checkpoints carry no id is continued from its newest complete checkpoint, and
-once a folder has a recorded run its id-less checkpoints are skipped.
+Checkpoints without a run id (plain Lightning's) in a folder without a record continue from the newest; once
+a folder has a record its id-less checkpoints are skipped.
 """
 
 from __future__ import annotations
@@ -323,12 +316,12 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
 
 
 def _runs(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host."""
+    """Whether a process ``pid`` runs on this host (another user's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # another user's process: it runs
+    except OSError:
         pass
     return True
 

@@ -1,30 +1,24 @@
 """Which checkpoint a run continues from: decided once, on rank 0, inside the ranks; loaded once, by every rank
-(Lightning's restore). The route: docs/architecture.md#the-resume-route; the folder's rules:
-:mod:`~ddp_recipes.checkpointing.run_folder.ownership`.
+(Lightning's restore). The route: docs/architecture.md#the-resume-route; the folder's rules: ``ownership.py``.
 
-Before any rank starts, a recipe opens ``--resume`` (:func:`open_resume`): from headers and manifests only
-(a local checkpoint mapped, its tensors unread; a bucket's manifest), it refuses what cannot run (a missing
-file, a folder of another run or one a live run holds, a cut checkpoint with nothing else to continue) and
-gives the recipe the header of the checkpoint ``--resume auto`` names now, for the checks of the run's input
-(its network, its optimizer, its classes, its tracker runs).
+Before any rank starts, a recipe opens ``--resume`` (:func:`open_resume`) from headers and manifests only: it
+refuses what cannot run (a missing file, a folder of another run or one a live run holds, a cut checkpoint with
+nothing else to continue) and hands the recipe the candidate's header for the checks of the run's input.
 
-Lightning resolves ``ckpt_path`` in every rank before the process group exists (``_select_ckpt_path``): each
-rank would read its own view of the folder. Here ``ckpt_path="last"`` is only noted then; the decision is made
-in ``resume_start``, which every rank reaches after the process group is up and after every set-up hook, on
-every launcher (subprocess, spawn/fork, torchrun, SLURM):
+Lightning resolves ``ckpt_path`` in every rank before the process group exists, each from its own view of the
+folder. Here ``ckpt_path="last"`` is only noted then and decided in ``resume_start``, which every rank reaches
+with the process group up, on every launcher (subprocess, spawn/fork, torchrun, SLURM):
 
-1. rank 0 reads the checkpoint folder and decides: the newest checkpoint of the folder's run (which must be
-   the one the recipe opened), a fresh start (refused when the folder holds another run's checkpoints), or
-   the given path (refused when it is another run's, in a folder that holds one);
-2. the decision (path, its step and run, the folder, the run id) is broadcast;
-3. every other rank checks that it reads that very checkpoint at that path (same step, same run; a header)
-   and the ranks gather their answers: a rank that cannot (a node-local disk holding another copy, or none)
-   fails every rank with one line, instead of training from another file;
-4. rank 0 records the run in the folder (``run.json``) when the fit trains, and every rank's
-   :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` takes rank 0's folder and run id; then Lightning's
+1. rank 0 reads the folder and decides: the newest checkpoint of the folder's run (the one the recipe opened),
+   a fresh start (refused in a folder holding another run's checkpoints), or the given path (refused when it
+   is another run's, in a folder that holds one); an error is raised on every rank, printed by rank 0;
+2. the decision (path, step, run, folder, run id) is broadcast;
+3. every other rank checks that it reads that very checkpoint at that path (same step, same run: the header
+   its process read before the launch, or a header read now); a rank that cannot (a node-local disk holding
+   another copy, or none) fails every rank with one line instead of training from another file;
+4. rank 0 records the run (``run.json``) when the fit trains, every rank's
+   :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` takes rank 0's folder and run id, and Lightning's
    restore loads the file, once per rank.
-
-An error of step 1 is raised on every rank with the same text (printed once, by rank 0).
 """
 
 from __future__ import annotations
@@ -90,13 +84,6 @@ def resolve_resume(resume: str) -> str:
     except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
         raise err.renamed(output_dir="resume") from err.__cause__
     return resume
-
-
-def newest_checkpoint(output_dir: str | os.PathLike, training: bool = True) -> str | None:
-    """The checkpoint ``--resume auto`` takes in a recipe's output folder (:func:`newest_of_run`); None when
-    there is none. On a URL: from the manifests of complete objects, as the name it was saved under."""
-    found = newest_of_run(ownership.output_survey(output_dir), keep=training)
-    return found.path if found is not None else None
 
 
 # ---- the decision in the ranks -----------------------------------------------------------------------------
