@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import zipfile
 from typing import Any
 
 import lightning as L
@@ -109,19 +110,14 @@ def code_refused(err: pickle.UnpicklingError, param: str, name: object, holds: s
                  f"code from the file, so it is refused: {fix}", param)
 
 
-def _head(local: Any) -> bytes | None:
-    """The first bytes of a local file (None when it is none)."""
-    try:
-        with open(local, "rb") as f:
-            return f.read(4)
-    except (OSError, TypeError):
-        return None
-
-
 def _starts_as_checkpoint(local: Any) -> bool:
     """Whether the file starts as torch.save writes: a zip archive, or a legacy pickle (protocol 2+)."""
-    head = _head(local)
-    return head is None or head == b"PK\x03\x04" or head[:1] == b"\x80"  # not a local file: the loader speaks
+    try:
+        with open(local, "rb") as f:
+            head = f.read(4)
+    except (OSError, TypeError):
+        return True  # not a local file: let the loader's own error speak
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def unreadable_because(local: Any, err: BaseException) -> str:
@@ -144,7 +140,7 @@ def unreadable_because(local: Any, err: BaseException) -> str:
 def load_header(local: Any) -> Any:
     """A local checkpoint file as plain data, mapped (a zip archive: its tensors are read only when used)."""
     with plain_data():
-        return torch.load(local, map_location="cpu", weights_only=True, mmap=_head(local) == b"PK\x03\x04")
+        return torch.load(local, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(local))
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:

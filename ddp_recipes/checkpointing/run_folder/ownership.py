@@ -315,17 +315,6 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else {"format": "unreadable"}
 
 
-def _runs(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host (another user's too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass
-    return True
-
-
 def live_holder(record: dict[str, Any] | None) -> bool:
     """Whether the process that recorded ``record`` still runs its fit there: the fit has not ended (an end it
     lives to see, finished, failed or preempted, releases the record: :func:`release`) and its pid is alive on
@@ -333,9 +322,15 @@ def live_holder(record: dict[str, Any] | None) -> bool:
     restarted elsewhere after its node was lost must continue its run; two launches at once are still told
     apart by :func:`claim`'s exclusive create. A record naming no process holds nothing."""
     holder = (record or {}).get("holder")
-    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname() or holder.get("pid") == os.getpid():
         return False
-    return holder.get("host") == socket.gethostname() and holder["pid"] != os.getpid() and _runs(holder["pid"])
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except (ProcessLookupError, KeyError, TypeError, ValueError):
+        return False
+    except OSError:  # another user's process: it runs
+        pass
+    return True
 
 
 def refuse_live(found: Survey, words: Words = RECIPE) -> None:
