@@ -46,7 +46,7 @@ class LastCheckpoint(Checkpoint):
     count it as done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
 
     The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.run_folder.ownership`): ``run_id``
-    (decided on rank 0 when fitting starts, :mod:`~ddp_recipes.checkpointing.run_folder.rank0_decision`) goes
+    (decided on rank 0 when fitting starts, :mod:`~ddp_recipes.checkpointing.run_folder.resume`) goes
     into every checkpoint the trainer writes. ``words`` is the vocabulary of the messages: a recipe's flags or
     the library's arguments.
 
@@ -134,6 +134,12 @@ class LastCheckpoint(Checkpoint):
         if not isinstance(exception, Preempted) and self._vote is not None:  # Preempted: closed already
             self._vote.abandon()  # a failing rank must not wait for peers that may be gone
             self._vote = None
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero and self.run_id and not trainer.fast_dev_run:
+            ownership.release(self.dirpath, self.run_id)  # the fit is over: it holds the folder no more
 
     def _close_vote(self) -> None:
         if self._vote is not None:

@@ -25,7 +25,7 @@ from ddp_recipes.checkpointing.files import see_published
 from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.checkpointing.position import RunPosition
 from ddp_recipes.checkpointing.run_folder import ownership
-from ddp_recipes.checkpointing.run_folder.rank0_decision import check_checkpoint_names, find_last_checkpoint
+from ddp_recipes.checkpointing.run_folder.resume import check_checkpoint_names, find_last_checkpoint
 from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.world import (
     check_node_env,

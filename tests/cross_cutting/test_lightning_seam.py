@@ -29,7 +29,7 @@ SEAM = "ddp_recipes/lightning_seam/"
 LIGHTNING = Path(L.__file__).parent
 # Still reached directly, to be wired to the seam (connectors.install_checkpoint_route, reach.last_checkpoints_of)
 # when the run-folder rewrite of #53.4/53.5 lands; empty this set then.
-PENDING = {"ddp_recipes/checkpointing/run_folder/rank0_decision.py"}
+PENDING: set[str] = set()
 
 
 def _lightning_private_names() -> set[str]:
