@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
