@@ -9,7 +9,7 @@ tensors: a shuffled ``DataLoader``, the same CSV logger, log cadence and progres
 recipe's Trainer, the resumable loader over the recipe's in-memory MNIST split), each in a fresh process,
 the order alternating; both timed alike (every training batch end to the next, the warm-up dropped). After
 its timed steps each run counts ``--count-steps`` more whole loop iterations, untimed
-(:class:`~ddp_recipes.bench.harness.step_counts.StepCounts`): host reads and Python ``torch.distributed`` calls per
+(:class:`~benchmarks.account.step_counts.StepCounts`): host reads and Python ``torch.distributed`` calls per
 step, for steps that do not log and for log steps apart.
 
 Writes ``--out`` (JSON: every run, the per-round pack/plain ratio's median and range, the counts) and prints

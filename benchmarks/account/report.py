@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddp_recipes.bench.harness.components import PACK_COMPONENTS
-from ddp_recipes.bench.harness.step_counts import DDP_OWN
+from benchmarks.account.step_counts import DDP_OWN
+from benchmarks.account.worker import PACK_COMPONENTS
 
 BEGIN, END = "<!-- bench-account:begin -->", "<!-- bench-account:end -->"
 CONTENDED_LOAD = 0.5  # 1-minute load average above which other work shared the cores (beyond the runs' own)
@@ -63,8 +63,8 @@ def counts_table(result: dict[str, Any]) -> list[str]:
     if not counted or not any(summary[str(n)].get("counts", {}).get(label) for n in devices for label in RUNS):
         return []
     lines = [f"Host reads and collectives per step, per rank (rank 0 / rank 1 / ...), over the {counted} whole loop "
-             "iterations after each run's timed steps (`bench/harness/step_counts.py`, batch start to the next batch "
-             "start; a range where rounds differ):", "",
+             "iterations after each run's timed steps (`benchmarks/account/step_counts.py`, batch start to the next "
+             "batch start; a range where rounds differ):", "",
              "| run | N | host reads, step without logging | host reads, log step | Python collectives beyond DDP's "
              "own, step without logging | the same, log step | collectives issued per step without logging, DDP's "
              "included |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -6,13 +6,13 @@
 
 Every round runs, at each N, the raw DDP loop, plain Lightning (``L.Trainer(strategy="ddp")``), the pack (the
 recipe's Trainer) and the pack with each of its parts switched off alone (``--without``, see
-:data:`~ddp_recipes.bench.harness.components.PACK_COMPONENTS`), each in fresh processes, back to back, the order
+:data:`~benchmarks.account.worker.PACK_COMPONENTS`), each in fresh processes, back to back, the order
 reversed every other round. What a part costs is the paired difference pack - pack without it, per round;
 Lightning's own loop is plain - raw; the gap is pack - raw. Beside them: the host time inside each part's
 hooks (exact, from the same runs) and the CPU time of threads other than the training thread. The load
 average before and after every run is recorded: a figure taken on a loaded host says so. After its timed
 steps, each raw, plain and pack run counts ``--count-steps`` more whole loop iterations
-(:mod:`ddp_recipes.bench.harness.step_counts`): host reads and collectives per step, on every rank.
+(:mod:`benchmarks.account.step_counts`): host reads and collectives per step, on every rank.
 
 Writes ``--out``/account.json and account.md; ``--doc FILE`` replaces the block between
 ``<!-- bench-account:begin -->`` and ``<!-- bench-account:end -->`` in FILE with the tables.
@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.account.worker import PACK_COMPONENTS
 from ddp_recipes.bench.cli import measuring_args, rewrite_doc
-from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
+from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS
 from ddp_recipes.bench.speedup import run as speedup
 from ddp_recipes.errors import ConfigError
 
@@ -62,7 +63,8 @@ def measure(settings: dict[str, Any], runs: list[str], rounds: int, out: Path,
     for i, (round_no, label, n) in enumerate(schedule, 1):
         impl = label if label in BASELINES else "pack"
         run_settings = {**settings, "without": label.removeprefix("pack-without-") if impl != label else "",
-                        "count_steps": settings.get("count_steps", 0) if impl == label else 0}
+                        "count_steps": settings.get("count_steps", 0) if impl == label else 0,
+                        "worker": "benchmarks.account.worker"}  # the bench's worker with its counter and switches
         before, start = _load(), time.perf_counter()
         try:
             run = speedup.run_worker(impl, n, run_settings, out, tag=f"-{label}-round{round_no + 1}")
@@ -128,7 +130,7 @@ def _threads(rows: list[dict[str, Any]], label: str, n: int) -> dict[str, Any] |
             "other_cpu_ms": spread_of([max(t["other_threads_cpu_ms_per_step"] for t in run) for run in runs])}
 
 
-COUNTED = ("reads", "python", "issued")  # bench.harness.step_counts.per_step's per-step means
+COUNTED = ("reads", "python", "issued")  # benchmarks.account.step_counts.per_step's per-step means
 
 
 def _counts(rows: list[dict[str, Any]], label: str, n: int) -> list[dict[str, Any]] | None:

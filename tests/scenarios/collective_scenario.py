@@ -12,7 +12,7 @@ CPU ranks, with
   (an asynchronous all-reduce of a flag on a gloo group of its own at every step): the count must see it.
 
 Each rank writes ``OUT/MODE-rank<r>.json``: one row for every whole loop iteration (one training batch's start to
-the next one's), counted by the bench's own counter (``ddp_recipes/bench/harness/step_counts.py`` ``StepCounts``): the
+the next one's), counted by the bench's own counter (``benchmarks/account/step_counts.py`` ``StepCounts``): the
 collectives issued on every process group (``issued``: each group's sequence number, which counts what DDP's C++
 reducer issues too), the groups that exist, which ``torch.distributed`` functions Python called, the host reads
 of tensor values, whether the logger wrote at it and what closed it (``spans``: a step, an epoch end, the fit's
@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressB
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from ddp_recipes.bench.harness.step_counts import StepCounts, compact  # noqa: E402
+from benchmarks.account.step_counts import StepCounts, compact  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH, EPOCHS = 8, 8, 2
 

@@ -10,15 +10,15 @@ import pytest
 from benchmarks import __main__ as bench
 from benchmarks.account import run as account
 from benchmarks.account.report import BEGIN, END
+from benchmarks.account.worker import PACK_COMPONENTS, parse_without
 from ddp_recipes.bench.cli import rewrite_doc
-from ddp_recipes.bench.harness.components import PACK_COMPONENTS, parse_without
 from ddp_recipes.bench.speedup import run as speedup
 
 COST = {"vote": 0.0, "diagnostics": 0.2, "bucket-view": -3.0}  # ms a part adds to the pack's step at N=2
 
 
 def _counts(impl: str, round_no: int) -> dict:
-    """One rank's bench.harness.step_counts.per_step: plain Lightning's flag broadcast and read; one read more
+    """One rank's benchmarks.account.step_counts.per_step: plain Lightning's flag broadcast and read; one read more
     in round 3."""
     def cell(reads: float, python: int, names: list[str]) -> dict:
         return {"iterations": 9, "reads": reads, "reads_max": reads, "python": python, "python_max": python,

@@ -1,4 +1,4 @@
-"""The bench's whole-iteration count (``bench/harness/step_counts.py``) and the fields ``benchmarks overhead`` and
+"""The bench's whole-iteration count (``benchmarks/account/step_counts.py``) and the fields ``benchmarks overhead`` and
 the bench workers report from it (counts only: nothing here is timed)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_recipes.bench.harness import step_counts
-from ddp_recipes.bench.harness.step_counts import PythonCollectives, WholeIterations, per_step
+from benchmarks.account import step_counts
+from benchmarks.account.step_counts import PythonCollectives, WholeIterations, per_step
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_bench_overhead_without_counting_says_so(tmp_path, capsys):
 
 @pytest.mark.parametrize("impl", ["raw", "pack", "plain"])
 def test_a_bench_worker_counts_after_its_timed_steps_and_times_as_many_as_without(tmp_path, impl):
-    from ddp_recipes.bench.harness.worker import main
+    from benchmarks.account.worker import main
 
     out = tmp_path / f"{impl}.json"
     main([impl, "--out", str(out), "--recipe", "mnist", "--arch", "mlp", "--batch-size", "8", "--steps", "3",
