@@ -1,32 +1,12 @@
 """``--decode gpu``'s device side: decode an :class:`~ddp_recipes.data.encoded.EncodedBatch` on its device and
-apply the drawn augmentation there.
+apply the drawn augmentation there, equal bit for bit to the CPU tensor pipeline for the same draws
+(``tests/data/test_device_decode.py``; the steps: docs/recipes.md).
 
-Training: ``decode_jpeg`` (TorchCodec's, else torchvision.io's: :mod:`ddp_recipes.data.decoders`) on the batch's
-list of files (nvJPEG on CUDA, libjpeg-turbo on the CPU), then per
-image the crop box resized to the crop size (``RandomResizedCrop``'s own ``transform``, uint8 with antialias, as
-the CPU pipeline), the flip, the policy's recorded operations; the images stacked, channels-last if asked,
-scaled to float and normalized as one batch; the erased boxes last, as the CPU pipeline erases after
-normalizing. Evaluation: resize the short side and centre-crop each image, then the same batch steps. The
-results equal the CPU tensor pipeline's bit for bit for the same draws, and the PIL pipeline's within
-interpolation tolerance (``tests/data/test_device_decode.py``).
-
-No step reads the device from the host: the draws are host-side Python values, the normalisation constants are
-copied to each device once (pinned, non-blocking), and torchvision's normalize (which builds them from Python
-lists on every call, a synchronising copy on CUDA) is not used.
-
-On CUDA the decode runs with a side stream current (either library's decoder then allocates its outputs from that
-stream's pool and runs nvJPEG there or on its own stream, waiting for it on the host before it returns); the
-training stream waits for the side stream and each decoded image is recorded on the training stream, so the
-caching allocator hands out none of their memory while a queued kernel still reads it. (The decoders allocate
-the outputs on the *current* stream without waiting for it: with the training stream current, a block freed
-by the previous step could be overwritten by nvJPEG before the kernels queued on it ran.)
-
-A file ``decode_jpeg`` refuses (nvJPEG: CMYK and other 4-channel JPEGs, PNG or other files named ``.JPEG``,
-some progressive corner cases; the CPU decoder: anything not a JPEG) makes the batch decode one file at a time
-and that file is decoded on the CPU by the very loader of ``--decode cpu`` (Pillow, 8-bit RGB, 16-bit and float
-images scaled rather than clipped: :mod:`ddp_recipes.data.pixels`) and copied to the device; each is counted in
-:attr:`DeviceDecoder.fallbacks`. (``decode_image`` reads no TIFF or BMP that the folder's loader reads, and
-torchvision's hands a 16-bit PNG back as uint16, which the batch's uint8 steps would misread.)
+No step reads the device from the host (draws are host values, normalisation constants copied once, pinned).
+On CUDA the decoders allocate outputs on the *current* stream without waiting for it, so the decode runs on a
+side stream the training stream then waits for, and each image is recorded on the training stream: no block is
+reused while a queued kernel still reads it. A file ``decode_jpeg`` refuses is decoded by ``--decode cpu``'s
+loader (:mod:`ddp_recipes.data.pixels`) and copied over, counted in :attr:`DeviceDecoder.fallbacks`.
 """
 
 from __future__ import annotations

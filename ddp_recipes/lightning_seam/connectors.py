@@ -28,11 +28,7 @@ _CheckpointConnector = private("lightning.pytorch.trainer.connectors.checkpoint_
 
 
 class FlagSignalConnector(_SignalConnector):
-    """Lightning's signal connector, with handlers that only record the signal (while fitting).
-
-    Outside ``fit`` nothing is installed, so SIGTERM keeps its default action. Lightning's ``teardown`` puts
-    back the handlers that were there before.
-    """
+    """Handlers that only record the signal, while fitting (outside ``fit`` SIGTERM keeps its default action)."""
 
     def __init__(self, trainer: Any) -> None:
         super().__init__(trainer)
@@ -61,8 +57,7 @@ class FlagSignalConnector(_SignalConnector):
 
 
 def install_flag_signals(trainer: Any) -> FlagSignalConnector:
-    """Give ``trainer`` a :class:`FlagSignalConnector` (before ``Trainer._run`` registers handlers: no moment where
-    Lightning's own handlers are live); the one it has already, if so."""
+    """Give ``trainer`` a :class:`FlagSignalConnector` (before ``Trainer._run`` registers any handler)."""
     if not isinstance(trainer._signal_connector, FlagSignalConnector):
         trainer._signal_connector = FlagSignalConnector(trainer)
     return trainer._signal_connector
@@ -80,8 +75,7 @@ class _HookedDataConnector(_DataConnector):
 
 
 def install_loader_hook(trainer: Any, hook: Callable[..., object]) -> None:
-    """Route the loaders ``trainer`` re-creates through ``hook`` (a Trainer with another connector class, a
-    user's, is left alone)."""
+    """Route the loaders ``trainer`` re-creates through ``hook`` (a user's own connector class is left alone)."""
     connector = trainer._data_connector
     if type(connector) in (_DataConnector, _HookedDataConnector):
         connector.__class__ = _HookedDataConnector

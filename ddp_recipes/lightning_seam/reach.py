@@ -1,10 +1,6 @@
-"""Every read and write of Lightning's private state, as small named functions.
-
-Each touch says what it works around and its upstream issue or PR ("no upstream issue found" where none was
-found); every one was checked on Lightning :data:`CHECKED_ON`. A private function or class is looked up when used
-(:func:`private`): a release that moved one fails :func:`~ddp_recipes.lightning_seam.check.check_lightning` with one
-line, not the import of the pack.
-"""
+"""Every read and write of Lightning's private state: each touch says what it works around and its upstream issue
+or PR, all checked on Lightning :data:`CHECKED_ON`. Private names are looked up when used (:func:`private`), so a
+release that moved one fails :func:`~ddp_recipes.lightning_seam.check.check_lightning`, not the pack's import."""
 
 from __future__ import annotations
 
@@ -43,7 +39,7 @@ def batches_that_stepped(trainer: Any) -> int:
 
 
 def set_batches_that_stepped(trainer: Any, step: int) -> None:
-    """Put the logging step on ``step`` (see :func:`batches_that_stepped`)."""
+    """Put the logging step on ``step``."""
     trainer.fit_loop.epoch_loop._batches_that_stepped = step
 
 
@@ -88,8 +84,7 @@ def iteration_based(trainer: Any) -> bool:
 
 
 def validation_due(trainer: Any, fetcher: Any) -> bool:
-    """Whether the epoch's validation is still to run (without one, a restart on an epoch's last batch trains
-    another batch inside the finished epoch)."""
+    """Whether the epoch's validation is still to run (else a restart on its last batch trains one batch more)."""
     return trainer.fit_loop.epoch_loop._should_check_val_fx(fetcher)
 
 
@@ -99,8 +94,7 @@ def can_stop_early(trainer: Any) -> bool:
 
 
 def set_sampler_epoch(loader: Any, epoch: int) -> None:
-    """``set_epoch`` on the loader's samplers as Lightning calls it (after an epoch-end resume it gives the
-    count of processed epochs, one ahead of the trained one)."""
+    """``set_epoch`` on the loader's samplers as Lightning calls it (one ahead after an epoch-end resume)."""
     private("lightning.fabric.utilities.data", "_set_sampler_epoch")(loader, epoch)
 
 
@@ -117,16 +111,14 @@ def replace_sigterm_broadcast(trainer: Any, replacement: Callable[[], None]) -> 
 
 
 def epoch_results(trainer: Any) -> list[Any]:
-    """The training epoch's logged results: the prog_bar values Lightning reads with ``.item()`` every batch end
-    (no upstream issue found)."""
+    """The epoch's logged results: prog_bar values Lightning ``.item()``s every batch end (no upstream issue found)."""
     return list(trainer.fit_loop.epoch_loop._results.values())
 
 
 # ---- the trainer's connectors ---------------------------------------------------------------------------------
 
 def record_logged_metrics(trainer: Any, metrics: dict[str, float]) -> None:
-    """Add to ``trainer.logged_metrics`` without ``_LoggerConnector.log_metrics``'s ``logger.save()`` per call
-    (no upstream issue found)."""
+    """Add to ``trainer.logged_metrics`` without a ``logger.save()`` per call (no upstream issue found)."""
     trainer._logger_connector._logged_metrics.update(metrics)
 
 
@@ -200,8 +192,7 @@ def ddp_kwargs(strategy: Any) -> dict[str, Any] | None:
 
 
 def rewrap_module(strategy: Any, module: Any) -> None:
-    """Wrap ``module`` in DDP again with the strategy's arguments, LayerSync and comm hook: Lightning wraps once,
-    and a parameter unfrozen later is never all-reduced (no upstream issue found)."""
+    """Re-wrap ``module`` in DDP as the strategy did: a parameter unfrozen later is all-reduced (no issue found)."""
     sync = getattr(strategy, "_layer_sync", None)
     if sync is not None:
         module = sync.apply(module)  # in place: the LightningModule and its parameter objects are kept
