@@ -1,27 +1,14 @@
 """A checkpoint folder belongs to one run: a new run never touches another run's checkpoints, and continuing
 (``--resume auto``, ``trainer.fit(..., ckpt_path="last")``) takes only the folder's own run's.
 
-A run has an id, made when it starts fresh and kept by every continuation (a resume, a preemption, a requeue),
-recorded in the folder (``run.json``: ``{"format", "run_id", "started", "holder"}``, written by rank 0 each time
-the run starts training there, :func:`claim`) and in every checkpoint it writes (``checkpoint["ddp_recipes_run"]``,
-on a bucket in its manifest too).
-
-The rule (the README's sentence): a folder whose runs left no checkpoint is free for any command; a folder
-holding a run's checkpoints continues only with ``--resume auto`` (or its own run's ``--resume PATH``); a
-folder a live run holds is refused. Decided on rank 0 in the ranks
-(:mod:`~ddp_recipes.checkpointing.run_folder.resume`), checked by a recipe before it launches:
-
-* a new run into a folder holding checkpoints is refused naming the run and the ways on (:func:`refuse_new_run`);
-  one holding none is taken over, the earlier record kept as ``run-<id>.json`` (its attempt records and logs
-  stay where they are);
-* continuing takes the newest checkpoint of the folder's run (:func:`newest_of_run`; the owner: the record's
-  id, else the one id its checkpoints carry; other runs' checkpoints skipped with a warning; several ids and no
-  record: refused); a checkpoint given by path continues its own run, and is refused in another run's folder;
-* while the process the record names runs its fit there, every other launch is refused (:func:`refuse_live`;
-  the fit's end releases the record); two launches at once are told apart by the record's exclusive create.
-
-Checkpoints without a run id (plain Lightning's) in a folder without a record continue from the newest; once
-a folder has a record its id-less checkpoints are skipped.
+A run's id is made when it starts fresh and kept by every continuation; it is recorded in the folder
+(``run.json``: ``{"format", "run_id", "started", "holder"}``, by rank 0 at each start, :func:`claim`) and in every
+checkpoint (``checkpoint["ddp_recipes_run"]``, a bucket's manifest too). The rule is the README's sentence
+(docs/resume-and-preemption.md spells it out): a new run into a folder holding checkpoints is refused
+(:func:`refuse_new_run`), one holding none is taken over (the old record kept as ``run-<id>.json``); continuing
+takes the newest checkpoint of the folder's run (:func:`newest_of_run`); a folder a live run holds is refused
+(:func:`refuse_live`; two launches at once are told apart by the record's exclusive create). Id-less checkpoints
+(plain Lightning's) continue from the newest until the folder has a record.
 """
 
 from __future__ import annotations
