@@ -50,7 +50,7 @@ bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writ
 	$(BIN)/python -m ddp_recipes.bench $(BENCH_ARGS)
 
 lint:  ## ruff check
-	$(BIN)/ruff check ddp_recipes recipes tests examples
+	$(BIN)/ruff check ddp_recipes recipes benchmarks tests examples
 
 clean:  ## remove build and run outputs (keeps .venv and .venv-gpu-stack)
 	rm -rf build *.egg-info bench-results runs .pytest_cache

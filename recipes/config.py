@@ -99,7 +99,8 @@ class ResNetConfig(RunConfig):
     min_crop_scale: float = opt(0.08, "smallest RandomResizedCrop area of --data imagefolder")
     decode: Decode = opt("cpu", "where --data imagefolder's (and stream's) images are decoded and augmented: cpu "
                                 "(PIL in the loader workers) or gpu (workers read the bytes and draw the crops; "
-                                "decode_jpeg decodes on the training device, nvJPEG on CUDA, and the crops, flips and "
+                                "decode_jpeg (TorchCodec's, else torchvision's) decodes on the training device, "
+                                "nvJPEG on CUDA, and the crops, flips and "
                                 "policy are applied there)")
     output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go (a folder, or s3://bucket/prefix), "
                                        "owned by one run (default: runs/resnet/version_N, a new N for each run)")

@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None 
     from ddp_recipes.data.base import check_before_launch, known_train_size, pack_built
     from ddp_recipes.modules.mnist import ARCHS, MNISTClassifier
     from ddp_recipes.train.checkpoints import checkpoint_callbacks
-    from ddp_recipes.train.run import has_loader, run_fit_test
-    from ddp_recipes.train.start import open_run, refused_in_one_line
+    from ddp_recipes.train.run import has_loader, open_run, refused_in_one_line, run_fit_test
     from ddp_recipes.train.surface import without_validation
     from ddp_recipes.train.userclass import model_kwargs
 

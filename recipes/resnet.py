@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from ddp_recipes.modules.resnet import ResNetClassifier
     from ddp_recipes.optim.ema import ModelEMA
-    from ddp_recipes.train.start import RunStart
+    from ddp_recipes.train.run import RunStart
 
 PROG = "python -m recipes.resnet"
 # The module's arguments the recipe always passes (besides num_classes and lr), and those it passes when set.
@@ -234,8 +234,7 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
     """
     cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
     from ddp_recipes.modules.resnet import ResNetClassifier
-    from ddp_recipes.train.run import run_test_only
-    from ddp_recipes.train.start import open_run, refused_in_one_line
+    from ddp_recipes.train.run import open_run, refused_in_one_line, run_test_only
 
     with refused_in_one_line(PROG, cfg.data_dir):
         run = open_run(cfg, ResNetClassifier, model_cls, datamodule_cls, callbacks, logger, trainer_kwargs,

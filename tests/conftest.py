@@ -40,6 +40,22 @@ def restore_tf32():
     torch.backends.cudnn.allow_tf32 = saved[1]
 
 
+@pytest.fixture(params=["torchcodec", "torchvision"])
+def image_library(request, monkeypatch) -> str:
+    """Each image decoder library in turn as the pack's choice (ddp_recipes.data.decoders), in this process and in
+    the processes it starts (the environment variable); torchcodec skips where it is missing (the lent stack)."""
+    import importlib.util
+
+    from ddp_recipes.data.decoders import ENV, image_decoders
+
+    if request.param == "torchcodec" and importlib.util.find_spec("torchcodec") is None:
+        pytest.skip("torchcodec is the decode extra: pip install -e '.[decode]'")
+    monkeypatch.setenv(ENV, request.param)  # "torchcodec": the default choice where it imports
+    image_decoders.cache_clear()
+    yield request.param
+    image_decoders.cache_clear()
+
+
 # The cloud tests' S3 server (moto on 127.0.0.1), shared by the session: see tests/s3server.py.
 from tests.resume_scenario import images, straight  # noqa: E402, F401 - the resume scenario's fixtures
 from tests.s3server import s3  # noqa: E402, F401

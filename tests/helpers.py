@@ -267,3 +267,11 @@ def run_recipe_with(callback: Any, argv: list[str]) -> None:
 
     runner.make_trainer = with_callback
     recipe.main(argv[1:])
+
+
+def newest_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint ``--resume auto`` takes in a recipe's output folder (None: none yet)."""
+    from ddp_recipes.checkpointing.run_folder.ownership import newest_of_run, output_survey
+
+    found = newest_of_run(output_survey(output_dir))
+    return found.path if found is not None else None

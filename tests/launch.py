@@ -25,6 +25,9 @@ from typing import IO, Any
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+# On every child's PYTHONPATH: its sitecustomize makes a deprecation raised by the pack's own code an error there,
+# as pyproject.toml's filterwarnings does in the pytest process (a child's warnings never reach pytest).
+CHILD_SITE = ROOT / "tests" / "childsite"
 TAIL = 3000  # characters of output a failure message shows
 
 
@@ -35,9 +38,11 @@ def launch_env(*, port: int | bool = True, threads: int | None = 1, quiet: bool 
     what the test's own environment has); ``threads`` sets OMP_NUM_THREADS (None: left alone), the cores are
     shared; ``quiet`` sets PYTHONWARNINGS=ignore, ``quiet=False`` removes it (for tests that look for
     warnings), ``None`` leaves it; ``pythonpath`` puts the repository root first on PYTHONPATH, so the checkout
-    under test wins (False: removed, only what a user has); ``drop``/``drop_prefixes`` remove inherited
-    variables (launcher variables, injected faults); ``extra`` is set last. ``PL_GLOBAL_SEED`` never passes: a
-    child is a fresh script, and ``lightning.seed_everything`` in an earlier test of this process set it here."""
+    under test wins (False: removed, only what a user has); either way :data:`CHILD_SITE` goes on it, so a
+    deprecation raised by the pack's own code fails the child as it fails the suite; ``drop``/``drop_prefixes``
+    remove inherited variables (launcher variables, injected faults); ``extra`` is set last. ``PL_GLOBAL_SEED``
+    never passes: a child is a fresh script, and ``lightning.seed_everything`` in an earlier test of this process
+    set it here."""
     dropped = {*drop, "PL_GLOBAL_SEED"}
     env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith(drop_prefixes or ("\0",))}
     if port is not False:
@@ -49,10 +54,10 @@ def launch_env(*, port: int | bool = True, threads: int | None = 1, quiet: bool 
     elif quiet is False:
         env.pop("PYTHONWARNINGS", None)
     if pythonpath:
-        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *rest])
+        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(ROOT), str(CHILD_SITE))]
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(CHILD_SITE), *rest])
     else:
-        env.pop("PYTHONPATH", None)
+        env["PYTHONPATH"] = str(CHILD_SITE)  # not the checkout: only what a user has, and the warning filters
     env.update(extra or {})
     return env
 

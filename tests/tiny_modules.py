@@ -17,8 +17,9 @@ from typing import Literal
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from ddp_recipes.data.base import SplitDataModule
 from ddp_recipes.modules.classifier import ImageClassifier
 
 FEATURES, CLASSES = 8, 3  # TinyClassifier's input width and classes, and its data's
@@ -100,3 +101,13 @@ def classifier_data(n: int, seed: int = 0) -> TensorDataset:
 
 def classifier_loader(n: int, batch: int, seed: int = 0) -> DataLoader:
     return DataLoader(classifier_data(n, seed), batch_size=batch, shuffle=False)
+
+
+class TensorDataModule(SplitDataModule):
+    """The pack's data path (resumable loader, exact evaluation) over given in-memory datasets: a run's own
+    loop with no files to read, for measuring and testing the loop itself (validation doubles as test)."""
+
+    def __init__(self, train: Dataset, val: Dataset, batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.train_set, self.val_set, self.test_set = train, val, val
+        self.batch_size, self.seed, self.num_workers, self.pin_memory = batch_size, seed, 0, False

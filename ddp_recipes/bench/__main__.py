@@ -5,12 +5,11 @@
     python -m ddp_recipes.bench predict --step-ms 97 --params 25.6e6 --devices 8 --link nvlink2
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8
     python -m ddp_recipes.bench peak --device-name "NVIDIA H200" --precision bf16-mixed   # MFU's denominator
-    python -m ddp_recipes.bench overhead --data-dir data --val-size 5000   # the pack vs plain Lightning, 1 process
-    python -m ddp_recipes.bench account --doc docs/benchmark.md   # where the step time goes: raw, plain, each part
 
 Without a command it measures the speedup (``ddp_recipes.bench.speedup.run``): every measured run is a fresh
 set of processes (``ddp_recipes.bench.harness.worker``). Output in ``--out``: results.json, report.md (also
-printed), speedup.png, and a final one-line summary. ``COMMAND --help`` shows a command's flags.
+printed), speedup.png, and a final one-line summary. ``COMMAND --help`` shows a command's flags. The benchmarks
+of the pack itself (``account``, ``overhead``, ``stops``, ``memory``) run from a clone: ``python -m benchmarks``.
 """
 
 from __future__ import annotations
@@ -18,12 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddp_recipes.bench import commodel, loader, stops
-from ddp_recipes.bench.account import overhead
-from ddp_recipes.bench.account import run as account
-from ddp_recipes.bench.cli import OneLineParser, config_parser
+from ddp_recipes.bench import commodel, loader
+from ddp_recipes.bench.cli import config_parser
 from ddp_recipes.bench.speedup import run as speedup
-from ddp_recipes.config.cli import fail
+from ddp_recipes.config.cli import FlagParser, fail
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.train.peaks import PEAK_PRECISIONS, format_table, peak
 
@@ -71,7 +68,7 @@ def _visible_gpu() -> str:
     return torch.cuda.get_device_name(0)
 
 
-def build_cli() -> tuple[OneLineParser, dict[str, argparse.ArgumentParser]]:
+def build_cli() -> tuple[FlagParser, dict[str, argparse.ArgumentParser]]:
     """The bench's parser (the speedup bench's flags at the top, one subparser per command) and the subparsers
     by command name."""
     parser = config_parser(speedup.BenchConfig, PROG, __doc__)
@@ -84,12 +81,6 @@ def build_cli() -> tuple[OneLineParser, dict[str, argparse.ArgumentParser]]:
         ("peak", "the peak FLOP/s a run's MFU is measured against", PEAK_DOC, peak_arguments, run_peak),
         ("loader", "images/s the CPUs decode per DataLoader worker count and decode path", loader.__doc__,
          loader.add_arguments, loader.run_command),
-        ("overhead", "what the pack adds to a training step, against plain Lightning (one process)",
-         overhead.__doc__, overhead.add_arguments, overhead.run_command),
-        ("account", "where the pack's step time goes, against plain Lightning and the raw loop", account.__doc__,
-         account.add_arguments, account.run_command),
-        ("stops", "what a SIGTERM, a SIGKILL and a lost rank cost: seconds to exit, to the resumed first step, "
-         "steps redone", stops.__doc__, stops.add_arguments, stops.run_command),
     ):
         sub = commands.add_parser(name, help=help_text, description=description, formatter_class=raw)
         add_arguments(sub)
@@ -106,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         command_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command and argv[0] != args.command:
         parser.error(f"the bench's own flags go without a command: put {args.command} first, then its flags")
-    args.command_argv = argv[1:] if args.command else argv  # as typed: bench account records them
+    args.command_argv = argv[1:] if args.command else argv  # as typed: bench loader's table quotes them
     return args.run(args)
 
 

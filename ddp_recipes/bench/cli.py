@@ -1,32 +1,26 @@
-"""The bench's one parser class: every bench command line reports bad input as one line naming the flag.
-
-``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``), the checkout's ``tests.gpucheck``,
-``bench.memory`` and ``bench.jpeg_folder`` all parse with :class:`OneLineParser`; a subparser of it is one too.
-:func:`measuring_args` is the command line a generated table quotes (``bench account``, ``bench loader``).
+"""The bench's command lines: ``python -m ddp_recipes.bench`` and its subcommands (``ddp_recipes.bench.__main__``),
+the checkout's ``tests.gpucheck`` and ``benchmarks``, and ``bench.jpeg_folder`` all parse with the pack's one parser
+class, :class:`~ddp_recipes.config.cli.FlagParser` (bad input: one line naming the flag, exit 2).
+:func:`measuring_args` is the command line a generated table quotes and :func:`rewrite_doc` puts the table in a doc
+(``bench loader``, the checkout's ``benchmarks account`` and ``stops``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, NoReturn, TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
-from ddp_recipes.config.cli import HelpFormatter, build_parser, fail
+from ddp_recipes.config.cli import FlagParser, HelpFormatter, build_parser
 
 C = TypeVar("C")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line, ``prog: error: ...`` naming the flag, and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(message, self.prog)
-
-
-def config_parser(cls: type, prog: str, description: str | None) -> OneLineParser:
-    """A :class:`OneLineParser` with one flag per field of the config dataclass ``cls`` (the recipes' flags,
-    from :func:`~ddp_recipes.config.cli.build_parser`), defaults shown in ``--help``."""
-    return OneLineParser(prog=prog, description=description, parents=[build_parser(cls)], add_help=False,
+def config_parser(cls: type, prog: str, description: str | None) -> FlagParser:
+    """A :class:`~ddp_recipes.config.cli.FlagParser` with one flag per field of the config dataclass ``cls`` (the
+    recipes' flags, from :func:`~ddp_recipes.config.cli.build_parser`), defaults shown in ``--help``."""
+    return FlagParser(prog=prog, description=description, parents=[build_parser(cls)], add_help=False,
                          formatter_class=HelpFormatter)
 
 
@@ -50,3 +44,14 @@ def measuring_args(argv: list[str]) -> list[str]:
         elif not arg.startswith(("--out=", "--doc=")):
             kept.append(arg)
     return kept
+
+
+def rewrite_doc(path: Path, text: str, begin: str, end: str) -> None:
+    """Replace what is between the ``begin`` and ``end`` markers in ``path`` with ``text`` (markers kept)."""
+    doc = path.read_text()
+    if begin not in doc or end not in doc or doc.index(begin) > doc.index(end):
+        raise SystemExit(f"{path} has no {begin} ... {end} block to rewrite; add the two markers where the "
+                         "table goes")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")

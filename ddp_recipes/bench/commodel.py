@@ -290,19 +290,6 @@ def _table_row(source: str, precision: str, gpu: str, params: int, batch: int, o
             "predicted_step_ms_n": pred["step_ms_n"], "gap_ms": published_step - pred["step_ms_n"]}
 
 
-def format_scaling_table(rows: list[dict[str, Any]] | None = None) -> str:
-    """:func:`published_scaling_table` as docs/benchmark.md's markdown table."""
-    lines = ["| published point | GPUs | link | 1-GPU step ms | published | model | model - published | "
-             "all-reduce ms | step gap ms |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows if rows is not None else published_scaling_table():
-        name = "PyTorch DDP benchmark" if r["source"].startswith("pytorch") else "NVIDIA DeepLearningExamples"
-        lines.append(f"| {name}, ResNet-50 {r['precision']}, {r['gpu']} | {r['devices']} | {r['link']} | "
-                     f"{r['step_ms_1']:.1f} | {100 * r['published_efficiency']:.1f}% | "
-                     f"{100 * r['predicted_efficiency']:.1f}% | {r['error_points']:+.1f} pp | {r['comm_ms']:.1f} | "
-                     f"{r['gap_ms']:.1f} |")
-    return "\n".join(lines)
-
-
 def validate_against_pytorch_benchmark(tolerance_points: float = 5.0) -> dict[str, Any]:
     """Predicted vs published ResNet-50 efficiency on 8 V100s (NVLink2); ``ok`` when within tolerance."""
     bench = PYTORCH_DDP_BENCHMARK

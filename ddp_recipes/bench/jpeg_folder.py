@@ -16,8 +16,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from ddp_recipes.bench.cli import OneLineParser
-from ddp_recipes.config.cli import fail
+from ddp_recipes.config.cli import FlagParser, fail
 
 PROG = "python -m ddp_recipes.bench.jpeg_folder"
 
@@ -66,7 +65,7 @@ def write_image_folder(root: str | os.PathLike, train: int, val: int, classes: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FlagParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
     p.add_argument("--train", type=int, default=2048)
     p.add_argument("--val", type=int, default=256)

@@ -3,6 +3,7 @@
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8 --image-size 224
     python -m ddp_recipes.bench loader --synthetic 1024 --workers 0,1,2 --decode pil,gpu
     python -m ddp_recipes.bench loader --data-dir DIR --decode pil,tensor --target-images-per-s 3000
+    python -m ddp_recipes.bench loader --data-dir DIR --decode tensor,gpu --decoders torchcodec,torchvision
     python -m ddp_recipes.bench loader --data-dir SRC/train --stream s3://bucket/SRC --doc docs/benchmark.md
 
 Measures images/s of the recipe's ImageFolder training pipeline (decode, RandomResizedCrop, flip, to float,
@@ -10,14 +11,17 @@ normalize; batches collated) on real image files, or on ``--synthetic N`` real-s
 itself (about 500 x 375, :mod:`ddp_recipes.bench.jpeg_folder`), per DataLoader worker count and per decode path:
 
 * ``pil``: PIL decodes (the recipe's ``--decode cpu``, torchvision's default loader);
-* ``tensor``: ``torchvision.io.decode_image`` on the file's bytes, the same transforms on uint8 tensors;
+* ``tensor``: ``decode_image`` on the file, the same transforms on uint8 tensors;
 * ``gpu``: the recipe's ``--decode gpu`` (:mod:`ddp_recipes.data.encoded`, :mod:`ddp_recipes.data.device_decode`):
   workers read bytes and draw the crops, the main process decodes the batch with ``decode_jpeg`` on
   ``--device`` and applies the crops there. On CUDA that is nvJPEG (each batch waited for, so the rate is
-  the decode's own); without CUDA (``--device cpu``) it is torchvision's CPU ``decode_jpeg`` in the main
+  the decode's own); without CUDA (``--device cpu``) it is the CPU ``decode_jpeg`` (libjpeg-turbo) in the main
   process: the rows say ``gpu (on cpu)`` and measure that path on the CPU, not a GPU. A file ``decode_jpeg``
   refuses (ImageNet holds PNG and CMYK files named .JPEG) is decoded on the CPU instead; the row counts
   these ``cpu_fallbacks``. ``--gpu-decode`` adds the ``gpu`` path on CUDA (and needs CUDA).
+
+The ``tensor`` and ``gpu`` rows are measured once per ``--decoders`` library (TorchCodec's decoders, torchvision.io's:
+:mod:`ddp_recipes.data.decoders`; default: both where torchcodec is installed), interleaved as every other cell.
 
 ``--stream DEST`` adds the same images as a stream (what ``python -m ddp_recipes.data.convert SRC DEST`` wrote
 from ``--data-dir``'s ``SRC/train``): rows of the recipe's ``--data stream`` training set
@@ -51,6 +55,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_recipes.bench.cli import measuring_args
 from ddp_recipes.config.cli import fail
+from ddp_recipes.data.decoders import LIBRARIES, image_decoders
 from ddp_recipes.data.device_decode import DeviceDecoder
 from ddp_recipes.errors import ConfigError
 
@@ -61,19 +66,17 @@ BEGIN, END = "<!-- bench-loader:begin -->", "<!-- bench-loader:end -->"
 
 
 class _TensorFolder(Dataset):
-    """An ImageFolder's samples decoded by ``torchvision.io.decode_image`` (RGB), then ``transform``."""
+    """An ImageFolder's samples decoded by ``library``'s ``decode_image`` (RGB), then ``transform``."""
 
-    def __init__(self, samples: list[tuple[str, int]], transform: Any) -> None:
-        self.samples, self.transform = samples, transform
+    def __init__(self, samples: list[tuple[str, int]], transform: Any, library: str) -> None:
+        self.samples, self.transform, self.library = samples, transform, library
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
-        from torchvision.io import ImageReadMode, decode_image, read_file
-
         path, label = self.samples[index]
-        return self.transform(decode_image(read_file(path), mode=ImageReadMode.RGB)), label
+        return self.transform(image_decoders(self.library).decode_image(path, mode="RGB")), label
 
 
 def train_transform(image_size: int):
@@ -83,8 +86,8 @@ def train_transform(image_size: int):
     return imagenet_train_transform(image_size)
 
 
-def folder_dataset(root: Path, decode: str, image_size: int) -> Dataset:
-    """The ImageFolder's training samples as the ``decode`` path reads them."""
+def folder_dataset(root: Path, decode: str, image_size: int, library: str | None = None) -> Dataset:
+    """The ImageFolder's training samples as the ``decode`` path reads them (``tensor``: with ``library``)."""
     from torchvision import datasets
 
     from ddp_recipes.data.encoded import EncodedImageFolder, TrainPipeline
@@ -94,7 +97,7 @@ def folder_dataset(root: Path, decode: str, image_size: int) -> Dataset:
         return folder
     if decode == "gpu":  # the recipe's --decode gpu: bytes and draws here, the decode on the device
         return EncodedImageFolder(folder.samples, TrainPipeline(image_size))
-    return _TensorFolder(folder.samples, train_transform(image_size))
+    return _TensorFolder(folder.samples, train_transform(image_size), library or image_decoders().name)
 
 
 def stream_dataset(stream: str, decode: str, image_size: int, cache: str | None) -> Dataset:
@@ -121,11 +124,12 @@ PREFETCH = 2  # batches in flight per worker (torch's default), skipped untimed 
 class GpuDecoder:
     """The ``gpu`` path's main-process side: an :class:`~ddp_recipes.data.encoded.EncodedBatch` to ``device``,
     decoded and augmented there (:class:`~ddp_recipes.data.device_decode.DeviceDecoder`); on CUDA each batch is
-    waited for, so that the rate is the decode's own, not the launch's. ``fallbacks``: files decoded on the CPU."""
+    waited for, so that the rate is the decode's own, not the launch's. ``fallbacks``: files decoded on the CPU.
+    ``library``: whose ``decode_jpeg`` (:mod:`ddp_recipes.data.decoders`; default: the recipe's)."""
 
-    def __init__(self, device: str | torch.device) -> None:
+    def __init__(self, device: str | torch.device, library: str | None = None) -> None:
         self.device = torch.device(device)
-        self.decoder = DeviceDecoder()
+        self.decoder = DeviceDecoder(jpeg_decoder=image_decoders(library).decode_jpeg)
 
     @property
     def fallbacks(self) -> int:
@@ -192,45 +196,49 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     decoders = list(dict.fromkeys([d for d in args.decode.split(",") if d] + (["gpu"] if args.gpu_decode else [])))
     device = gpu_device(args)
     # The recipe reads a stream's bytes with PIL (--decode cpu) or decode_jpeg (--decode gpu): no tensor path.
-    cells = [(s, d, w) for s in ["folder"] + (["stream"] if args.stream else []) for d in decoders
-             for w in args.workers if s == "folder" or d != "tensor"]
+    # The decoder library is a cell's dimension where it decodes (pil: Pillow, no library).
+    cells = [(s, d, lib, w) for s in ["folder"] + (["stream"] if args.stream else []) for d in decoders
+             for lib in (args.decoders if d != "pil" else [None]) for w in args.workers
+             if s == "folder" or d != "tensor"]
     remote = bool(args.stream) and isinstance(absolute(args.stream), Url)
     passes = {"folder": [None], "stream": ["cold", "warm"] if remote else [None]}
-    measured: dict[tuple, list[tuple]] = {(s, c, d, w): [] for s, d, w in cells for c in passes[s]}
+    measured: dict[tuple, list[tuple]] = {(s, c, d, lib, w): [] for s, d, lib, w in cells for c in passes[s]}
     # One decoder per row: each counts the files of its own row that fell back to the CPU.
-    gpu_decoders = {key: GpuDecoder(device) for key in measured if key[2] == "gpu"}
+    gpu_decoders = {key: GpuDecoder(device, key[3]) for key in measured if key[2] == "gpu"}
     load_start = round(os.getloadavg()[0], 2)
     for round_no in range(args.repeats):
-        for source, decode, workers in (cells if round_no % 2 == 0 else cells[::-1]):
-            print(f"round {round_no + 1}: {source:<6} {decode:<6} {workers} worker(s) ...", file=sys.stderr, flush=True)
+        for source, decode, library, workers in (cells if round_no % 2 == 0 else cells[::-1]):
+            print(f"round {round_no + 1}: {source:<6} {decode:<6} {library or '':<11} {workers} worker(s) ...",
+                  file=sys.stderr, flush=True)
             # Cold: an empty cache each round, what a new node or a job restarted after preemption meets. Warm:
             # a second loader with the same seed reads the same samples from what the cold pass downloaded.
             with (tempfile.TemporaryDirectory(prefix="bench-stream-", dir=cache_dir()) if remote and source == "stream"
                   else contextlib.nullcontext()) as cache:
                 for cache_pass in passes[source]:
-                    dataset = (folder_dataset(root, decode, args.image_size) if source == "folder" else
+                    dataset = (folder_dataset(root, decode, args.image_size, library) if source == "folder" else
                                stream_dataset(args.stream, decode, args.image_size, cache))
                     loader = build_loader(dataset, workers, args.batch_size,
                                           pin_memory=decode == "gpu" and device.type == "cuda")
-                    key, before = (source, cache_pass, decode, workers), cached_chunks(cache)
+                    key, before = (source, cache_pass, decode, library, workers), cached_chunks(cache)
                     # The cold pass drains its workers, so the warm one, sent no sample beyond those, fetches none.
                     timed = measure(loader, args.batches, gpu_decoders.get(key), drain=cache_pass == "cold")
                     measured[key].append((*timed, *(a - b for a, b in zip(cached_chunks(cache), before, strict=True))))
     rows = []
-    for (source, cache_pass, decode, workers), results in measured.items():
+    for (source, cache_pass, decode, library, workers), results in measured.items():
         rates = [rate for rate, *_ in results]
         median = statistics.median(rates)
-        row = {"source": source, "cache": cache_pass, "decode": decode, "workers": workers,
+        row = {"source": source, "cache": cache_pass, "decode": decode, "decoder": library, "workers": workers,
                "images_per_s": round(median, 1), "range": [round(min(rates), 1), round(max(rates), 1)],
                "repeats": len(rates), "images_timed": [r[2] for r in results],
+               "images_per_s_rounds": [round(rate, 1) for rate in rates],  # paired across cells by round
                "images_per_s_per_worker": round(median / max(1, workers), 1),
                "first_batch_s": round(statistics.median(r[1] for r in results), 3)}
         if cache_pass:
             row.update(chunks_fetched=[r[3] for r in results], fetched_bytes=[r[4] for r in results])
-        if (source, cache_pass, decode, workers) in gpu_decoders:
+        if (source, cache_pass, decode, library, workers) in gpu_decoders:
             # The decode runs in the main process: a worker only reads bytes and draws, so no per-worker rate.
             row.update(device=str(device), images_per_s_per_worker=None,  # fallbacks: over the row's rounds
-                       cpu_fallbacks=gpu_decoders[(source, cache_pass, decode, workers)].fallbacks)
+                       cpu_fallbacks=gpu_decoders[(source, cache_pass, decode, library, workers)].fallbacks)
         if args.target_images_per_s and decode != "gpu":
             per_worker = median / max(1, workers) if workers else median
             row["workers_for_target"] = math.ceil(args.target_images_per_s / per_worker) if per_worker else None
@@ -238,7 +246,8 @@ def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return {"command": " ".join([PROG, *measuring_args(getattr(args, "command_argv", []))]),
             "started": time.strftime("%Y-%m-%d"), "load_average": [load_start, round(os.getloadavg()[0], 2)],
             "data_dir": os.fspath(root) if args.data_dir else None, "synthetic": args.synthetic or None,
-            "stream": args.stream, "images": len(folder_dataset(root, "pil", args.image_size)),
+            "stream": args.stream, "decoders": args.decoders,
+            "images": len(folder_dataset(root, "pil", args.image_size)),
             "batch_size": args.batch_size, "image_size": args.image_size, "batches": args.batches,
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "target_images_per_s": args.target_images_per_s, "rows": rows}
@@ -261,22 +270,24 @@ def format_rows(result: dict[str, Any]) -> str:
         lines += ["Cold cache: each round starts from an empty download cache, as a new node or a job restarted after "
                   "preemption does; warm: right after, a loader with the same seed reads the same samples again from "
                   "the chunks the cold pass downloaded. Chunks fetched (MB): the median per round.", ""]
-    lines += ["| source | decode | workers | images/s (median) | range | per worker | first batch s |"
+    lines += ["| source | decode | decoder | workers | images/s (median) | range | per worker | first batch s |"
               + (" chunks fetched (MB) |" if remote else "") + (" workers for target |" if target else ""),
-              "| --- | --- | ---: | ---: | --- | ---: | ---: |" + (" ---: |" if remote else "")
+              "| --- | --- | --- | ---: | ---: | --- | ---: | ---: |" + (" ---: |" if remote else "")
               + (" ---: |" if target else "")]
     for r in result["rows"]:
         per_worker = r["images_per_s_per_worker"] if r["images_per_s_per_worker"] is not None else "-"
         fetch = (f" {statistics.median(r['chunks_fetched']):g} ({statistics.median(r['fetched_bytes']) / 1e6:.1f}) |"
                  if r.get("cache") else " - |") if remote else ""
-        lines.append(f"| {source_label(r)} | {decode_label(r['decode'], r.get('device'))} | {r['workers']} | "
+        lines.append(f"| {source_label(r)} | {decode_label(r['decode'], r.get('device'))} | {r.get('decoder') or '-'} "
+                     f"| {r['workers']} | "
                      f"{r['images_per_s']} | {r['range'][0]}-{r['range'][1]} | {per_worker} | {r['first_batch_s']} |"
                      + fetch + (f" {r.get('workers_for_target', '-')} |" if target else ""))
     gpu = [r for r in result["rows"] if r["decode"] == "gpu"]
     if gpu and gpu[0].get("device") == "cpu":
-        lines += ["", "gpu (on cpu): the recipe's --decode gpu path with torchvision's CPU decode_jpeg in the main "
+        lines += ["", "gpu (on cpu): the recipe's --decode gpu path with the CPU decode_jpeg in the main "
                       "process (no CUDA here): it measures that path on this CPU, not nvJPEG on a GPU"]
-    fallbacks = {f"{source_label(r)}, {r['workers']}": r["cpu_fallbacks"] for r in gpu if r.get("cpu_fallbacks")}
+    fallbacks = {f"{source_label(r)}, {r['decoder']}, {r['workers']}": r["cpu_fallbacks"] for r in gpu
+                 if r.get("cpu_fallbacks")}
     if fallbacks:
         lines += ["", "gpu: files decode_jpeg refused were decoded on the CPU instead (counted over the cell's "
                       "rounds): " + ", ".join(f"{w} worker(s): {n}" for w, n in fallbacks.items())]
@@ -293,6 +304,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the gpu path decodes (auto: CUDA when there is one, else the CPU, labelled so)")
     p.add_argument("--gpu-decode", action="store_true", help="also the gpu path, on CUDA (needs CUDA)")
+    p.add_argument("--decoders", default="auto",
+                   help="comma list of the libraries the tensor and gpu paths decode with: torchcodec, torchvision "
+                        "(auto: both where torchcodec is installed, else torchvision)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--image-size", type=int, default=224, help="RandomResizedCrop output side")
     p.add_argument("--batches", type=int, default=20, help="timed batches per cell (after one untimed)")
@@ -319,6 +333,7 @@ def validate(args: argparse.Namespace) -> None:
         fail(f"--decode takes {', '.join(DECODERS)} (got {', '.join(bad)})", PROG)
     if not chosen and not args.gpu_decode:
         fail(f"--decode names no decode path; give one or more of {', '.join(DECODERS)} (or --gpu-decode)", PROG)
+    args.decoders = _libraries(args.decoders)
     cuda_asked = args.gpu_decode or args.device == "cuda"
     if cuda_asked and not torch.cuda.is_available():
         flag = "--gpu-decode" if args.gpu_decode else "--device cuda"
@@ -374,6 +389,24 @@ def validate(args: argparse.Namespace) -> None:
                  "--data-dir SRC/train)", PROG)
 
 
+def _libraries(given: str) -> list[str]:
+    """``--decoders`` as a list of :data:`~ddp_recipes.data.decoders.LIBRARIES` that import here."""
+    if given == "auto":
+        given = ",".join(LIBRARIES) if image_decoders().name == "torchcodec" else "torchvision"
+    chosen = list(dict.fromkeys(d for d in given.split(",") if d))
+    bad = [d for d in chosen if d not in LIBRARIES]
+    if bad or not chosen:
+        fail(f"--decoders takes auto or {', '.join(LIBRARIES)} (got {given!r})", PROG)
+    if "torchcodec" in chosen:
+        try:
+            image_decoders("torchcodec")
+        except ImportError as error:
+            from ddp_recipes.extras import install_hint
+
+            fail(f"--decoders torchcodec: {error}; {install_hint('decode', 'torchcodec')}, or drop it", PROG)
+    return chosen
+
+
 def run_command(args: argparse.Namespace) -> int:
     """``bench loader``: measure every (decode path, workers) cell, write the JSON, print the table."""
     validate(args)
@@ -391,7 +424,7 @@ def run_command(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(format_rows(result))
     if args.doc:
-        from ddp_recipes.bench.account.report import rewrite_doc
+        from ddp_recipes.bench.cli import rewrite_doc
 
         rewrite_doc(Path(args.doc), format_rows(result), BEGIN, END)
     print(f"wrote {out}" + (f" and the table in {args.doc}" if args.doc else ""))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import zipfile
 from typing import Any
 
 import lightning as L
@@ -136,8 +137,16 @@ def unreadable_because(local: Any, err: BaseException) -> str:
     return f"is a cut or damaged checkpoint ({reason})"
 
 
+def load_header(local: Any) -> Any:
+    """A local checkpoint file as plain data, mapped (a zip archive: its tensors are read only when used)."""
+    with plain_data():
+        return torch.load(local, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(local))
+
+
 def read_checkpoint(path: str) -> dict[str, Any]:
-    """Load a checkpoint on CPU as plain data, turning any failure into one line naming ``--resume``.
+    """A checkpoint's header on CPU as plain data (a zip file mapped: its structure read, its tensors not,
+    until used), turning any failure into one line naming ``--resume``. Loading the weights is Lightning's
+    restore's, once per rank.
 
     ``weights_only=True``: a ``.ckpt`` is a pickle, and a full unpickle runs whatever code the file names,
     on every rank. The pack's checkpoints hold only tensors, numbers, strings, lists and dicts; a user's
@@ -147,8 +156,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     local: Any = path
     try:
         local = files.fetch(path)  # the file itself, or a bucket's object downloaded and checked
-        with plain_data():
-            checkpoint = torch.load(local, map_location="cpu", weights_only=True)
+        checkpoint = load_header(local)
     except pickle.UnpicklingError as err:
         if not _starts_as_checkpoint(local):  # torch reads any other file as a legacy pickle and fails so
             raise CheckpointError(f"{{resume}} {lit(path)} {unreadable_because(local, err)}; "

@@ -35,7 +35,8 @@ from ddp_recipes.checkpointing.position import open_next_epoch, reopen_cut_epoch
 from ddp_recipes.data.litdata_lib import end_litdata_epoch
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.data.seeding import seed_rank
-from ddp_recipes.optim.schedules import steps_per_epoch
+from ddp_recipes.lightning_seam import reach
+from ddp_recipes.optim.schedules import schedule_length, steps_per_epoch
 
 PREBUILT = "_ddp_recipes_built_before"  # the mark build_trainer(seed=...) leaves on a model built before it
 
@@ -107,7 +108,7 @@ def completed_epochs(trainer: L.Trainer) -> int:
     fit_loop = trainer.fit_loop
     progress = fit_loop.epoch_progress.current
     if progress.processed > progress.completed:
-        return progress.processed - int(not fit_loop.epoch_loop._num_ready_batches_reached())
+        return progress.processed - int(not reach.epoch_batches_done(trainer))
     state = next((c for c in trainer.callbacks if isinstance(c, ResumeState)), None)
     return trainer.current_epoch - int(state is not None and state.epoch_cut_short)
 
@@ -115,19 +116,16 @@ def completed_epochs(trainer: L.Trainer) -> int:
 def reposition_train_loader(trainer: L.Trainer, new_epoch: bool = False) -> None:
     """Load the checkpoint's loader states Lightning skipped, set the resumed epoch, rebuild the iterator.
 
-    Uses three FitLoop internals of Lightning 2.6 (pinned by the exact-resume tests): the pending loader
-    states, the loader of ``setup_data()``, and its data fetcher.
+    Uses three FitLoop internals (:mod:`~ddp_recipes.lightning_seam.reach`): the pending loader states, the
+    loaders of ``setup_data()``, and its data fetcher.
     """
-    from lightning.fabric.utilities.data import _set_sampler_epoch
-
-    fit_loop = trainer.fit_loop
-    combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
-    if combined is None or fetcher is None:
+    loaders, fetcher = reach.train_loaders(trainer), reach.train_fetcher(trainer)
+    if not loaders or fetcher is None:
         return
-    fit_loop._load_combined_loader_states()  # no-op when Lightning loaded them itself, or there are none
-    epoch = fit_loop.epoch_progress.current.processed  # what on_advance_start will give set_epoch
-    for loader in combined.flattened:
-        _set_sampler_epoch(loader, epoch)
+    reach.load_skipped_loader_states(trainer)  # no-op when Lightning loaded them itself, or there are none
+    epoch = trainer.fit_loop.epoch_progress.current.processed  # what on_advance_start will give set_epoch
+    for loader in loaders:
+        reach.set_sampler_epoch(loader, epoch)
     stream = torch.get_rng_state()
     iter(fetcher)  # a fresh iterator: workers start at the restored position and epoch
     # Building it draws the workers' base seed from the global stream for a loader without a generator of its
@@ -153,20 +151,20 @@ def close_finished_epoch(trainer: L.Trainer) -> None:
       epoch's and trains one batch fewer in it. Here the new epoch's counters start from zero, as in the
       uninterrupted run.
 
-    Uses loop internals of Lightning 2.6 (pinned by the exact-resume tests): the loops' restart stages, the
-    epoch loop's progress and its validation check.
+    Uses loop internals (:mod:`~ddp_recipes.lightning_seam.reach`): the loops' restart stages, the epoch loop's
+    progress and its validation check.
     """
     fit_loop = trainer.fit_loop
-    loop, fetcher = fit_loop.epoch_loop, fit_loop._data_fetcher
+    loop, fetcher = fit_loop.epoch_loop, reach.train_fetcher(trainer)
     if fetcher is None or not loop.restarted_on_last or not loop.batch_progress.is_last_batch:
         return
     if fit_loop.restarted_on_epoch_end:
-        if fit_loop._iteration_based_training():
+        if reach.iteration_based(trainer):
             # The restored epoch's end hooks run again and count it processed a second time (the checkpoint,
             # written in on_train_epoch_end, counted it already): max_epochs would stop one epoch early.
             fit_loop.epoch_progress.current.processed -= 1
             fit_loop.epoch_progress.total.processed -= 1
-        if loop._should_check_val_fx(fetcher):
+        if reach.validation_due(trainer, fetcher):
             return  # the epoch's validation is still due: Lightning runs it (or skips it when it already ran)
         fetcher.done = True  # the next fetch ends the epoch (StopIteration), as the uninterrupted run's did
         if getattr(fetcher, "batches", None):
@@ -180,9 +178,9 @@ def close_finished_epoch(trainer: L.Trainer) -> None:
 
 
 def _schedule_steps(trainer: L.Trainer) -> list[int | None]:
-    """The run length each LR schedule was sized for (``run_steps``: the pack's cosine decays over the run),
-    None for a schedule that does not depend on it."""
-    return [getattr(config.scheduler, "run_steps", None) for config in trainer.lr_scheduler_configs]
+    """The run length each LR schedule was sized for (the pack's cosine decays over the run), None for a schedule
+    that does not depend on it."""
+    return [schedule_length(config.scheduler) for config in trainer.lr_scheduler_configs]
 
 
 def _warn_resized_schedule(trainer: L.Trainer, saved: list[int | None] | None, now: list[int | None]) -> None:
@@ -273,9 +271,8 @@ class ResumeState(TrainerStateCallback):
 
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.epoch_cut_short = not trainer.fit_loop.epoch_loop._num_ready_batches_reached()
-        combined = trainer.fit_loop._combined_loader
-        for loader in combined.flattened if combined is not None else []:
+        self.epoch_cut_short = not reach.epoch_batches_done(trainer)
+        for loader in reach.train_loaders(trainer):
             end_litdata_epoch(loader)
 
     @override
@@ -310,11 +307,8 @@ class ResumeState(TrainerStateCallback):
         # Lightning 2.6 gives set_epoch the count of processed epochs; resumed from a checkpoint taken at
         # an epoch end of a --max-steps run ("restarted on epoch end") that count runs one ahead of the
         # epoch it trains, and the sampler would shuffle another epoch's order. The trained epoch decides.
-        from lightning.fabric.utilities.data import _set_sampler_epoch
-
-        combined = trainer.fit_loop._combined_loader
-        for loader in combined.flattened if combined is not None else []:
-            _set_sampler_epoch(loader, trainer.current_epoch)
+        for loader in reach.train_loaders(trainer):
+            reach.set_sampler_epoch(loader, trainer.current_epoch)
 
     def _reapply_lrs(self, trainer: L.Trainer, pending: dict[str, Any]) -> str:
         """Put this run's LRs back over the checkpoint's and re-index step schedules; returns a summary."""

@@ -1,21 +1,12 @@
 """A checkpoint as files, wherever the run's folder is: saved whole or not at all, found again, read back.
 
 Where the store renames a file into place (a local folder, :func:`~ddp_recipes.storage.store.renames`), a
-checkpoint is one file, written through a temp file renamed over it. A bucket has no rename, so a save of
-``<folder>/last.ckpt`` there writes two things, in this order:
-
-1. the checkpoint itself as a new object ``<folder>/objects/last-<step>-<token>.ckpt`` (spooled to the local
-   cache first, then uploaded; a multipart upload appears only once complete, and a cut one is a new name
-   nobody points at);
-2. the manifest ``<folder>/last.ckpt.manifest.json``: a small JSON naming that object, its size, sha256,
-   global step, epoch and run id (:mod:`~ddp_recipes.checkpointing.run_folder.ownership`), written in one request.
-
-Then the object the manifest named before is deleted. ``--resume auto`` reads only manifests and takes the
-one with the most steps whose object is there with the recorded size; the download is checked against the
-sha256 before it is loaded. A kill before step 2 leaves the previous manifest and its object untouched,
-so the previous complete checkpoint is the one resumed. ``--resume URL`` takes a manifest, the name it was
-saved under (``.../checkpoints/last.ckpt``) or a checkpoint object.
-
+checkpoint is one file written through a temp file renamed over it. A bucket has no rename: a save writes the
+checkpoint as a new object ``<folder>/objects/last-<step>-<token>.ckpt``, then its manifest
+``<folder>/last.ckpt.manifest.json`` (object, size, sha256, step, epoch, run id) in one request, then deletes the
+object the old manifest named; a kill before the manifest leaves the previous checkpoint the one resumed.
+``--resume auto`` reads only manifests (the most steps whose object has the recorded size; the download checked
+against the sha256); ``--resume URL`` takes a manifest, the saved name or an object (docs/cloud-and-kubernetes.md).
 Callers use the functions at the end of this module; each hands the path to the rule its store needs.
 """
 
@@ -30,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_recipes.errors import CheckpointError, lit
+from ddp_recipes.lightning_seam.reach import is_local_path
 from ddp_recipes.storage import Url
 from ddp_recipes.storage.store import (
     cache_dir,
@@ -59,7 +50,7 @@ class OneFile:
     """A checkpoint on a store that renames: the file itself, replaced whole by each save."""
 
     def save(self, path: str, write: Callable[[IO[bytes]], None], step: int, epoch: int, run_id: str | None) -> None:
-        if not _is_local_file_protocol(path):
+        if not is_local_path(path):
             raise TypeError(f"AtomicCheckpointIO cannot save to {path}")
         write_atomic(path, write)
 

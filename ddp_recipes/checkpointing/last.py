@@ -21,14 +21,11 @@ from typing_extensions import override
 
 from ddp_recipes.checkpointing import kept
 from ddp_recipes.checkpointing.checkpoint import RUN_KEY
-from ddp_recipes.checkpointing.preemption import (
-    FlagSignalConnector,
-    Preempted,
-    requeue_slurm_job,
-    skip_sigterm_broadcast,
-)
+from ddp_recipes.checkpointing.preemption import Preempted, requeue_slurm_job, skip_sigterm_broadcast
 from ddp_recipes.checkpointing.run_folder import ownership
 from ddp_recipes.checkpointing.vote import StopVote
+from ddp_recipes.lightning_seam import reach
+from ddp_recipes.lightning_seam.connectors import FlagSignalConnector, install_flag_signals
 from ddp_recipes.storage import Url, location
 
 LAST = "last.ckpt"
@@ -49,7 +46,7 @@ class LastCheckpoint(Checkpoint):
     count it as done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
 
     The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.run_folder.ownership`): ``run_id``
-    (decided on rank 0 when fitting starts, :mod:`~ddp_recipes.checkpointing.run_folder.rank0_decision`) goes
+    (decided on rank 0 when fitting starts, :mod:`~ddp_recipes.checkpointing.run_folder.resume`) goes
     into every checkpoint the trainer writes. ``words`` is the vocabulary of the messages: a recipe's flags or
     the library's arguments.
 
@@ -81,10 +78,8 @@ class LastCheckpoint(Checkpoint):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == TrainerFn.FITTING and not isinstance(trainer._signal_connector, FlagSignalConnector):
-            # Before Trainer._run registers handlers: no moment where Lightning's own handlers are live.
-            trainer._signal_connector = self._signals = FlagSignalConnector(trainer)
         if stage == TrainerFn.FITTING:
+            self._signals = install_flag_signals(trainer)
             skip_sigterm_broadcast(trainer)
 
     # ---- the cadence -----------------------------------------------------------------------------------
@@ -139,6 +134,12 @@ class LastCheckpoint(Checkpoint):
         if not isinstance(exception, Preempted) and self._vote is not None:  # Preempted: closed already
             self._vote.abandon()  # a failing rank must not wait for peers that may be gone
             self._vote = None
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero and self.run_id and not trainer.fast_dev_run:
+            ownership.release(self.dirpath, self.run_id)  # the fit is over: it holds the folder no more
 
     def _close_vote(self) -> None:
         if self._vote is not None:
@@ -183,4 +184,4 @@ def _stops_after_this_batch(trainer: L.Trainer, step: int) -> bool:
     callback's, a module, a callback) where Lightning lets the fit stop early."""
     if trainer.max_steps != -1 and step >= trainer.max_steps:
         return True
-    return bool(trainer.should_stop) and trainer.fit_loop._can_stop_early
+    return bool(trainer.should_stop) and reach.can_stop_early(trainer)

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from ddp_recipes.checkpointing.checkpoint import TrainerStateCallback
+from ddp_recipes.lightning_seam import reach
 
 # ---- two restores Lightning 2.6 gets wrong, put right at the training boundary (ResumeState) ----------
 
@@ -74,19 +75,17 @@ def reopen_cut_epoch(trainer: L.Trainer) -> None:
     the epoch counters go back to "started, not processed", the restart stage Lightning gives a mid-epoch
     checkpoint, before the loader is repositioned (which reads the epoch from them).
     """
-    from lightning.pytorch.loops.fit_loop import RestartStage
-
     fit_loop = trainer.fit_loop
     loop, progress = fit_loop.epoch_loop, fit_loop.epoch_progress
     batches, done = trainer.num_training_batches, loop.batch_progress.current.completed
     cut = isinstance(batches, int | float) and 0 < done < batches and not loop.batch_progress.is_last_batch
-    if (not cut or not loop.restarted_on_last or fit_loop._restart_stage != RestartStage.NONE
+    if (not cut or not loop.restarted_on_last or not reach.restart_stage_none(trainer)
             or progress.current.processed < 1 or progress.current.completed != progress.current.processed):
         return
     for counts in (progress.current, progress.total):
         counts.processed -= 1
         counts.completed -= 1
-    fit_loop._restart_stage = RestartStage.RESTARTED_MID_EPOCH
+    reach.restart_mid_epoch(trainer)
 
 
 _UNKNOWN = -1  # an epoch length that stands for "some epoch had a length not known here"
@@ -166,7 +165,7 @@ class RunPosition(TrainerStateCallback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.__dict__.pop("on_train_batch_start", None)  # this fit's first batch is checked again
+        reach.switch_on_hook(self, "on_train_batch_start")  # this fit's first batch is checked again
         saved = self._expect if trainer.ckpt_path is not None else None
         self._expect = None
         self._epoch = self._first_step = self._unchecked_epoch = None
@@ -206,7 +205,7 @@ class RunPosition(TrainerStateCallback):
                              batch_idx: int) -> None:
         """The fit's first batch only: then this hook takes itself off the step's path (Lightning skips a
         hook that is not callable), so later steps pay nothing for it."""
-        self.on_train_batch_start = None  # type: ignore[assignment]
+        reach.switch_off_hook(self, "on_train_batch_start")
         if self._expect is not None:
             expect, self._expect = self._expect, None
             self._check_first_batch(trainer, batch_idx, expect)
@@ -251,7 +250,7 @@ class RunPosition(TrainerStateCallback):
             _fail(f"epoch {self._epoch} made {trained} optimizer steps (steps {self._first_step + 1}-"
                   f"{trainer.global_step}), but it has {_batches(trainer)} batches: {length} steps at most; "
                   "batches of it were trained twice")
-        if trainer.fit_loop.epoch_loop._num_ready_batches_reached():
+        if reach.epoch_batches_done(trainer):
             self._epoch_lengths.add(length)
 
     @override

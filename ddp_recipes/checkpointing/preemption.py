@@ -24,9 +24,8 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
-from lightning.pytorch.trainer.states import TrainerFn
-from typing_extensions import override
+
+from ddp_recipes.lightning_seam import reach
 
 LAUNCHER_PID_VAR = "DDP_RECIPES_LAUNCHER_PID"  # in the environment of the ranks Lightning launched, only
 
@@ -35,16 +34,16 @@ def tag_children_with_launcher(launcher: Any) -> None:
     """Make the ranks Lightning's subprocess launcher starts know their launcher's pid (for
     :func:`die_with_launcher`). Set only while the children are started: this process's environment
     is left as it was."""
-    start_children = launcher._call_children_scripts
+    def tagged(start_children: Any) -> Any:
+        def call_children_scripts(*args: Any, **kwargs: Any) -> Any:
+            os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
+            try:
+                return start_children(*args, **kwargs)
+            finally:
+                os.environ.pop(LAUNCHER_PID_VAR, None)
+        return call_children_scripts
 
-    def call_children_scripts(*args: Any, **kwargs: Any) -> Any:
-        os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
-        try:
-            return start_children(*args, **kwargs)
-        finally:
-            os.environ.pop(LAUNCHER_PID_VAR, None)
-
-    launcher._call_children_scripts = call_children_scripts
+    reach.wrap_children_start(launcher, tagged)
 
 
 def die_with_launcher(enable: bool = True) -> bool:
@@ -85,57 +84,21 @@ class Preempted(SystemExit):
         self.message = message
 
 
-class FlagSignalConnector(_SignalConnector):
-    """Lightning's signal connector, with handlers that only record the signal (while fitting).
-
-    Replaces Lightning's own handlers, which broadcast (SIGTERM) or save a checkpoint (SLURM) from inside
-    the handler. Outside ``fit`` nothing is installed, so SIGTERM keeps its default action. Lightning's
-    ``teardown`` puts back the handlers that were there before.
-    """
-
-    def __init__(self, trainer: L.Trainer) -> None:
-        super().__init__(trainer)
-        self.signum: int | None = None
-
-    def signals(self) -> list[int]:
-        env = self.trainer._accelerator_connector.cluster_environment
-        wanted = [signal.SIGTERM]
-        if isinstance(env, SLURMEnvironment) and env.requeue_signal is not None:
-            wanted.append(env.requeue_signal)
-        return wanted
-
-    @override
-    def register_signal_handlers(self) -> None:
-        self.received_sigterm = False  # Lightning's own SIGTERM path stays off: we act at step boundaries
-        self.signum = None
-        if self.trainer.state.fn != TrainerFn.FITTING or sys.platform == "win32":
-            return
-        self._original_handlers = self._get_current_signal_handlers()
-        for signum in self.signals():
-            self._register_signal(signum, self._record)
-
-    def _record(self, signum: int, frame: Any) -> None:
-        if self.signum is None or signum == signal.SIGTERM:  # SIGTERM (the kill is coming) wins
-            self.signum = int(signum)
-
-
 def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     """Take out Lightning's per-step SIGTERM broadcast from this trainer's training loop.
 
     At 2+ ranks, Lightning 2.6's ``_TrainingEpochLoop.advance`` broadcasts ``trainer.received_sigterm`` from
     rank 0 and reads it back with ``.item()`` before every batch: a collective and a device-to-host read per
-    step. Under :class:`FlagSignalConnector` that flag stays False (the stop is agreed through the
-    rendezvous store, :mod:`~ddp_recipes.checkpointing.vote`), so the broadcast can only ever say "go on".
+    step. Under the pack's ``FlagSignalConnector`` (:mod:`~ddp_recipes.lightning_seam.connectors`) that flag
+    stays False (the stop is agreed through the rendezvous store, :mod:`~ddp_recipes.checkpointing.vote`), so
+    the broadcast can only ever say "go on".
     Checked on Lightning 2.6.x (the pinned range); tests/checkpointing/test_sigterm_broadcast.py fails the
     day a release renames or moves it.
     """
-    loop = trainer.fit_loop.epoch_loop
-    if callable(getattr(type(loop), SIGTERM_BROADCAST, None)):
-        setattr(loop, SIGTERM_BROADCAST, _agreed_elsewhere)  # this trainer's loop only
+    reach.replace_sigterm_broadcast(trainer, _agreed_elsewhere)
 
 
-#: Lightning's per-step SIGTERM broadcast, a method of ``_TrainingEpochLoop``.
-SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"
+SIGTERM_BROADCAST = reach.SIGTERM_BROADCAST  # the tests' name for it
 
 
 def _agreed_elsewhere() -> None:
@@ -145,7 +108,7 @@ def _agreed_elsewhere() -> None:
 def requeue_slurm_job(trainer: L.Trainer, signum: int) -> str:
     """Requeue the SLURM job from rank 0 when ``signum`` is its requeue signal and Lightning's SLURM
     environment has ``auto_requeue``; returns the words the preemption message adds (empty: none)."""
-    env = trainer._accelerator_connector.cluster_environment
+    env = reach.cluster_environment(trainer)
     if not (isinstance(env, SLURMEnvironment) and env.auto_requeue and signum == env.requeue_signal):
         return ""
     array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")

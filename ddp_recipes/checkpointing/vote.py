@@ -1,30 +1,12 @@
 """Every rank agrees on a preemption signal at the same optimizer-step boundary, with no collective per step.
 
-A signal handler only sets a flag (:mod:`ddp_recipes.checkpointing.preemption`); the ranks must then stop
-together, at one step, because saving a checkpoint is collective. :class:`StopVote` agrees through the
-rendezvous store instead of a collective:
-
-* A rank whose flag is set at boundary ``t`` *announces* the stop step ``t + 1`` in the store
-  (``compare_set``: the first announcement stands, a later one reads it), then waits until every rank has
-  acknowledged it.
-* Every rank keeps one watcher thread blocked in ``store.wait`` on the announcement, on a store client of
-  its own (``Store.clone``). Blocked in a socket read it takes no CPU and does not hold the GIL; when the
-  announcement arrives it records the stop step and acknowledges.
-* At each boundary a rank compares its step with the recorded stop step: an attribute read, no I/O.
-
-Why every rank stops at the same step: DDP all-reduces the gradients of every optimizer step, so while
-one rank is at boundary ``t`` no rank can have finished step ``t + 1`` (that needs this rank's gradients of
-step ``t + 1``), and ranks that are at a boundary at the same moment are at the same one, so concurrent
-announcers announce the same step. The announcer starts step ``t + 1`` only after every rank acknowledged,
-so every rank knows the stop step before it can reach it. A signal that arrives during step ``t`` is
-therefore saved at boundary ``t + 1``: within two boundaries, on every rank alike, with accumulation too
-(boundaries are optimizer steps; micro-batches do not synchronise and are not boundaries).
-
-The epoch end and the train end are not step boundaries: there :meth:`StopVote.now` puts every rank's
-signal into one blocking all-reduce on the training group (once per epoch, never per step).
-
-A store without ``clone`` (no second client to block in): each boundary looks the announcement up instead,
-one non-blocking store read in the training thread (no collective), and the announcer waits for nobody.
+A signal handler only sets a flag; saving is collective, so the ranks must stop at one step. A flagged rank
+announces the stop step ``t + 1`` in the rendezvous store (``compare_set``: the first stands) and waits for every
+rank's acknowledgement; each rank's watcher thread blocks in ``store.wait`` on its own store client (no CPU, no
+GIL) and records the step; each boundary is then an attribute read. DDP's per-step all-reduce keeps every rank
+within one boundary of the others, so all stop at ``t + 1`` (the argument: docs/resume-and-preemption.md). The
+epoch and train ends use one all-reduce (:meth:`StopVote.now`); a store without ``clone`` is read once per
+boundary instead.
 """
 
 from __future__ import annotations
@@ -42,7 +24,6 @@ STOP_KEY = "stop"  # "<step>:<signum>", or CLOSED once a rank has finished the f
 CLOSED = "closed"
 ACK_TIMEOUT = timedelta(seconds=60)  # a rank that has not acknowledged by then is dead or hung
 WATCH_POLL = timedelta(days=1)  # the watcher re-enters its wait after this; no message in between
-_STORE_TIMEOUT = getattr(dist, "DistStoreError", RuntimeError)
 _fits = itertools.count()  # one namespace per fit in this process; every rank runs the same fits
 
 
@@ -81,11 +62,6 @@ class StopVote:
         prefix = f"ddp_recipes/preemption/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_fits)}/"
         store = dist.PrefixStore(prefix, _get_default_store())
         return cls(store, trainer.global_rank, trainer.world_size, trainer.strategy.root_device)
-
-    @property
-    def stop_step(self) -> int | None:
-        """The step every rank stops at, once one was announced (and this rank knows it)."""
-        return self._stop[0] if self._stop else None
 
     def at_boundary(self, step: int, local: int) -> int:
         """At optimizer-step boundary ``step`` with this rank's signal ``local`` (0: none): the agreed signal
@@ -136,7 +112,7 @@ class StopVote:
         acks = [f"ack/{rank}" for rank in range(self._world)]
         try:
             self._store.wait(acks, ACK_TIMEOUT)
-        except _STORE_TIMEOUT:
+        except dist.DistStoreError:  # the wait timed out
             # A rank that cannot acknowledge in a minute is gone or stuck; the others stop as announced,
             # and DDP's next all-reduce reports the lost peer if there is one.
             pass
@@ -146,10 +122,11 @@ class StopVote:
         while not self._closed:
             try:
                 store.wait([STOP_KEY], WATCH_POLL)
-            except RuntimeError as err:
-                if isinstance(err, _STORE_TIMEOUT) and "timeout" in str(err).lower():
-                    continue
-                return  # the store is gone (rank 0 ended): nothing more to agree on
+            except dist.DistStoreError:
+                # TCPStore's wait timing out (torch 2.11-2.15: "wait timeout after ..."); whatever its wording
+                continue
+            except RuntimeError:
+                return  # the store is gone (rank 0 ended: DistNetworkError): nothing more to agree on
             try:
                 stop = _parse(store.get(STOP_KEY))
                 if stop is not None:

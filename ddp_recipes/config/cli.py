@@ -67,8 +67,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-class _FlagParser(argparse.ArgumentParser):
-    """argparse, with the flag an unknown one most likely means (``--learning-rate``: ``--lr``)."""
+class FlagParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line, ``prog: error: ...`` naming the flag, and exit 2; an unknown flag
+    says the one it most likely means (``--learning-rate``: ``--lr``). Every command line of the pack (recipes,
+    bench, doctor's, a subparser of one) parses with it."""
 
     names: dict[str, str] = {}
     bad_choice: str | None = None
@@ -83,8 +85,7 @@ class _FlagParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if self.bad_choice is not None:
-            print(f"{self.prog}: error: {self.bad_choice}", file=sys.stderr)
-            raise SystemExit(2)
+            fail(self.bad_choice, self.prog)
         if message.startswith("unrecognized arguments: "):
             unknown = [a for a in message.removeprefix("unrecognized arguments: ").split() if a.startswith("--")]
             meant = [closest_name(a.split("=", 1)[0].lstrip("-"), self.names) for a in unknown]
@@ -92,7 +93,7 @@ class _FlagParser(argparse.ArgumentParser):
                      for a, m in zip(unknown, meant, strict=True) if m]
             if hints:
                 message += " (" + "; ".join(hints) + ")"
-        super().error(message)
+        fail(message, self.prog)
 
 
 def build_parser(cls: type, prog: str | None = None, description: str | None = None,
@@ -101,7 +102,7 @@ def build_parser(cls: type, prog: str | None = None, description: str | None = N
     ``aliases``, e.g. torchvision's ``--opt`` for ``--optimizer``; a field with ``positional=True`` is an
     operand instead, such as ``SRC``); ``config_flags`` adds ``--config`` and
     ``--print-config`` (what :func:`parse_config` reads)."""
-    parser = _FlagParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    parser = FlagParser(prog=prog, description=description, formatter_class=HelpFormatter)
     parser.names = _key_names(cls)
     hints = typing.get_type_hints(cls)
     for f in _cli_fields(cls):

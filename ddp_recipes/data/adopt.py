@@ -31,19 +31,19 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _update_dataloader, has_iterable_dataset
+from lightning.pytorch.utilities.data import has_iterable_dataset
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
-from typing_extensions import override
 
 from ddp_recipes.data.litdata_lib import adopt_litdata_loader, is_litdata_loader
 from ddp_recipes.data.loader_workers import kill_loader_workers_at_exit, loader_worker_init
 from ddp_recipes.data.resumable import ResumableDataLoader, ResumableSampler, SeededDataset
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from ddp_recipes.data.streams import RankShardedStream, StreamLoader, classify
+from ddp_recipes.lightning_seam.connectors import install_loader_hook
+from ddp_recipes.lightning_seam.reach import is_distributed, update_dataloader, uses_distributed_sampler
 
 _EVAL = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
 
@@ -61,18 +61,20 @@ class WorkerInit:
             self.user(worker_id)
 
 
-class _AdoptingDataConnector(_DataConnector):
-    """Lightning's data connector; the loaders it re-creates get the pack's samplers (module docstring)."""
+class _LoaderAdopter:
+    """Where Lightning re-creates a loader, the pack's samplers (module docstring); ``default`` is Lightning's own."""
 
-    @override
-    def _prepare_dataloader(self, dataloader: object, shuffle: bool, mode: RunningStage) -> object:
+    def __init__(self, trainer: L.Trainer) -> None:
+        self.trainer = trainer
+
+    def __call__(self, dataloader: object, shuffle: bool, mode: RunningStage, default: Any) -> object:
         if mode == RunningStage.TRAINING:
             adopted = self._adopt_train(dataloader)
         elif mode in _EVAL:
             adopted = self._adopt_eval(dataloader, mode)
         else:
             adopted = None
-        prepared = adopted if adopted is not None else super()._prepare_dataloader(dataloader, shuffle, mode)
+        prepared = adopted if adopted is not None else default(dataloader, shuffle, mode)
         if mode in _EVAL and isinstance(prepared, DataLoader) and prepared.generator is None:
             # Each evaluation iterator draws its base seed from the global torch RNG that training's dropout
             # uses, and Lightning's mid-epoch restart creates one for a validation it skips (sometimes one
@@ -82,7 +84,7 @@ class _AdoptingDataConnector(_DataConnector):
         return prepared
 
     def _world(self) -> tuple[int, int]:
-        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer._accelerator_connector.is_distributed else None
+        kwargs = self.trainer.distributed_sampler_kwargs if is_distributed(self.trainer) else None
         return (kwargs["num_replicas"], kwargs["rank"]) if kwargs else (1, 0)
 
     def _all_gather(self, obj: Any) -> list[Any]:
@@ -127,13 +129,12 @@ class _AdoptingDataConnector(_DataConnector):
         sampler = loader.sampler
         world, rank = self._world()
         distributed = world > 1
-        connector = self.trainer._accelerator_connector
         if type(sampler) is DistributedSampler:
             shuffle, seed, drop_last = sampler.shuffle, sampler.seed, sampler.drop_last
             world, rank = sampler.num_replicas, sampler.rank
         elif type(sampler) is SequentialSampler or (type(sampler) is RandomSampler and not sampler.replacement
                                                    and sampler._num_samples is None):
-            if distributed and not connector.use_distributed_sampler:
+            if distributed and not uses_distributed_sampler(self.trainer):
                 self._warn(name, f"use_distributed_sampler=False with a {type(sampler).__name__}: every rank "
                                  f"reads the whole dataset, and {not_exact}")
                 return None
@@ -170,7 +171,7 @@ class _AdoptingDataConnector(_DataConnector):
         if found == "split":  # its __iter__ splits by rank
             self._warn(name, f"an IterableDataset ({stream}): {resume}; use a map-style Dataset for an exact resume")
             return None
-        rebuildable = type(loader) is DataLoader and self.trainer._accelerator_connector.use_distributed_sampler
+        rebuildable = type(loader) is DataLoader and uses_distributed_sampler(self.trainer)
         if found == "shard" and rebuildable:
             seed = int(os.getenv("PL_GLOBAL_SEED", 0))
             self._warn(name, f"{unsplit}; its order depends on neither the rank nor the random state, so the pack "
@@ -203,11 +204,11 @@ class _AdoptingDataConnector(_DataConnector):
                                  "bias the metrics; use ddp_recipes.data.samplers.ExactDistributedSampler (or let "
                                  "Lightning shard a plain loader) for exact evaluation")
             return None
-        if not self.trainer._accelerator_connector.use_distributed_sampler:
+        if not uses_distributed_sampler(self.trainer):
             return None
         if type(sampler) in (SequentialSampler, RandomSampler) and type(loader.batch_sampler) is BatchSampler:
             # Order does not matter for a metric; every sample scored once does.
-            sharded = _update_dataloader(loader, ExactDistributedSampler(loader.dataset, num_replicas=world,
+            sharded = update_dataloader(loader, ExactDistributedSampler(loader.dataset, num_replicas=world,
                                                                          rank=rank), mode=mode)
             if sharded.num_workers > 0 and not isinstance(sharded.worker_init_fn, WorkerInit):
                 # Its workers end with the rank, as the training loader's do (set after the rebuild: Lightning
@@ -240,7 +241,5 @@ def _rebuilt(loader: DataLoader, dataset: Any, seed: int, cls: type[DataLoader] 
 
 
 def adopt_user_loaders(trainer: L.Trainer) -> None:
-    """Give ``trainer`` the adopting data connector (its state is kept; only the class changes)."""
-    connector = trainer._data_connector
-    if type(connector) is _DataConnector:
-        connector.__class__ = _AdoptingDataConnector
+    """Route the loaders ``trainer`` re-creates through the pack's adoption (module docstring)."""
+    install_loader_hook(trainer, _LoaderAdopter(trainer))

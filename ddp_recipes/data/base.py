@@ -91,16 +91,6 @@ class SplitDataModule(L.LightningDataModule):
         return dataset
 
 
-class TensorDataModule(SplitDataModule):
-    """The pack's data path (resumable loader, exact evaluation) over given in-memory datasets: a run's own
-    loop with no files to read, for measuring and testing the loop itself (validation doubles as test)."""
-
-    def __init__(self, train: Dataset, val: Dataset, batch_size: int, seed: int) -> None:
-        super().__init__()
-        self.train_set, self.val_set, self.test_set = train, val, val
-        self.batch_size, self.seed, self.num_workers, self.pin_memory = batch_size, seed, 0, False
-
-
 def pack_built(datamodule: L.LightningDataModule) -> bool:
     """Whether the pack's own ``setup`` builds the DataModule's sets (one of its DataModules, or a user's subclass
     that keeps that ``setup``): what it tells before ``setup`` (sizes, folders) is then what the ranks load, and

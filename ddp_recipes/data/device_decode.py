@@ -1,31 +1,12 @@
 """``--decode gpu``'s device side: decode an :class:`~ddp_recipes.data.encoded.EncodedBatch` on its device and
-apply the drawn augmentation there.
+apply the drawn augmentation there, equal bit for bit to the CPU tensor pipeline for the same draws
+(``tests/data/test_device_decode.py``; the steps: docs/recipes.md).
 
-Training: ``decode_jpeg`` on the batch's list of files (nvJPEG on CUDA, libjpeg-turbo on the CPU), then per
-image the crop box resized to the crop size (``RandomResizedCrop``'s own ``transform``, uint8 with antialias, as
-the CPU pipeline), the flip, the policy's recorded operations; the images stacked, channels-last if asked,
-scaled to float and normalized as one batch; the erased boxes last, as the CPU pipeline erases after
-normalizing. Evaluation: resize the short side and centre-crop each image, then the same batch steps. The
-results equal the CPU tensor pipeline's bit for bit for the same draws, and the PIL pipeline's within
-interpolation tolerance (``tests/data/test_device_decode.py``).
-
-No step reads the device from the host: the draws are host-side Python values, the normalisation constants are
-copied to each device once (pinned, non-blocking), and torchvision's normalize (which builds them from Python
-lists on every call, a synchronising copy on CUDA) is not used.
-
-On CUDA the decode runs with a side stream current (torchvision's decoder then allocates its outputs from that
-stream's pool and submits nvJPEG on its own stream, waiting for it on the host before it returns); the
-training stream waits for the side stream and each decoded image is recorded on the training stream, so the
-caching allocator hands out none of their memory while a queued kernel still reads it. (torchvision allocates
-the outputs on the *current* stream without waiting for it: with the training stream current, a block freed
-by the previous step could be overwritten by nvJPEG before the kernels queued on it ran.)
-
-A file ``decode_jpeg`` refuses (nvJPEG: CMYK and other 4-channel JPEGs, PNG or other files named ``.JPEG``,
-some progressive corner cases; the CPU decoder: anything not a JPEG) makes the batch decode one file at a time
-and that file is decoded on the CPU by the very loader of ``--decode cpu`` (Pillow, 8-bit RGB, 16-bit and float
-images scaled rather than clipped: :mod:`ddp_recipes.data.pixels`) and copied to the device; each is counted in
-:attr:`DeviceDecoder.fallbacks`. (``torchvision.io.decode_image`` would hand a 16-bit PNG back as uint16, which
-the batch's uint8 steps then misread, and reads no TIFF or BMP that the folder's loader reads.)
+No step reads the device from the host (draws are host values, normalisation constants copied once, pinned).
+On CUDA the decoders allocate outputs on the *current* stream without waiting for it, so the decode runs on a
+side stream the training stream then waits for, and each image is recorded on the training stream: no block is
+reused while a queued kernel still reads it. A file ``decode_jpeg`` refuses is decoded by ``--decode cpu``'s
+loader (:mod:`ddp_recipes.data.pixels`) and copied over, counted in :attr:`DeviceDecoder.fallbacks`.
 """
 
 from __future__ import annotations
@@ -35,16 +16,11 @@ from typing import Any
 
 import torch
 
+from ddp_recipes.data.decoders import image_decoders
 from ddp_recipes.data.encoded import Draws, EncodedBatch, EvalPipeline, TrainPipeline
 from ddp_recipes.data.pixels import open_rgb, to_tensor
 
 JpegDecoder = Callable[..., Any]
-
-
-def _rgb() -> Any:
-    from torchvision.io import ImageReadMode
-
-    return ImageReadMode.RGB
 
 
 def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -57,15 +33,14 @@ def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
 def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: JpegDecoder | None = None,
                name: str | None = None) -> tuple[torch.Tensor, bool]:
     """One file's bytes as an RGB uint8 ``[3, H, W]`` image on ``device``, and whether it needed the CPU fallback:
-    ``jpeg_decoder`` (default ``decode_jpeg``) first; a file it refuses is decoded on the CPU by ``--decode cpu``'s
-    loader (:func:`~ddp_recipes.data.pixels.open_rgb`). A file neither decodes, or with no faithful 8-bit picture, is
-    an :class:`~ddp_recipes.data.unreadable.UnreadableImage` naming it (``name``)."""
-    from torchvision.io import decode_jpeg
-
+    ``jpeg_decoder`` (default: :func:`~ddp_recipes.data.decoders.image_decoders`' ``decode_jpeg``) first; a file
+    it refuses is decoded on the CPU by ``--decode cpu``'s loader (:func:`~ddp_recipes.data.pixels.open_rgb`). A
+    file neither decodes, or with no faithful 8-bit picture, is an
+    :class:`~ddp_recipes.data.unreadable.UnreadableImage` naming it (``name``)."""
     device = torch.device(device)
     try:
-        return (jpeg_decoder or decode_jpeg)(data, device=device, mode=_rgb()), False
-    except (RuntimeError, ValueError):  # torchvision's "Not a JPEG file", nvJPEG's unsupported layouts
+        return (jpeg_decoder or image_decoders().decode_jpeg)(data, device=device, mode="RGB"), False
+    except (RuntimeError, ValueError):  # libjpeg's "Not a JPEG file", nvJPEG's unsupported layouts (both libraries)
         pass
     image = to_tensor(open_rgb(data.numpy().tobytes(), name or "(unnamed)"))
     return _to_device(image, device), True
@@ -78,13 +53,11 @@ def decode_images(datas: Sequence[torch.Tensor], device: str | torch.device, jpe
     The whole list goes to ``jpeg_decoder`` (default ``decode_jpeg``; on CUDA one batched nvJPEG call) at once;
     when that call refuses a file, the list is decoded file by file (:func:`decode_one`), so one PNG named
     ``.JPEG`` costs one CPU decode, not the batch."""
-    from torchvision.io import decode_jpeg
-
     device = torch.device(device)
-    decoder = jpeg_decoder or decode_jpeg
+    decoder = jpeg_decoder or image_decoders().decode_jpeg
     try:
         # RGB: ImageNet holds grayscale and CMYK JPEGs, which would otherwise decode to 1 or 4 channels.
-        return list(decoder(list(datas), device=device, mode=_rgb())), 0
+        return list(decoder(list(datas), device=device, mode="RGB")), 0
     except (RuntimeError, ValueError):
         pass
     images, fallbacks = [], 0
@@ -189,5 +162,5 @@ class DeviceDecoder:
         return found  # type: ignore[return-value]
 
     def record(self) -> dict[str, Any]:
-        """What this process decoded, for ``summary.json``."""
-        return {"images": self.images, "cpu_fallbacks": self.fallbacks}
+        """What this process decoded, and with which library, for ``summary.json``."""
+        return {"images": self.images, "cpu_fallbacks": self.fallbacks, "decoder": image_decoders().name}

@@ -14,7 +14,7 @@ every worker, before and after a restart.
 
 A collated :class:`EncodedBatch` holds the bytes of its files in one uint8 buffer (one shared-memory transfer
 from a worker per batch, one pinned copy, instead of one per file) and hands them out as a list of uint8
-tensors, one view per file, which is what ``torchvision.io.decode_jpeg`` takes.
+tensors, one view per file, which is what ``decode_jpeg`` takes (TorchCodec's and torchvision.io's).
 """
 
 from __future__ import annotations
@@ -201,7 +201,8 @@ def draw_train(steps: TrainSteps, height: int, width: int) -> Draws:
 
 def image_size(data: bytes) -> tuple[int, int]:
     """(height, width) from an image file's header, as the decoders will see it (no EXIF rotation: neither
-    the PIL loader of the CPU pipeline nor ``decode_jpeg`` applies one)."""
+    the PIL loader of the CPU pipeline nor ``decode_jpeg`` applies one, :func:`ddp_recipes.data.decoders.unrotated`
+    keeping TorchCodec's from it)."""
     with Image.open(io.BytesIO(data)) as image:
         width, height = image.size
     return height, width

@@ -1,28 +1,13 @@
 """The node's cache of a bucket's stream: one folder per dataset, shared by every rank on the node and their loader
-workers, removed when the last process using it exits.
+workers (the order spans the whole dataset, so a folder per rank would download it once per rank; litdata's
+chunk writes and locks are safe to share), removed when the last process using it exits.
 
-Why one per node: the pack's order is a permutation of the whole dataset, so over an epoch every rank reads nearly
-every chunk; with a folder per rank, 8 ranks download the dataset 8 times and hold 8 copies. litdata's downloads are
-safe to share between processes: a chunk is written under a per-process temporary name and renamed into place (a
-reader never opens half a chunk), and a per-chunk file lock lets one process download it while the others wait for
-the rename (a downloader killed mid-chunk drops its lock with its life; a waiter downloads it after litdata's grace
-period).
-
-Who uses a folder is recorded by leases: each process that joins creates ``leases/<id>`` in the folder and holds an
-exclusive ``flock`` on it for its life. The kernel drops a flock when its process dies, SIGKILL included, so a lease
-that can be locked belongs to a dead process. No pids (reused, and meaningless across containers sharing a volume)
-and no clocks are involved. A folder whose leases can all be locked is removed by the last process leaving it (at
-its exit) and by every join (a later run on the node removes a killed run's leftovers). Joining and collecting hold
-the root's lock, so a folder is never removed between its creation and its first lease.
-
-A rank's lease covers its loader workers: they are its children and stop with it (torch's worker watchdog). They
-take none of their own: persistent workers are still alive when their rank's exit hook runs, and their leases would
-keep the folder after every finished run. A forked worker shares its rank's locked file, so the lease stays held
-while a worker outlives a killed rank.
-
-Where: ``$DDP_RECIPES_CACHE_DIR/stream`` (give it the node's local disk: on Kubernetes an ``emptyDir`` volume), else
-the temp folder's ``ddp-recipes-stream-<uid>``. Without ``flock`` (Windows) each process keeps a folder of its own,
-removed at its exit.
+Users are recorded by leases: each joining process holds an exclusive ``flock`` on ``leases/<id>`` for its life;
+the kernel drops it when the process dies (SIGKILL too), so a lease that can be locked is a dead process's (no
+pids, no clocks). A folder whose leases can all be locked is removed by the last leaver and by every join, under
+the root's lock. A rank's lease covers its loader workers (its children; a forked worker shares the locked file).
+Where: ``$DDP_RECIPES_CACHE_DIR/stream`` (the node's local disk), else the temp folder's
+``ddp-recipes-stream-<uid>``; without ``flock`` (Windows) a folder per process. More: docs/streaming.md.
 """
 
 from __future__ import annotations

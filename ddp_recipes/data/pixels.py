@@ -1,28 +1,11 @@
 """An image file's pixels as the 8-bit RGB picture every image pipeline of the pack takes, whatever its bit depth.
 
-Pillow's ``convert("RGB")`` (torchvision's ImageFolder loader) clips a high-bit-depth image at 255: a 16-bit scan
-whose values lie above 255 becomes a white square, and nothing says so. Here such images are scaled instead, by
-the rule of ``torchvision.transforms.v2.functional.to_dtype(..., torch.uint8, scale=True)``:
-
-* 16-bit (Pillow's ``I;16``, ``I;16L``, ``I;16B``, ``I;16N``): ``v >> 8``, the high byte. It is to_dtype's
-  uint16 -> uint8 rule, and what Pillow itself does when it reads a 16-bit RGB PNG, so a 16-bit grey and a
-  16-bit colour file of the same scene give the same levels. (``round(v * 255 / 65535)`` differs from it by
-  one level at most.)
-* 32-bit integer (``I``): a file stored with 16 bits a sample (Pillow reads 16-bit PGM files into ``I``) is
-  16-bit, as above. A file stored with 32 bits says nothing of its range, so its values decide: within
-  ``0..255`` they are 8-bit levels kept as they are (what ``convert("RGB")`` gave them: an 8-bit picture saved
-  as 32-bit must not turn black), within ``0..65535`` 16-bit as above. Values outside it have no one range to
-  scale by.
-* 32-bit float (``F``): to_dtype's float convention, ``[0, 1]`` is black to white: ``floor(v * 255.999)``; an
-  image whose values exceed 1 but stay within ``0..255`` holds 8-bit levels, kept as they are (as above).
-
-Scaling by the file's full range, never by its own min/max: a per-image stretch would give the same intensity
-a different level in each file (a dark scan brightened, a bright one dimmed), which no one training on the
-values would want. An image whose values fit none of the rules (``I`` below 0 or above 65535, ``F`` outside
-``[0, 1]`` or not finite, a mode Pillow cannot convert) is refused with a :class:`ValueError` naming its mode and
-range: the callers name the file (:func:`~ddp_recipes.data.unreadable.unreadable`). 8-bit modes (``L``, ``P``,
-``RGBA``, ``CMYK``, ...) go through ``convert("RGB")`` unchanged, so their pixels, sizes and the random draws
-made on them are what they were.
+Pillow's ``convert("RGB")`` clips a high-bit-depth image at 255 (a 16-bit scan turns white, silently); here it
+is scaled by ``to_dtype(..., torch.uint8, scale=True)``'s rule, by the file's full range, never its own min/max:
+16-bit keeps the high byte; 32-bit integer is 16-bit, or 8-bit levels kept when within 0..255; float maps
+``[0, 1]`` with ``floor(v * 255.999)``, 8-bit levels kept. An image no rule fits is refused with a
+:class:`ValueError` naming its mode and range (the callers name the file); 8-bit modes go through
+``convert("RGB")`` unchanged. The rules and their reasons: docs/recipes.md.
 """
 
 from __future__ import annotations

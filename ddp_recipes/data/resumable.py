@@ -1,23 +1,13 @@
 """A training loader that stops at any batch and continues exactly, with loader workers and augmentation.
 
-Three things decide which batches the rest of a run sees, and each is made a function of the run's seed
-and position instead of a process's history:
-
-* **Order and position.** :class:`ResumableSampler` is Lightning's ``DistributedSampler`` order (seed +
-  epoch, the same permutation at every world size) that can start part-way through an epoch: its position
-  is the number of samples all ranks together have consumed, a prefix of the epoch's permutation, so it
-  also carries over to another world size.
-* **Augmentation randomness.** A worker's random streams depend on its base seed, how many workers there
-  are and how many samples it has processed; none of that survives a restart. :class:`SeededDataset` seeds
-  python/numpy/torch from ``(seed, epoch, index)`` before each sample, so a sample's crop is the same
-  whichever worker draws it, with or without a restart. The sampler hands the epoch along inside the
-  index (:class:`SampleKey`, an ``int``).
-* **The main process's streams** are left alone: the loader draws its workers' base seed from a private
-  generator, not the global RNG that dropout uses, and with ``num_workers=0`` the per-sample seeding runs
-  inside a saved-and-restored RNG state.
-
-:class:`ResumableDataLoader` is Lightning-``Stateful``: its ``state_dict`` is the epoch and the samples
-consumed, taken from the batches actually handed to the training loop (not the ones workers prefetched).
+What the rest of a run sees is made a function of the run's seed and position, not of a process's history
+(docs/resume-and-preemption.md): :class:`ResumableSampler` is Lightning's ``DistributedSampler`` order that
+starts part-way through an epoch (its position, the samples all ranks consumed, is a prefix of the epoch's
+permutation, so it carries over to another world size); :class:`SeededDataset` seeds python/numpy/torch from
+``(seed, epoch, index)`` before each sample (the epoch rides inside the index, :class:`SampleKey`); the main
+process's streams are left alone (workers' base seed from a private generator; with ``num_workers=0`` the
+seeding runs inside a saved-and-restored RNG state). :class:`ResumableDataLoader` is Lightning-``Stateful``: the
+epoch and the samples consumed, counted from the batches handed to the loop, not those prefetched.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """``--data stream``: train from a dataset written by ``python -m ddp_recipes.data.convert``, local or in a bucket.
 
-litdata is used as storage only: a map from a sample's index to its ``{image, label, path}``
-(``StreamingDataset(shuffle=False)[i]``), never for its iteration order. litdata's own shuffle and resume
-state are exact at the same world size only (resumed at another one it repeats up to world x batch - 1
-samples); the pack's order is the one ``--data imagefolder`` trains in: the converter keeps ImageFolder's
-sample order, so index ``i`` is the same file in both, and the resumable sampler, the per-sample augmentation
-seeds and the exact evaluation sampler (:mod:`ddp_recipes.data.resumable`, :mod:`ddp_recipes.data.samplers`)
-apply unchanged. Same seed and flags, same images: the same batches and crops as the folder gives.
-
-Each process (a rank, each of its loader workers) opens the stream itself on first use: litdata reads the
-world size and worker at construction and holds threads and file handles, so an opened dataset never crosses
-a process boundary (pickling drops it). A bucket's chunks are downloaded by the process that first reads one of
-their samples, through the pack's storage layer (its retries, its one-line failure), into litdata's folder in the
-node's cache for the dataset (:mod:`ddp_recipes.data.node_cache`), where litdata finds them: shared by every rank
-on the node and their loader workers (each chunk downloaded once per node, under litdata's per-chunk lock) and
-removed when the last of them exits. A local stream is read in place.
+litdata is storage only (``StreamingDataset(shuffle=False)[i]``), never the order: its shuffle and resume are
+exact at one world size only. The converter keeps ImageFolder's sample order, so index ``i`` is the same file as
+``--data imagefolder``'s and the resumable sampler, seeds and exact evaluation apply unchanged: same seed and
+flags, same batches and crops (docs/streaming.md). Each process (rank or loader worker) opens the stream on first
+use (an opened dataset holds threads and handles and never crosses a process: pickling drops it). A bucket's
+chunks are downloaded through the pack's storage layer (its retries, its one-line failure) into the node's
+cache (:mod:`ddp_recipes.data.node_cache`), once per node; a local stream is read in place.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Iterable training data under DDP: Lightning does not split an ``IterableDataset``, so unless its own
-``__iter__`` splits by rank, every rank trains on the whole stream (each sample once per rank and epoch,
-the global step count multiplied by the world size).
+``__iter__`` splits by rank, every rank trains on the whole stream.
 
-When the pack takes a training loader over (:mod:`ddp_recipes.data.adopt`), every rank reads the stream's
-first samples twice, under two fixed random states, and the ranks compare them (two small collectives):
-
-* the same on every rank and under both states: the order depends on neither the rank nor the random
-  streams, so the pack splits it by position (:class:`RankShardedStream`): of every ``world`` consecutive
-  samples rank r keeps the r-th, and a last group that is not full is dropped, so every rank gets as many
-  batches (an unequal count hangs DDP at the epoch's end). In a loader worker the wrapper seeds the
-  worker's random streams from (seed, epoch, worker id) before iterating, so a stream that shuffles in
-  workers (a shuffle buffer) gives every rank the same order to split. Each rank still reads the whole
-  stream; the message says how to read only its part;
-* the same on every rank but not under both states: the order comes from the global random streams,
-  which differ per rank once training starts, so a split by position would not be disjoint: a warning
-  names the loader and the fix;
-* different on different ranks: the stream splits by rank itself; it is left as it is.
+At the take-over (:mod:`ddp_recipes.data.adopt`) every rank reads the stream's first samples under two fixed
+random states and the ranks compare them (two small collectives). The same everywhere: the order depends on
+neither, so :class:`RankShardedStream` splits it by position (rank r keeps every r-th of ``world``; a last
+partial group is dropped, as unequal batch counts hang DDP; workers seeded from (seed, epoch, worker id)). The
+same on every rank only: it shuffles from the global streams, so a warning names the loader and the fix.
+Different per rank: it splits itself and is left alone. The warnings' text: docs/strategy-and-trainer.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """PowerSGD whose state survives a checkpoint: a resumed run compresses as the uninterrupted one would.
 
-PowerSGD keeps per-rank state between steps: the error-feedback residual of every bucket (what
-compression dropped, added back next step), the warm-start Q matrices, its iteration counter and the
-RandomState its Q initialisation draws from. A run resumed without them restarts PowerSGD's warm-up and
-loses the residuals. :class:`ResumablePowerSGD` saves that state per parameter (one entry per rank; the
-strategy gathers them to rank 0) and loads it back.
-
-Why per parameter: torch keys the state by DDP bucket index, and a bucket's flat buffer holds its
-gradients in bucket order. A new process's first step runs on DDP's *initial* bucket layout (parameter
-order); DDP then rebuilds the buckets in the order gradients became ready. So every stored entry is tagged
-with its layout (parameter names and shapes), and a bucket that arrives with another set of parameters gets
-its entry assembled from the per-parameter pieces of whatever entries hold them.
-
-Why the saved layout is kept for the first resumed step: the numbers depend on where a gradient sits in the
-bucket. MKL's matrix-vector product (the ``bmm`` that computes P) gives other last bits for a matrix that
-starts at another offset modulo 16 bytes, and torch draws a fresh Q in the packing order of the layout.
-DDP's initial layout puts the MNIST MLP's weights 16-byte aligned, its rebuilt one 8 bytes off: a resumed
-step compressed in place would end 1e-8 away from the uninterrupted run's. So when a bucket arrives holding the
-same tensors as the saved entry in another order, PowerSGD runs on a copy of it laid out as saved (one copy
-in and out, on that step only) and the result is copied back; from DDP's rebuild on, the bucket has the
-saved layout again and runs in place.
+:class:`ResumablePowerSGD` saves PowerSGD's per-rank state (error-feedback residuals, warm-start Q matrices,
+iteration, RandomState) per parameter, tagged with its bucket layout, because DDP rebuilds its buckets after the
+first step: a bucket that arrives with other parameters gets its entry assembled from the per-parameter pieces.
+For the first resumed step the saved layout is kept (a copy in and out on that step only): MKL's ``bmm`` gives
+other last bits for another 16-byte offset, so a step compressed in place would drift 1e-8 from the
+uninterrupted run (docs/resume-and-preemption.md).
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ PEER_FAILURE_PATTERN = re.compile(
     r"|failed to recv, got 0 bytes|Socket Timeout"
 )
 PEER_FAILURE_PREFIX = "DDP: a peer rank died or stopped responding"
-ASYNC_ERROR_HANDLING_VARS = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")  # new, old name
 # torchrun hands its workers its own rendezvous store; a restarted worker group then finds the previous
 # attempt's process-group keys there and may connect to a dead rank's address (pytorch/pytorch#135712).
 SHARED_STORE_FIX = ("launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and --standalone (one node) or --rdzv-backend "

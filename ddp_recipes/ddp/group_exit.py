@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import atexit
 
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from ddp_recipes.lightning_seam.reach import destroy_dist_connection, keep_dist_connection_at_exit
 
 _group_at_exit = {"registered": False, "destroy": True}
 
@@ -31,9 +31,9 @@ def keep_group_at_exit() -> None:
     flight that waits for peers stuck in another one, and a teardown would wait with it (torchtitan#1342).
     Lightning's own exit handler for NCCL groups is taken off too (it would tear the group down regardless)."""
     _group_at_exit["destroy"] = False
-    atexit.unregister(_destroy_dist_connection)
+    keep_dist_connection_at_exit()
 
 
 def _destroy_group_unless_failed() -> None:
     if _group_at_exit["destroy"]:
-        _destroy_dist_connection()
+        destroy_dist_connection()

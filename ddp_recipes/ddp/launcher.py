@@ -28,11 +28,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from ddp_recipes.ddp.failures import CHILD_GRACE_S, PEER_FAILURE_PREFIX, is_peer_failure
+from ddp_recipes.lightning_seam.reach import SubprocessScriptLauncher, set_num_threads_if_needed
 from ddp_recipes.storage.retry import reason
 
 POLL_S = 0.2  # how often the observer looks at the children (a waitpid each: nothing)
@@ -103,7 +102,7 @@ class RankObserver(threading.Thread):
         os._exit(exit_code(code))  # the main thread may be blocked in C: nothing short of exiting ends it
 
 
-class ObservedLauncher(_SubprocessScriptLauncher):
+class ObservedLauncher(SubprocessScriptLauncher):
     """Lightning's subprocess launcher whose exit code, when a child rank fails first, is that rank's."""
 
     observer: RankObserver | None = None
@@ -116,7 +115,7 @@ class ObservedLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             self.observer = RankObserver(self.procs)
             self.observer.start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as err:

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_recipes.lightning_seam.reach import rewrap_module
+
 
 def rewrap_ddp(strategy: Any) -> bool:
     """Wrap ``strategy.lightning_module`` in a fresh DDP (a no-op without one). Collective: every rank calls
@@ -35,9 +37,5 @@ def rewrap_ddp(strategy: Any) -> bool:
         handle.remove()
     for p in module.parameters():
         p.grad = None  # zeroed before the next step anyway (no accumulation window spans an epoch start)
-    sync = getattr(strategy, "_layer_sync", None)
-    if sync is not None:
-        module = sync.apply(module)  # in place: the LightningModule and its parameter objects are kept
-    strategy.model = strategy._setup_model(module)
-    strategy._register_ddp_hooks()
+    rewrap_module(strategy, module)
     return True

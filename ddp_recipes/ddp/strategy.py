@@ -1,36 +1,13 @@
 """TunedDDPStrategy: Lightning's DDPStrategy with the write-up's lessons built in, on CPU as on CUDA.
 
-A drop-in subclass: every DDPStrategy argument, registry name style, checkpoint and launch mode works
-unchanged. What it changes or adds, each for a reason:
-
-* ``gradient_as_bucket_view``: True on CUDA (DDP's default is False): gradients live in the all-reduce
-  buckets, one copy of all gradients less in memory and no copy back after the all-reduce. On CPU (gloo) it
-  stays False: there the step is measurably slower with it (see ``docs/benchmark.md``). An explicit value
-  is used as given on every device.
-* ``comm_hook="fp16"|"bf16"|"powersgd"``: gradient compression registered on *every* device type.
-  Lightning registers hooks only on CUDA and silently drops them elsewhere; "fp16 gradients halve the
-  all-reduce traffic" is only true when such a hook runs.
-* ``seed=S``: when training starts (after every set-up hook, so a DataModule's ``random_split`` or
-  ``configure_model`` sees the same RNG on every rank), rank r seeds random/numpy/torch with S + r so
-  dropout, augmentation and noise differ per rank (``seed_everything`` gives every rank the same stream).
-  With :class:`~ddp_recipes.checkpointing.exact_continuation.ResumeState` among the callbacks (``build_trainer``
-  adds it), that callback does it, and a resumed run gets the checkpoint's streams instead.
-  ``PL_GLOBAL_SEED`` is left alone on purpose: Lightning seeds the DistributedSampler from it, and a
-  per-rank value there would break the disjointness of the shards.
-* SyncBatchNorm on CPU (gloo) too: ``Trainer(sync_batchnorm=True)`` gets :class:`SyncBatchNormPlugin`.
-* NCCL settings from arguments, exported before the process group starts, never over a user's value.
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is left to torch (its default, 3, ends a rank whose collective outlived
-  ``timeout``; 1 would also wait for ``ncclCommAbort``, which can itself hang); gloo honours ``timeout`` by itself.
-* On NCCL, a :class:`~ddp_recipes.ddp.failures.PeerWatch` heartbeat through the rendezvous store ends every rank
-  with the peer-failure line below when a peer dies: torch's watchdog would abort them from C++ with no
-  Python message at all.
-* The "Expected to have finished reduction" error names the parameters without gradients and the flag.
-* A lost or silent peer (gloo "Connection closed by peer", a collective timeout, an NCCL abort) gets one
-  line saying what it means and what to do, printed at once and prepended to the original error. On a
-  failure, the process that launched the other ranks (``--devices N``) stops those still running after
-  a short grace, so a rank stuck outside a collective is not left behind holding its device.
-* torchrun ``--max-restarts`` with the rendezvous store shared with the workers (its default): a restarted
-  group can read the dead attempt's addresses (pytorch#135712); a warning, and the init error, name the fix.
+A drop-in subclass (every DDPStrategy argument, checkpoint and launch mode works unchanged) that adds, each with
+its reason in docs/strategy-and-trainer.md: ``gradient_as_bucket_view`` True on CUDA only (slower with gloo);
+``comm_hook`` registered on every device type (Lightning drops hooks off CUDA); ``seed=S`` seeding rank r with
+S + r once training starts (``PL_GLOBAL_SEED`` left alone: Lightning's sampler shards from it); SyncBatchNorm on
+CPU too; NCCL settings exported from arguments, never over a user's value; a ``PeerWatch`` heartbeat on NCCL
+(torch's watchdog would abort from C++ with no message); one line for the unfinished-reduction error and for a
+lost or silent peer, and the launching process stops the ranks left behind; the ``--max-restarts`` store
+warning (pytorch#135712).
 """
 
 from __future__ import annotations
@@ -43,10 +20,8 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -79,6 +54,8 @@ from ddp_recipes.ddp.unused_params import (
     unused_parameter_names,
 )
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.lightning_seam.check import check_at_launch
+from ddp_recipes.lightning_seam.reach import SubprocessScriptLauncher, register_ddp_comm_hook
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +207,11 @@ class TunedDDPStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:  # its observer SIGKILLs rank 0 on a child's failure
+        if type(self._launcher) is SubprocessScriptLauncher:  # its observer SIGKILLs rank 0 on a child's failure
             self._launcher = ObservedLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        if isinstance(self._launcher, _SubprocessScriptLauncher):
+        if isinstance(self._launcher, SubprocessScriptLauncher):
             tag_children_with_launcher(self._launcher)
+        check_at_launch(self._launcher)  # a Trainer built without build_trainer is checked before any rank starts
 
     @override
     def teardown(self) -> None:
@@ -300,8 +278,8 @@ class TunedDDPStrategy(DDPStrategy):
             return
         if self._powersgd_hook is not None:
             self._powersgd_hook.set_module(self.model.module)
-        _register_ddp_comm_hook(model=self.model, ddp_comm_state=state, ddp_comm_hook=hook,
-                                ddp_comm_wrapper=self._ddp_comm_wrapper)
+        register_ddp_comm_hook(model=self.model, ddp_comm_state=state, ddp_comm_hook=hook,
+                               ddp_comm_wrapper=self._ddp_comm_wrapper)
         rank_zero_info(f"DDP comm hook registered on {self.root_device.type}: {getattr(hook, '__name__', hook)}")
 
     # ---- errors that say what to do -----------------------------------------------------------------
@@ -384,7 +362,8 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
 def bucket_view_default(device: Any) -> bool:
     """``gradient_as_bucket_view`` when none is given: True on CUDA, False elsewhere. With gloo on CPU the view
     makes ResNet-18's step at 2 ranks ~50 ms slower (of ~920 ms), all of it in the backward, while the training
-    thread does less work: it waits on the all-reduce (``bench account``, part ``bucket-view``; docs/benchmark.md)."""
+    thread does less work: it waits on the all-reduce (``benchmarks account``, part ``bucket-view``;
+    docs/benchmark.md)."""
     return getattr(device, "type", str(device)) == "cuda"
 
 

@@ -1,28 +1,11 @@
 """The training, evaluation and optimizer code both recipe modules share, as small overridable hooks.
 
-A subclass changes one thing by overriding one method, and keeps everything the recipes add (LR scaling
-and schedule, DDP-exact metrics, checkpoints, resume):
-
-==========================  ==========================================================================
-``build_model()``           the network (called once in ``__init__``; read ``self.hparams``)
-``loss(logits, y, stage)``  the loss of a batch; ``stage`` is ``"train"``, ``"val"`` or ``"test"``; with
-                            MixUp/CutMix ``y`` is class probabilities in training (set ``soft_targets = True``)
-``param_groups()``          the optimizer's parameter groups (e.g. no weight decay on norms and biases)
-``build_optimizer(groups)`` the optimizer; use ``self.hparams.lr``, which is already scaled for the
-                            global batch (default: ``hparams.optimizer``, SGD unless set)
-``build_scheduler(opt)``    the LR schedule's ``configure_optimizers`` entry (default: warm-up + cosine, or
-                            torchvision's ``lr_scheduler`` when the hparams name one)
-``mix_batch(x, y)``         the training batch's mixing (default: MixUp/CutMix when ``mixup_alpha`` /
-                            ``cutmix_alpha`` are set; targets become class probabilities)
-``build_metrics()``         evaluation metrics by name: ``{"acc": ...}`` is logged as ``val_acc``/``test_acc``
-``backbone_modules()``      what ``freeze_backbone`` freezes and ``backbone_lr_mult`` scales (default: every
-                            child of ``self.model`` but its classifier, the last one with parameters)
-==========================  ==========================================================================
-
-Two parts live in their own modules, each with the hooks it needs, and the classifier inherits both:
-fine-tuning the backbone (``freeze_backbone``, ``backbone_lr_mult``, ``unfreeze_at_epoch``:
-:class:`~ddp_recipes.modules.finetuning.BackboneFineTuning`) and the EMA network's evaluation (``val_acc_ema``,
-...: :class:`~ddp_recipes.modules.ema_evaluation.EMAEvaluation`).
+A subclass changes one thing by overriding one method (``build_model``, ``loss``, ``param_groups``,
+``build_optimizer``, ``build_scheduler``, ``mix_batch``, ``build_metrics``, ``backbone_modules``: each one's
+default and what keeps working are docs/bring-your-own-model.md's table) and keeps everything the recipes add
+(LR scaling and schedule, DDP-exact metrics, checkpoints, resume). Fine-tuning the backbone
+(:class:`~ddp_recipes.modules.finetuning.BackboneFineTuning`) and the EMA network's evaluation
+(:class:`~ddp_recipes.modules.ema_evaluation.EMAEvaluation`) live in their own modules; the classifier inherits both.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from ddp_recipes.lightning_seam.reach import logs_this_step
+
 
 class SyncFreeMean(MeanMetric):
     """A (weighted) ``MeanMetric`` whose ``update`` never reads the device from the host.
@@ -57,8 +59,7 @@ class TrainLossLogging(LightningModule):
         # Lightning's own test for "the logger writes this step" (log_every_n_steps, counted in optimizer
         # steps); logging on other steps would only be overwritten. Not prog_bar: Lightning would read a bar
         # value from the device at every batch end; the pack's bar (train.progress) shows the logger's float.
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is None or getattr(connector, "should_update_logs", True):
+        if logs_this_step(trainer):
             self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=False, batch_size=batch_size)
 
     @override

@@ -10,6 +10,7 @@ few epochs (here) so the large early steps do not blow up training.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -33,12 +34,29 @@ def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_fac
     return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class RunSizedLR(LambdaLR):
+    """A per-step LambdaLR with the run length its curve was sized for: ``run_steps`` (None where the curve does
+    not depend on it). :class:`~ddp_recipes.checkpointing.exact_continuation.ResumeState` saves it and warns
+    when a continued run re-sizes the curve; LambdaLR's state dict carries it too."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_lambda: Any, run_steps: int | None) -> None:
+        super().__init__(optimizer, lr_lambda)
+        self.run_steps = run_steps or None
+
+
+def schedule_length(scheduler: Any) -> int | None:
+    """The run length ``scheduler``'s curve was sized for (:class:`RunSizedLR`), None for any other."""
+    return scheduler.run_steps if isinstance(scheduler, RunSizedLR) else None
+
+
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                  min_factor: float = 0.0) -> LambdaLR:
-    """A LambdaLR to be stepped once per optimizer step (Lightning: ``interval="step"``)."""
+                  min_factor: float = 0.0) -> RunSizedLR:
+    """A LambdaLR to be stepped once per optimizer step (Lightning: ``interval="step"``), sized for
+    ``total_steps`` (0: no decay)."""
     if warmup_steps < 0:
         raise ConfigError(f"warm-up steps must be >= 0 (got {warmup_steps})")
-    return LambdaLR(optimizer, lambda step: warmup_cosine_factor(step, warmup_steps, total_steps, min_factor))
+    return RunSizedLR(optimizer, lambda step: warmup_cosine_factor(step, warmup_steps, total_steps, min_factor),
+                      total_steps)
 
 
 def lightning_scheduler(optimizer: torch.optim.Optimizer, trainer, warmup_epochs: float, cosine: bool = True,
@@ -56,7 +74,6 @@ def lightning_scheduler(optimizer: torch.optim.Optimizer, trainer, warmup_epochs
     if warmup_steps == 0 and not (cosine and total):
         return None
     scheduler = warmup_cosine(optimizer, warmup_steps, total if cosine else 0, min_factor)
-    scheduler.run_steps = total if cosine else None  # what the curve was sized for (ResumeState compares it)
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}
 
 
@@ -112,7 +129,7 @@ def reference_factor(step: int, schedule: ReferenceSchedule, steps_per_epoch: in
 
 
 def reference_scheduler(optimizer: torch.optim.Optimizer, steps_per_epoch: int, total_steps: int,
-                        schedule: ReferenceSchedule) -> LambdaLR:
+                        schedule: ReferenceSchedule) -> RunSizedLR:
     """The reference's ``--lr-scheduler`` (with its ``SequentialLR`` warm-up) as one LambdaLR to be stepped
     once per optimizer step (Lightning: ``interval="step"``).
 
@@ -139,7 +156,8 @@ def reference_scheduler(optimizer: torch.optim.Optimizer, steps_per_epoch: int, 
         return lambda step: reference_factor(step, schedule, steps_per_epoch, total_steps, warmup_steps, min_factor)
 
     bases = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
-    return LambdaLR(optimizer, [factor_fn(base) for base in bases])
+    return RunSizedLR(optimizer, [factor_fn(base) for base in bases],
+                      total_steps if name == "cosineannealinglr" else None)
 
 
 def lightning_reference_scheduler(optimizer: torch.optim.Optimizer, trainer, schedule: ReferenceSchedule) -> dict:
@@ -149,5 +167,4 @@ def lightning_reference_scheduler(optimizer: torch.optim.Optimizer, trainer, sch
     estimate = trainer.estimated_stepping_batches if trainer is not None else 0
     total = int(estimate) if math.isfinite(estimate) and 0 < estimate < 2**62 else 0
     scheduler = reference_scheduler(optimizer, steps_per_epoch(trainer), total, schedule)
-    scheduler.run_steps = total if schedule.lr_scheduler == "cosineannealinglr" else None
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from ddp_recipes.checkpointing.preemption import Preempted
 from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
+from ddp_recipes.lightning_seam import reach
 from ddp_recipes.storage import location
 from ddp_recipes.storage.store import listing, read_bytes, write_json_atomic
 
@@ -54,11 +55,11 @@ class AttemptLog(Callback):
         # After the checkpoint is agreed (the run's id is known) and before the sanity check: an attempt that
         # fails there (a corrupt image) still leaves its end, so the same command may start afresh.
         if not trainer.is_global_zero:
-            self.on_train_batch_end = None  # type: ignore[assignment]  # only rank 0 records
+            reach.switch_off_hook(self, "on_train_batch_end")  # only rank 0 records
             return
         self._trainer = trainer
         # Lightning restores the loops (global_step) after on_fit_start: the step is the loaded checkpoint's.
-        loaded = getattr(trainer._checkpoint_connector, "_loaded_checkpoint", None) or {}
+        loaded = reach.loaded_checkpoint(trainer)
         step = int(loaded.get("global_step", trainer.global_step))
         self.record.update(attempt=_next_number(self.folder), run_id=trainer_run_id(trainer), start_step=step,
                            last_step=step, last_step_at=time.time(), world_size=trainer.world_size)
@@ -79,7 +80,7 @@ class AttemptLog(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if trainer.global_step > self.record.get("start_step", 0):  # an accumulation micro-batch is not a step
-            self.on_train_batch_end = None  # type: ignore[assignment]  # the first step only: off the step's path
+            reach.switch_off_hook(self, "on_train_batch_end")  # the first step only: off the step's path
             self.record["first_step_at"] = time.time()
             self._note_step(trainer)
             self._write()  # once: an attempt killed within a heartbeat still shows when it began training
@@ -175,31 +176,3 @@ def read_attempts(folder: Any, run_id: str | None = None) -> list[dict[str, Any]
                 run_id is None or record.get("run_id") == run_id):
             records.append(record)
     return sorted(records, key=lambda r: r["attempt"])
-
-
-def stop_costs(records: list[dict[str, Any]], ended_at: float | None = None) -> dict[str, Any]:
-    """summary.json's ``stops`` block: the run's wall and training time over its attempts, the goodput, and per
-    stop how it ended, the steps redone and the seconds from the stop to the resumed attempt's first step."""
-    if not records:
-        return {}
-    stops = []
-    for before, after in zip(records, records[1:], strict=False):
-        stopped_at = before.get("ended_at") or before.get("last_step_at")
-        first = after.get("first_step_at")
-        stops.append({
-            "attempt": before["attempt"],
-            "how": before.get("ended") or "killed (no clean exit: SIGKILL, a lost rank or machine)",
-            "at_step": before.get("last_step"),
-            "resumed_from_step": after.get("start_step"),
-            "steps_redone": max(0, int(before.get("last_step") or 0) - int(after.get("start_step") or 0)),
-            "seconds_to_first_step": round(first - stopped_at, 3) if first and stopped_at else None,
-        })
-    last = records[-1]
-    end = ended_at or last.get("ended_at") or last.get("last_step_at")
-    wall = end - records[0]["started_at"] if end else None
-    training = sum(max(0.0, (r.get("ended_at") or r.get("last_step_at") or 0) - r["train_started_at"])
-                   for r in records if r.get("train_started_at"))
-    return {"attempts": len(records), "wall_seconds": round(wall, 3) if wall else None,
-            "training_seconds": round(training, 3),
-            "goodput": round(training / wall, 4) if wall else None,
-            "steps_redone": sum(s["steps_redone"] for s in stops), "stops": stops}

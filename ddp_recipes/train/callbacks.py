@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from ddp_recipes.data.samplers import loader_batch_size
 from ddp_recipes.errors import ConfigError
+from ddp_recipes.lightning_seam import reach
 from ddp_recipes.train.diagnostic_rules import batch_size_of
 from ddp_recipes.train.perf import StepClock, input_wait, peak_flops
 
@@ -234,11 +235,10 @@ class ThroughputMeter(Callback):
 def log_unsaved(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     """Lightning's ``_LoggerConnector.log_metrics`` (ThroughputMonitor's path: ``trainer.logged_metrics``, every
     logger, at the step of this step's train_loss, with the epoch), less its ``logger.save()`` per call."""
-    connector = trainer._logger_connector
-    connector._logged_metrics.update(metrics)
+    reach.record_logged_metrics(trainer, metrics)
     scalars: dict[str, float] = {**metrics}
     scalars.setdefault("epoch", trainer.current_epoch)
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = reach.batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(metrics=scalars, step=step)
 

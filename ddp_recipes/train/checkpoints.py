@@ -1,5 +1,5 @@
 """Which checkpoints a recipe run writes: ``last.ckpt`` and ``best.ckpt`` (which one ``--resume`` opens:
-:mod:`~ddp_recipes.checkpointing.run_folder.resume_choice`); and the ModelCheckpoint that ``build_trainer``
+:mod:`~ddp_recipes.checkpointing.run_folder.resume`); and the ModelCheckpoint that ``build_trainer``
 adds where Lightning adds its default one."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a recipe's process prints besides its own lines: Lightning's messages that the pack causes or that name
 settings the pack owns, fixed or left out; the pack's warnings without a line of its source under them.
 
-Applied by :func:`~ddp_recipes.train.start.open_run` in every rank, for the rest of the process: a recipe's
+Applied by :func:`~ddp_recipes.train.run.open_run` in every rank, for the rest of the process: a recipe's
 own process, or a script that calls a recipe's ``main``. There it filters the two Lightning messages in
 :data:`LEFT_OUT` and formats the pack's own warnings; every other warning is formatted as before. The library's
 ``build_trainer`` alone changes neither.

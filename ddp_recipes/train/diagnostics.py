@@ -1,27 +1,11 @@
 """DDPDiagnostics: the write-up's troubleshooting table as checks that run during real training.
 
-Each row is detected from what the run actually does (batches, gradients, weights, losses, memory) and
-reported once, on rank 0, as a ``DDPDiagnosticWarning`` that starts with ``"DDPDiagnostics: [code]"`` and
-ends with the fix (:data:`FIXES`). Codes, what each measures, and when:
-
-* ``unsharded-data``: a rank's DistributedSampler is built for another world size or rank, or its
-  first-batch fingerprint equals another rank's (first batch, one gather).
-* ``sampler-epoch``: a rank's epoch starts with the batch the previous epoch started with, while its
-  sampler shuffles (local at the epoch's first batch, gathered at epoch end).
-* ``param-drift``: float64 parameter checksums differ across ranks (epoch end).
-* ``loss-divergence``: per-rank mean training loss, max > 3 x min and max - min > 0.5 (epoch end).
-* ``unused-params``: requires_grad parameters with ``.grad is None`` at the first optimizer step.
-* ``small-batch-bn``: unsynced BatchNorm at a per-device batch < 16, world size > 1 (first batch).
-* ``lr-not-scaled``: global batch != reference batch, ``--lr-scaling none``, no warm-up (first batch).
-* ``memory-imbalance``: CUDA peak memory, max > 1.5 x min and > 1 GiB apart (epoch end).
-* ``accum-remainder``: batches per epoch not a multiple of the accumulation (first batch).
-* ``input-bound``: on the rank that waited most, the loop waited for its next batch > 20% (and > 2 ms) of the steady
-  step time, summed over the fit (timed by :class:`~ddp_recipes.train.perf.InputWaitProfiler`, which
-  ``build_trainer`` installs; in the epoch-end gather).
-
-Cost: an all-gather of 8 numbers at the first batch and of 8 per epoch end, on every rank in the same
-order; per step only a local loss sum. One process skips the cross-rank checks. ``findings`` holds
-``(code, message)`` on every rank; ``checked`` names the checks that ran.
+Each row is detected from what the run does (batches, gradients, weights, losses, memory) and reported once, on
+rank 0, as a ``DDPDiagnosticWarning`` starting ``"DDPDiagnostics: [code]"`` and ending with the fix
+(:data:`FIXES`); the codes and their thresholds are docs/diagnostics-and-doctor.md's table. Cost: an all-gather of
+8 numbers at the first batch and at each epoch end, on every rank in the same order; per step only a local loss
+sum. One process skips the cross-rank checks. ``findings`` holds ``(code, message)`` on every rank; ``checked``
+names the checks that ran.
 """
 
 from __future__ import annotations
@@ -94,9 +78,9 @@ FIXES = {
                        "{global_batch_size}, or Trainer(limit_train_batches=<a multiple>)).",
     "input-bound": "in this order: more {num_workers} per rank (up to the CPU cores per device), "
                    "persistent_workers=True (workers kept across epochs), pin_memory=True on CUDA, then cheaper "
-                   "decoding (images stored at training size, torchvision.io.decode_image on tensors, or GPU "
+                   "decoding (images stored at training size, TorchCodec's decode_image on tensors, or GPU "
                    "decoding: the ResNet recipe's --decode gpu with --data imagefolder, elsewhere "
-                   "torchvision.io.decode_jpeg(device='cuda')); `python -m ddp_recipes.bench loader` "
+                   "torchcodec.decoders.decode_jpeg(device='cuda')); `python -m ddp_recipes.bench loader` "
                    "measures images/s per worker count.",
     "memory-imbalance": "side work (evaluation, logging, metrics) belongs under torch.no_grad(), on CPU, or on "
                         "all ranks, not on rank 0 only with autograd on the GPU.",

@@ -22,6 +22,8 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from ddp_recipes.lightning_seam import reach
+
 #: Hooks Lightning calls once per batch (each through its callback loop, never directly).
 PER_BATCH = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
              "on_before_optimizer_step", "on_before_zero_grad", "on_validation_batch_start",
@@ -60,7 +62,7 @@ class SkipUnusedHooks(Callback):
             if not touched(callback):
                 continue
             for name in unused_hooks(callback):
-                setattr(callback, name, None)  # Lightning's loop: `if callable(fn)`
+                reach.switch_off_hook(callback, name)
                 self._skipped.append((callback, name))
 
     @override
@@ -74,8 +76,7 @@ class SkipUnusedHooks(Callback):
     def _give_back(self) -> None:
         # A callback outside the run (a user's wrapper calling it, another Trainer) sees its class's hooks again.
         for callback, name in self._skipped:
-            if vars(callback).get(name, ...) is None:
-                delattr(callback, name)
+            reach.switch_on_hook(callback, name)
         self._skipped = []
 
     def __getstate__(self) -> dict[str, Any]:

@@ -8,7 +8,6 @@ import io
 import os
 from typing import Any
 
-from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -16,6 +15,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
+from ddp_recipes.lightning_seam.reach import flat_params
 from ddp_recipes.storage.store import attempt, put_bytes
 
 
@@ -120,7 +120,7 @@ class ContinuedMLFlowLogger(MLFlowLogger):
     @override
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:
-        flat = _flatten_dict(_convert_params(params))
+        flat = flat_params(params)
         if self.continued:
             held = self.experiment.get_run(self.run_id).data.params
             changed = sorted(k for k, v in flat.items() if k in held and held[k] != str(v)[:250])

@@ -23,6 +23,7 @@ from unittest import mock
 import torch
 
 from ddp_recipes.config.choices import PEAK_DTYPES, PRECISIONS, check_choice
+from ddp_recipes.lightning_seam.reach import no_ampere_check
 
 T = 1e12
 # What each precision computes its matmuls/convolutions in; 32-true is TF32 where TF32 is on. The pack's
@@ -139,7 +140,7 @@ def lightning_peak(device_name: str, dtype: str) -> int | None:
     with ExitStack() as stack, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # its "FLOPs not found" warning: unknown is said by the caller
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_name", lambda *_: device_name))
-        stack.enter_context(mock.patch("lightning.fabric.accelerators.cuda._is_ampere_or_later", lambda *_: False))
+        stack.enter_context(no_ampere_check())
         try:
             flops = get_available_flops(torch.device("cuda", 0), _LIGHTNING_DTYPES[dtype])
         except Exception:  # noqa: BLE001 - a name Lightning cannot parse is a name it does not know

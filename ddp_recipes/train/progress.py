@@ -19,6 +19,8 @@ from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from ddp_recipes.lightning_seam import reach
+
 #: The logged values the bar shows (a module may log more; these are the pack's modules' step values).
 SHOWN = ("train_loss",)
 
@@ -101,8 +103,7 @@ class LoggedMetricsBar(TQDMProgressBar):
 
 def per_step_bar_metrics(trainer: L.Trainer) -> list[str]:
     """The training metrics logged with ``on_step=True, prog_bar=True`` so far in this fit (their names)."""
-    results = trainer.fit_loop.epoch_loop._results
-    return sorted({metric.meta.name for metric in results.values()
+    return sorted({metric.meta.name for metric in reach.epoch_results(trainer)
                    if getattr(metric, "meta", None) is not None and metric.meta.on_step and metric.meta.prog_bar})
 
 
@@ -129,11 +130,9 @@ class ModelTable(ModelSummary):
     def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
                   model_size: float, total_training_modes: dict[str, int], total_flops: int,
                   **summarize_kwargs: Any) -> None:
-        from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
-
         if not total_flops:  # the column of zeros too
             summary_data = [(name, values) for name, values in summary_data if name != "FLOPs"]
-        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
+        table = reach.summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
                                       total_flops, *summary_data)
         if not total_flops:
             table = table.rsplit("\n", 1)[0]

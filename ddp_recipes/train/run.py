@@ -1,30 +1,35 @@
-"""What every recipe does around ``fit``: print the resolved setup once, measure steady-state throughput,
-log to the ``--logger`` trackers, and write ``summary.json`` on rank 0 (atomically)."""
+"""What every recipe does around ``fit``: open the run before it builds anything (the classes it trains, from
+``--model-class``/``--datamodule-class`` or a script's, the user's Trainer surface, the checkpoint ``--resume``
+names), print the resolved setup once, measure steady-state throughput, log to the ``--logger`` trackers, and
+write ``summary.json`` on rank 0 (atomically)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ddp_recipes.checkpointing.checkpoint import (
-    plain_data,
-    read_checkpoint,
-)
-from ddp_recipes.checkpointing.run_folder.output_dir import output_folder
-from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR, refuse_other_runs
-from ddp_recipes.checkpointing.run_folder.rank0_decision import Continue
+from ddp_recipes.checkpointing import kept
+from ddp_recipes.checkpointing.checkpoint import plain_data, read_checkpoint
+from ddp_recipes.checkpointing.run_folder.output_dir import discard_unused_output_dirs, output_folder
+from ddp_recipes.checkpointing.run_folder.resume import Continue, open_resume
+from ddp_recipes.config.cli import fail
 from ddp_recipes.config.run_config import RunConfig, changed_fields
-from ddp_recipes.storage import location
+from ddp_recipes.data.unreadable import describe as describe_unreadable
+from ddp_recipes.errors import ConfigError
+from ddp_recipes.storage.retry import StorageError
 from ddp_recipes.storage.store import write_json_atomic
-from ddp_recipes.train.attempts import AttemptLog, read_attempts, stop_costs, trainer_run_id
+from ddp_recipes.train.attempts import AttemptLog
 from ddp_recipes.train.callbacks import BatchFitsData, PlannedBatch, ThroughputMeter
-from ddp_recipes.train.console import LogCadence
+from ddp_recipes.train.console import LogCadence, quiet_recipe_console
 from ddp_recipes.train.perf import (
     flops_summary,
     peak_flops,
@@ -32,9 +37,84 @@ from ddp_recipes.train.perf import (
     training_flops_per_sample,
 )
 from ddp_recipes.train.summary import scalar_metrics, summarize
+from ddp_recipes.train.surface import UserSurface, open_surface
 from ddp_recipes.train.tracking import TrackerRun, build_loggers, identities, run_params
 from ddp_recipes.train.trainer import Lifecycle, trainer_for
-from ddp_recipes.train.userclass import RecipeClasses, RecordClasses, class_path
+from ddp_recipes.train.userclass import RecipeClasses, RecordClasses, class_path, follow_checkpoint, resolve_classes
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """A recipe run as opened: its classes (those of the checkpoint it resumes), the user's part of the
+    Trainer, and the checkpoint to resume (path and header; None: a fresh run)."""
+
+    classes: RecipeClasses
+    user: UserSurface
+    resume: str | None
+    checkpoint: dict[str, Any] | None
+
+
+def open_run(cfg: RunConfig, base: type[L.LightningModule], model_cls: type | None = None,
+             datamodule_cls: type | None = None, callbacks: Any = None, logger: Any = None,
+             trainer_kwargs: dict[str, Any] | None = None, *, training: bool = True) -> RunStart:
+    """Open a recipe's run before any process starts: the classes (``base`` or the user's subclass), the
+    user's callbacks, logger and Trainer settings, and ``--resume``'s checkpoint (its header: tensors unread),
+    whose recorded classes the run then follows. ``training`` False (``--test-only``) only reads the output
+    folder."""
+    quiet_recipe_console()
+    classes = resolve_classes(base, model_cls, datamodule_cls, cfg.model_class, cfg.datamodule_class)
+    user = open_surface(cfg, callbacks, logger, trainer_kwargs)
+    resume, checkpoint = open_resume(cfg, training, debugging=bool(user.trainer_kwargs.get("fast_dev_run")))
+    if resume:
+        classes = follow_checkpoint(classes, checkpoint, resume)
+    return RunStart(classes, user, resume, checkpoint)
+
+
+def said_by_the_nodes_first() -> bool:
+    """Whether a refusal is another process's to print: under torchrun every rank's process runs the recipe's
+    checks alike before the process group is up (the same flags, the node's same files), so each would print the
+    same line; the node's first process (LOCAL_RANK 0) prints it, the others exit 2 silently. Lightning's own
+    launcher checks once, in the process that starts the ranks."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return False  # inside the run: each rank's error is its own (an agreed one is printed by rank 0)
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_RANK", "0") != "0"
+
+
+@contextmanager
+def refused_in_one_line(prog: str, data_dir: str | None = None) -> Iterator[None]:
+    """A recipe's ``main`` after its flags: bad input (a :class:`ConfigError`, naming its flag) is one line and exit
+    2, and the run leaves nothing behind (not even the empty ``version_N`` of a default output dir); an image
+    file no decoder reads is named relative to ``data_dir``, from any decoder, in a loader worker or not; so is a
+    stream whose store stopped delivering mid-run, and a store of ``--output-dir`` that stopped taking the run's
+    files: their line says whether a checkpoint is kept, and where (:mod:`~ddp_recipes.checkpointing.kept`).
+    Anything else is a bug and keeps its traceback."""
+    kept.reset()
+    try:
+        yield
+    except StorageError as err:  # the store of --output-dir (or of --data-dir, read before the launch)
+        discard_unused_output_dirs()
+        after = kept.current().words("once the store answers")
+        fail(f"{err.cli()}; {after}" if after else err, prog)
+    except ConfigError as err:
+        discard_unused_output_dirs()
+        if said_by_the_nodes_first():
+            raise SystemExit(2) from None
+        fail(err, prog)
+    except OSError as err:
+        name = describe_unreadable(err)  # "train/c1/x.jpg (why)"
+        if name is not None:
+            fail(f"--data-dir {data_dir} holds an image that cannot be decoded: {name}; remove or replace it", prog)
+        from ddp_recipes.data.stream import StreamCacheError, describe_outage  # here: only --data stream raises it
+
+        outage = describe_outage(err)  # "reading train sample 17 failed (why)"
+        if outage is None:
+            raise
+        if isinstance(err, StreamCacheError):  # the node's disk: the line names the cache and its fix
+            fail(outage, prog)
+        after = kept.current().words("once the store answers") or "rerun the same command once the store answers"
+        fail(f"--data-dir {data_dir}: {outage}; {after}", prog)
 
 
 def debug_run(trainer_kwargs: dict[str, Any]) -> bool:
@@ -101,8 +181,9 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     """Fit, test, and write ``<output-dir>/summary.json`` on rank 0. Returns the summary (every rank).
 
     ``build_model`` is called after the trainer has seeded every rank, so the initial weights depend on
-    ``--seed`` only (not on whatever drew random numbers earlier in the process). ``checkpoint``: the contents
-    of ``ckpt_path`` when the caller has read them already (the tracker runs to continue are in it).
+    ``--seed`` only (not on whatever drew random numbers earlier in the process). ``checkpoint``: the header
+    of ``ckpt_path`` when the caller has read it already (the tracker runs to continue are in it); the
+    weights are loaded once, by every rank, in Lightning's restore.
     """
     if ckpt_path and checkpoint is None:
         checkpoint = read_checkpoint(ckpt_path)
@@ -121,8 +202,6 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
             callbacks.append(PlannedBatch(cfg.plan.batch.per_device, class_path(classes.datamodule)))
     # The trackers are made with the trainer: a missing tracker package fails here, before anything is written.
     trainer = make_trainer(cfg, callbacks=callbacks, checkpoint=checkpoint, **trainer_kwargs)
-    if not debugging:  # the last check before any rank starts; a debugging run writes nothing, touches no run
-        refuse_other_runs(cfg, ckpt_path, checkpoint)
     out = output_folder(cfg)  # after the trainer: a setting it refuses leaves nothing behind
     model = build_model()
     if cfg.plan.compile_backend:
@@ -134,10 +213,9 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
     if trainer.is_global_zero:
         print(describe_setup(cfg, trainer, datamodule), flush=True)
     start = time.perf_counter()
-    # --resume auto: continue the folder's run, as rank 0 decides for every rank once the process group is up
-    # (it opened ckpt_path already; every rank must load that very file).
-    request = Continue(ckpt_path) if cfg.resume == "auto" else ckpt_path
-    # weights_only: Lightning's restore must not unpickle code either (read_checkpoint already vetted it).
+    # --resume auto: rank 0 decides for every rank once the process group is up (checkpointing/run_folder/resume.py);
+    # it must be ckpt_path, the checkpoint checked before the launch. weights_only: no code runs from the file.
+    request = Continue(ckpt_path, checkpoint) if cfg.resume == "auto" else ckpt_path
     with plain_data():
         trainer.fit(model, datamodule=datamodule, ckpt_path=request, weights_only=True if ckpt_path else None)
     fit_seconds = time.perf_counter() - start
@@ -153,12 +231,10 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
                                                   if meter.example is not None else None)
     flops = flops_summary(flops_per_sample, meter.samples_per_sec, trainer.world_size,
                           peak_flops(trainer.strategy.root_device, trainer.precision))
-    summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops)
+    summary = summarize(cfg, trainer, meter, fit_seconds, fit_metrics, test_metrics, extra, flops,
+                        attempts=not debugging)
     if trainer.is_global_zero:
         summary["trackers"] = identities(trainer.loggers)
-        if not debugging:
-            attempts = read_attempts(location(cfg.output_dir) / ATTEMPTS_DIR, trainer_run_id(trainer))
-            summary["stops"] = stop_costs(attempts, time.time())
         if not debugging:
             write_json_atomic(out / "summary.json", summary)
         shown = {k: summary[k] for k in ("world_size", "global_batch_size", "epochs", "steps", "fit_seconds",

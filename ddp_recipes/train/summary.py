@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
 import torch
 
 from ddp_recipes.checkpointing.exact_continuation import completed_epochs
+from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
 from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.storage import location
+from ddp_recipes.train.attempts import read_attempts, trainer_run_id
 from ddp_recipes.train.callbacks import ThroughputMeter
 
 
@@ -20,11 +24,14 @@ def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
 
 def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_seconds: float,
               metrics: dict[str, float], test_metrics: dict[str, float],
-              extra: dict[str, Any] | None = None, flops: dict[str, Any] | None = None) -> dict[str, Any]:
+              extra: dict[str, Any] | None = None, flops: dict[str, Any] | None = None,
+              attempts: bool = True) -> dict[str, Any]:
     """The fields of summary.json (see docs/recipes.md#summaryjson for each one). Every rank calls it (one
-    collective)."""
+    collective). ``attempts``: whether the run left attempt records (``stops``; a debugging run leaves none)."""
     wait = worst_rank(trainer, meter.input_wait_fraction)
     batch = cfg.plan.batch
+    stops = (stop_costs(read_attempts(location(cfg.output_dir) / ATTEMPTS_DIR, trainer_run_id(trainer)), time.time())
+             if attempts and trainer.is_global_zero else None)  # the records are rank 0's
     return {
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
@@ -51,6 +58,7 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         "torch_version": torch.__version__,
         "lightning_version": L.__version__,
         **{k: (v.total(trainer) if isinstance(v, RankCounts) else v) for k, v in (extra or {}).items()},
+        **({"stops": stops} if stops is not None else {}),
     }
 
 
@@ -81,3 +89,31 @@ def worst_rank(trainer: L.Trainer, value: float | None) -> float | None:
                          device=trainer.strategy.root_device)
     worst = float(trainer.strategy.reduce(local, reduce_op="max"))
     return None if worst < 0 else worst
+
+
+def stop_costs(records: list[dict[str, Any]], ended_at: float | None = None) -> dict[str, Any]:
+    """summary.json's ``stops`` block: the run's wall and training time over its attempts, the goodput, and per
+    stop how it ended, the steps redone and the seconds from the stop to the resumed attempt's first step."""
+    if not records:
+        return {}
+    stops = []
+    for before, after in zip(records, records[1:], strict=False):
+        stopped_at = before.get("ended_at") or before.get("last_step_at")
+        first = after.get("first_step_at")
+        stops.append({
+            "attempt": before["attempt"],
+            "how": before.get("ended") or "killed (no clean exit: SIGKILL, a lost rank or machine)",
+            "at_step": before.get("last_step"),
+            "resumed_from_step": after.get("start_step"),
+            "steps_redone": max(0, int(before.get("last_step") or 0) - int(after.get("start_step") or 0)),
+            "seconds_to_first_step": round(first - stopped_at, 3) if first and stopped_at else None,
+        })
+    last = records[-1]
+    end = ended_at or last.get("ended_at") or last.get("last_step_at")
+    wall = end - records[0]["started_at"] if end else None
+    training = sum(max(0.0, (r.get("ended_at") or r.get("last_step_at") or 0) - r["train_started_at"])
+                   for r in records if r.get("train_started_at"))
+    return {"attempts": len(records), "wall_seconds": round(wall, 3) if wall else None,
+            "training_seconds": round(training, 3),
+            "goodput": round(training / wall, 4) if wall else None,
+            "steps_redone": sum(s["steps_redone"] for s in stops), "stops": stops}

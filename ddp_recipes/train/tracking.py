@@ -21,7 +21,6 @@ import os
 from typing import Any
 
 import lightning as L
-from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -31,6 +30,7 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.errors import ConfigError, lit
 from ddp_recipes.extras import install_hint
+from ddp_recipes.lightning_seam import reach
 from ddp_recipes.storage import is_url, location, same_path
 from ddp_recipes.storage.store import cache_dir
 from ddp_recipes.train.loggers import ContinuedCSVLogger, ContinuedMLFlowLogger
@@ -199,10 +199,10 @@ def identity(logger: Logger) -> tuple[str, dict[str, Any]] | None:
         return "tensorboard", {"version": logger.version, "log_dir": logger.log_dir}
     if isinstance(logger, MLFlowLogger):
         return "mlflow", {"run_id": logger.run_id, "experiment_id": logger.experiment_id,
-                          "tracking_uri": logger._tracking_uri}
+                          "tracking_uri": reach.tracking_uri(logger)}
     if isinstance(logger, WandbLogger):
         run = logger.experiment
-        return "wandb", {"id": logger.version, "project": getattr(run, "project", None) or logger._project,
+        return "wandb", {"id": logger.version, "project": getattr(run, "project", None) or logger.name,
                          "entity": getattr(run, "entity", None) or None,
                          "dir": os.path.dirname(run.dir) if getattr(run, "dir", None) else None}
     return None
@@ -286,10 +286,9 @@ def align_logging_step(trainer: L.Trainer, pl_module: L.LightningModule) -> None
     at (``_batches_that_stepped``) one ahead of ``global_step``: every point of the continued tracker run
     (losses, validation, live metrics) one step later than in the run never stopped, one more per such
     resume. With one optimizer under automatic optimization the two are equal at every batch start."""
-    loop = trainer.fit_loop.epoch_loop
     if (pl_module.automatic_optimization and len(trainer.optimizers) == 1
-            and loop._batches_that_stepped != trainer.global_step):
-        loop._batches_that_stepped = trainer.global_step
+            and reach.batches_that_stepped(trainer) != trainer.global_step):
+        reach.set_batches_that_stepped(trainer, trainer.global_step)
 
 
 def _where(name: str, run: dict[str, Any]) -> str:
@@ -311,7 +310,7 @@ def log_params(loggers: list[Logger], params: dict[str, Any]) -> None:
             else:  # the other package Lightning's TensorBoardLogger runs on
                 from tensorboardX.summary import hparams
 
-            flat = logger._sanitize_params(_flatten_dict(_convert_params(params)))
+            flat = reach.sanitized_params(logger, reach.flat_params(params))
             flat = {k: ("None" if v is None else v) for k, v in flat.items()}
             writer = logger.experiment._get_file_writer()
             for summary in hparams(flat, {}):

@@ -25,7 +25,7 @@ from ddp_recipes.checkpointing.files import see_published
 from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.checkpointing.position import RunPosition
 from ddp_recipes.checkpointing.run_folder import ownership
-from ddp_recipes.checkpointing.run_folder.rank0_decision import check_checkpoint_names, find_last_checkpoint
+from ddp_recipes.checkpointing.run_folder.resume import check_checkpoint_names, find_last_checkpoint
 from ddp_recipes.config.plan import DDPOptions, RunPlan
 from ddp_recipes.config.world import (
     check_node_env,
@@ -37,6 +37,8 @@ from ddp_recipes.config.world import (
 from ddp_recipes.data.adopt import adopt_user_loaders
 from ddp_recipes.ddp.strategy import TunedDDPStrategy
 from ddp_recipes.errors import ConfigError, lit
+from ddp_recipes.lightning_seam.check import check_lightning
+from ddp_recipes.lightning_seam.reach import silence_litmodels_tip
 from ddp_recipes.storage import is_url, location
 from ddp_recipes.train.callbacks import BatchFitsData
 from ddp_recipes.train.checkpoints import DefaultCheckpoint
@@ -233,8 +235,8 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
             **trainer_kwargs,
         )
     # the same advert for Lightning's model registry, held until fit (only set with its default checkpoint)
-    if getattr(trainer._callback_connector, "_pending_litmodels_tip", None):
-        trainer._callback_connector._pending_litmodels_tip = False
+    silence_litmodels_tip(trainer)
+    check_lightning(trainer)  # before anything is written or launched: one line if Lightning moved
     if last is not None and last.dirpath is None:
         last.dirpath = location(trainer.default_root_dir) / CHECKPOINT_DIR
     if last is not None and lifecycle is not None and lifecycle.library:  # a recipe proved its --output-dir already

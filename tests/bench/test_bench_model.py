@@ -159,7 +159,7 @@ def test_predict_main_lists_links(capsys):
 def test_published_scaling_table_is_pinned():
     """Every published point docs/benchmark.md cites beside the model (its "The scaling model" section shows
     this table)."""
-    from ddp_recipes.bench.commodel import format_scaling_table, published_scaling_table
+    from ddp_recipes.bench.commodel import published_scaling_table
 
     rows = published_scaling_table()
     pinned = {  # (precision, GPUs): (published %, model %)
@@ -175,6 +175,19 @@ def test_published_scaling_table_is_pinned():
     page = (Path(__file__).resolve().parents[2] / "docs" / "benchmark.md").read_text()
     assert format_scaling_table(rows) in page, \
         "docs/benchmark.md's scaling table is stale: paste format_scaling_table()"
+
+
+def format_scaling_table(rows: list[dict]) -> str:
+    """:func:`published_scaling_table` as docs/benchmark.md's markdown table."""
+    lines = ["| published point | GPUs | link | 1-GPU step ms | published | model | model - published | "
+             "all-reduce ms | step gap ms |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        name = "PyTorch DDP benchmark" if r["source"].startswith("pytorch") else "NVIDIA DeepLearningExamples"
+        lines.append(f"| {name}, ResNet-50 {r['precision']}, {r['gpu']} | {r['devices']} | {r['link']} | "
+                     f"{r['step_ms_1']:.1f} | {100 * r['published_efficiency']:.1f}% | "
+                     f"{100 * r['predicted_efficiency']:.1f}% | {r['error_points']:+.1f} pp | {r['comm_ms']:.1f} | "
+                     f"{r['gap_ms']:.1f} |")
+    return "\n".join(lines)
 
 
 def test_prediction_says_what_it_leaves_out():

@@ -59,8 +59,8 @@ def test_the_installed_lightning_is_in_the_range_this_was_checked_on():
 
 
 def test_a_pack_fit_runs_without_it_and_other_trainers_keep_it(tmp_path):
-    from ddp_recipes.data.base import TensorDataModule
     from ddp_recipes.modules.mnist import MNISTClassifier
+    from tests.tiny_modules import TensorDataModule
 
     cfg = RunConfig(devices=1, accelerator="cpu", max_steps=2, batch_size=16, output_dir=str(tmp_path), num_workers=0)
     trainer = make_trainer(cfg, logger=False)
@@ -75,9 +75,9 @@ def test_a_pack_fit_runs_without_it_and_other_trainers_keep_it(tmp_path):
 
 @pytest.mark.parametrize("preemption", [True, False])
 def test_build_trainer_takes_it_out_only_with_its_own_stop_vote(tmp_path, preemption):
-    from ddp_recipes.data.base import TensorDataModule
     from ddp_recipes.modules.mnist import MNISTClassifier
     from ddp_recipes.train.trainer import build_trainer
+    from tests.tiny_modules import TensorDataModule
 
     trainer = build_trainer(devices=1, accelerator="cpu", max_steps=1, preemption=preemption, logger=False,
                             default_root_dir=tmp_path, enable_checkpointing=preemption)

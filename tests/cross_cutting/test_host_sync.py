@@ -5,9 +5,9 @@ and ``aten.is_nonzero`` (``bool(t)``, ``if t:``) over whole loop iterations, fro
 to the next one's: every hook of every callback, Lightning's own batch-end work (its logger connector, the
 progress bar), the optimizer step and the next batch's fetch and transfer. Each iteration is counted on its
 own, for the MNIST recipe's path (``run_fit_test`` with the recipe's callbacks, ``build_trainer``, resumable
-loader, diagnostics), by the bench's own counter (``ddp_recipes/bench/harness/step_counts.py`` ``StepCounts``, what
-``bench overhead`` and ``bench account`` report). On CPU these reads cost little, but each is a stream stall on
-CUDA. The same count at 2 ranks is tests/cross_cutting/test_step_collectives.py's.
+loader, diagnostics), by the bench's own counter (``benchmarks/account/step_counts.py`` ``StepCounts``, what
+``benchmarks overhead`` and ``benchmarks account`` report). On CPU these reads cost little, but each is a stream
+stall on CUDA. The same count at 2 ranks is tests/cross_cutting/test_step_collectives.py's.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ddp_recipes.bench.harness.step_counts import HOST_READS, OpCounts, StepCounts
+from benchmarks.account.step_counts import HOST_READS, OpCounts, StepCounts
 from ddp_recipes.config.run_config import RunConfig
-from ddp_recipes.data.base import TensorDataModule
 from ddp_recipes.data.samplers import TensorBatchDataset
 from ddp_recipes.modules.logging import SyncFreeMean
 from ddp_recipes.modules.mnist import MNISTClassifier
 from ddp_recipes.train.checkpoints import checkpoint_callbacks
 from ddp_recipes.train.run import make_trainer, run_fit_test
+from tests.tiny_modules import TensorDataModule
 
 BATCH, START, WINDOW = 16, 12, 24  # steps 13..36 of a 200-step epoch: no epoch end, no first-step work
 

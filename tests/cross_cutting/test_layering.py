@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    ("ddp_recipes.errors", "ddp_recipes.extras", "ddp_recipes.atomic", "ddp_recipes.storage"),
+    ("ddp_recipes.errors", "ddp_recipes.extras", "ddp_recipes.atomic", "ddp_recipes.storage",
+     "ddp_recipes.lightning_seam"),
     ("ddp_recipes.config",),
     ("ddp_recipes.data",),
     ("ddp_recipes.optim",),
@@ -22,6 +23,7 @@ LAYERS = [
     ("ddp_recipes.train",),
     ("ddp_recipes.bench", "ddp_recipes.doctor"),
     ("recipes",),
+    ("benchmarks",),  # the clone's developer benchmarks: not installed, so nothing below may import them
 ]
 
 
@@ -32,7 +34,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-MODULES = {_module_name(p): p for top in ("ddp_recipes", "recipes") for p in sorted((ROOT / top).rglob("*.py"))}
+MODULES = {_module_name(p): p for top in ("ddp_recipes", "recipes", "benchmarks")
+           for p in sorted((ROOT / top).rglob("*.py"))}
 PACKAGES = {name for name, path in MODULES.items() if path.name == "__init__.py"}
 
 
@@ -66,7 +69,7 @@ def _imports(name: str) -> list[tuple[str, list[str], int]]:
             visit(child)
 
     visit(ast.parse(path.read_text(encoding="utf-8")))
-    return [(m, names, line) for m, names, line in found if m.split(".")[0] in ("ddp_recipes", "recipes")]
+    return [(m, names, line) for m, names, line in found if m.split(".")[0] in ("ddp_recipes", "recipes", "benchmarks")]
 
 
 def _layer(module: str) -> int | None:
@@ -162,7 +165,8 @@ def test_names_come_from_the_module_that_defines_them(importer):
     else:
         tree = ast.parse((ROOT / importer).read_text(encoding="utf-8"))
         imports = [(n.module, [a.name for a in n.names], n.lineno) for n in ast.walk(tree)
-                   if isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").startswith("ddp_recipes")]
+                   if isinstance(n, ast.ImportFrom) and not n.level
+                   and (n.module or "").startswith(("ddp_recipes", "benchmarks"))]
     borrowed = [f"{importer}:{line} takes {name} from {module}" for module, names, line in imports
                 if module in MODULES and module != "ddp_recipes" for name in names
                 if f"{module}.{name}" not in MODULES and name not in _defined(module)]
@@ -175,3 +179,26 @@ def test_public_api_names_the_defining_modules():
                    if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in n.targets))
     assert [f"{name} from {module}" for name, module in exports.items()
             if module not in MODULES or name not in _defined(module)] == []
+
+
+def test_an_editor_finds_every_public_name_where_it_is_defined():
+    """The lazy exports have a ``TYPE_CHECKING`` import of each name from the same module, so go-to-definition
+    on ``ddp_recipes.build_trainer`` lands in ``train/trainer.py``; ``__all__`` lists the same names."""
+    tree = ast.parse(MODULES["ddp_recipes"].read_text(encoding="utf-8"))
+    exports = next(ast.literal_eval(n.value) for n in tree.body
+                   if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in n.targets))
+    checked = {f"{alias.name} from {node.module}" for block in tree.body
+               if isinstance(block, ast.If) and _is_type_checking(block)
+               for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert checked == {f"{name} from {module}" for name, module in exports.items()}
+    import ddp_recipes
+
+    assert sorted(ddp_recipes.__all__) == sorted(exports)
+
+
+def test_one_argument_parser_class_serves_every_command_line():
+    """Bad input reads the same on every command of the pack because one class makes it one line."""
+    parsers = [f"{name}.{node.name}" for name, path in MODULES.items()
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(node, ast.ClassDef)
+               for base in node.bases if ast.unparse(base) in ("argparse.ArgumentParser", "ArgumentParser")]
+    assert parsers == ["ddp_recipes.config.cli.FlagParser"]

@@ -1,7 +1,7 @@
 """A pack training step issues no collective beyond DDP's own and reads nothing on the host (issues #31, #39).
 
 At 2 gloo ranks, ``tests/scenarios/collective_scenario.py`` records (with the bench's counter,
-``ddp_recipes/bench/harness/step_counts.py``), for every whole loop iteration (one training
+``benchmarks/account/step_counts.py``), for every whole loop iteration (one training
 batch's start to the next one's), the collectives issued on every process group (each group's sequence
 number: DDP's C++ gradient-bucket all-reduces and buffer broadcasts included), the ``torch.distributed``
 functions called from Python, and the host reads of tensor values, for the MNIST recipe's path and for plain
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_recipes.bench.harness.step_counts import DDP_OWN
+from benchmarks.account.step_counts import DDP_OWN
 from tests.launch import run
 
 ROOT = Path(__file__).resolve().parents[2]

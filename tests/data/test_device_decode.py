@@ -1,4 +1,5 @@
-"""``--decode gpu`` on the CPU device: the same code as on CUDA, with torchvision's CPU ``decode_jpeg``.
+"""``--decode gpu`` on the CPU device: the same code as on CUDA, with the CPU ``decode_jpeg`` of each decoder library
+(TorchCodec's and torchvision.io's: the ``image_library`` fixture; ddp_recipes.data.decoders).
 
 Proves: the device pipeline equals the CPU tensor pipeline bit for bit for the same draws (crops, flips, the
 policies, erasing) and the recipe's PIL pipeline within interpolation tolerance for the same seed (so the
@@ -17,8 +18,8 @@ import lightning as L
 import pytest
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_image
 
+from ddp_recipes.data.decoders import image_decoders
 from ddp_recipes.data.device_decode import DeviceDecoder
 from ddp_recipes.data.encoded import EncodedBatch, EncodedImageFolder, EvalPipeline, TrainPipeline
 from ddp_recipes.data.images import ImageFolderDataModule
@@ -58,7 +59,7 @@ def _epoch(dm: ImageFolderDataModule, loader) -> list[tuple[torch.Tensor, torch.
 
 @pytest.mark.parametrize(("auto_augment", "random_erase"), [(None, 0.0), ("ta_wide", 0.5), ("ra", 0.0),
                                                             ("imagenet", 1.0)])
-def test_the_device_pipeline_is_the_cpu_tensor_pipeline_bit_for_bit(tree, auto_augment, random_erase):
+def test_the_device_pipeline_is_the_cpu_tensor_pipeline_bit_for_bit(tree, auto_augment, random_erase, image_library):
     """Same per-sample seed: the worker's draws, applied on the device, give exactly the CPU pipeline's output on
     the decoded tensor (its crop, flip, policy operations and erased box)."""
     pipeline = TrainPipeline(32, min_crop_scale=0.2, auto_augment=auto_augment, random_erase=random_erase)
@@ -70,7 +71,7 @@ def test_the_device_pipeline_is_the_cpu_tensor_pipeline_bit_for_bit(tree, auto_a
         seed_all(sample_seed(7, 1, i))
         samples.append(dataset[i])
         seed_all(sample_seed(7, 1, i))
-        expected.append(compose(decode_image(path, mode=ImageReadMode.RGB)))
+        expected.append(compose(image_decoders().decode_image(path, mode="RGB")))
     x, y = DeviceDecoder()(dataset.collate(samples).to("cpu"))
     assert torch.equal(x, torch.stack(expected))
     assert y.tolist() == [0] * len(files) and x.dtype == torch.float32
@@ -82,7 +83,7 @@ def test_the_device_pipeline_is_the_cpu_tensor_pipeline_bit_for_bit(tree, auto_a
         assert any(d.erase for d in draws)
 
 
-def test_decode_gpu_gives_the_pil_pipelines_batches_for_the_same_seed(tree):
+def test_decode_gpu_gives_the_pil_pipelines_batches_for_the_same_seed(tree, image_library):
     """The recipe's two modes on the same folder and seed, through the resumable loader with a worker: the same
     samples, crops and flips; pixels within two levels (PIL's resize vs torch's; a tenth of a level on
     average), evaluation too."""
@@ -98,10 +99,10 @@ def test_decode_gpu_gives_the_pil_pipelines_batches_for_the_same_seed(tree):
             assert torch.equal(y, y_cpu) and x.shape == x_cpu.shape
             diff = (x - x_cpu).abs()
             assert diff.max() <= TOLERANCE and diff.mean() < 0.1 * LEVEL, (stage, diff.max(), diff.mean())
-    assert gpu.decode_record == {"device": "cpu", "images": 24 + 10, "cpu_fallbacks": 0}
+    assert gpu.decode_record == {"device": "cpu", "images": 24 + 10, "cpu_fallbacks": 0, "decoder": image_library}
 
 
-def test_the_fallback_decodes_a_cmyk_jpeg_and_a_png_named_jpeg(tree, tmp_path):
+def test_the_fallback_decodes_a_cmyk_jpeg_and_a_png_named_jpeg(tree, tmp_path, image_library):
     """nvJPEG refuses both (CUDA twin: tests/gpu/test_gpu_decode.py); on the CPU device libjpeg decodes the CMYK one
     and refuses the PNG. Either way the batch keeps every image, equal to the PIL pipeline's within a level, and
     each file decoded on the CPU instead is counted."""
@@ -120,7 +121,7 @@ def test_the_fallback_decodes_a_cmyk_jpeg_and_a_png_named_jpeg(tree, tmp_path):
     assert gpu.decoder.fallbacks == 2 and gpu.decode_record["cpu_fallbacks"] == 2  # the PNG, once per split
 
 
-def test_a_file_no_decoder_reads_is_one_line_naming_it(tmp_path, capsys):
+def test_a_file_no_decoder_reads_is_one_line_naming_it(tmp_path, capsys, image_library):
     from recipes import resnet
 
     root = write_jpeg_tree(tmp_path / "bad", per_class=4, val_per_class=2, side=40)
@@ -252,7 +253,7 @@ def _resume_args(root: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow  # three 2-rank runs: over 30 s
-def test_sigterm_mid_epoch_then_resume_auto_at_two_ranks_is_exact(tmp_path):
+def test_sigterm_mid_epoch_then_resume_auto_at_two_ranks_is_exact(tmp_path, image_library):
     from tests.helpers import assert_same_weights
 
     root = write_jpeg_tree(tmp_path / "jpegs", per_class=12, val_per_class=3, side=20)
@@ -271,10 +272,10 @@ def test_sigterm_mid_epoch_then_resume_auto_at_two_ranks_is_exact(tmp_path):
 
 
 def _decoder(noise_levels: int = 0, shift: int = 0, seed: int = 0):
-    """libjpeg-turbo, then every pixel moved by a random ``+-noise_levels`` (a decoder that rounds its IDCT and
-    chroma upsampling otherwise, as nvJPEG does by a level or two) and by ``shift`` (a wrong decoder)."""
-    from torchvision.io import decode_jpeg
-
+    """The pack's CPU decoder (libjpeg-turbo), then every pixel moved by a random ``+-noise_levels`` (a decoder
+    that rounds its IDCT and chroma upsampling otherwise, as nvJPEG does by a level or two) and by ``shift`` (a
+    wrong decoder)."""
+    decode_jpeg = image_decoders().decode_jpeg
     g = torch.Generator().manual_seed(seed)
 
     def moved(image: torch.Tensor) -> torch.Tensor:

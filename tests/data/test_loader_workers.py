@@ -49,7 +49,7 @@ def test_an_evaluation_loader_the_pack_shards_gets_workers_that_end_with_the_ran
     from ddp_recipes.data.samplers import ExactDistributedSampler
 
     trainer = ddp_recipes.build_trainer(devices=1, accelerator="cpu", default_root_dir=str(tmp_path), logger=False)
-    connector = trainer._data_connector
+    connector = trainer._data_connector.loader_hook  # the pack's adoption, where Lightning re-creates loaders
     monkeypatch.setattr(connector, "_world", lambda: (2, 0))  # rank 0 of 2, as in a launched rank
     loader = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=2, num_workers=2, worker_init_fn=_user_init)
     sharded = connector._adopt_eval(loader, RunningStage.VALIDATING)

@@ -141,7 +141,8 @@ def test_a_stream_run_ends_with_the_weights_of_the_folder_run(where, request, fo
     assert_same_weights(folder_run, last_ckpt(tmp_path))
 
 
-def test_decode_gpu_on_a_stream_ends_with_the_weights_of_decode_gpu_on_the_folder(local_stream, images, tmp_path):
+def test_decode_gpu_on_a_stream_ends_with_the_weights_of_decode_gpu_on_the_folder(local_stream, images, tmp_path,
+                                                                                   image_library):
     """``--decode gpu``'s path (workers hand over bytes and draws; the decoder runs in the training process), here on
     the CPU: the stream feeds EncodedImageFolder the same bytes the folder's files hold."""
     runs = {}

@@ -1,8 +1,10 @@
 """A file no decoder reads is named relative to --data-dir, with both decoders, in a loader worker and in the
-training process; the run that stopped on it (before its first checkpoint) leaves the folder to the same
-command once the file is replaced (issue #40.2, #40.3)."""
+training process; the run that stopped on it (before its first checkpoint) leaves the folder to any command
+once the file is replaced (issue #40.2, #40.3, #53.5)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -46,35 +48,54 @@ def test_the_same_command_runs_once_the_image_is_replaced(tmp_path, capsys):
     name = _damage(root, "truncated")
     with pytest.raises(SystemExit):
         _main(root, tmp_path / "out", "cpu", 0)
-    assert (tmp_path / "out" / "checkpoints" / "run.json").exists()
+    assert json.loads((tmp_path / "out" / "checkpoints" / "run.json").read_text())["holder"] is None  # released
     (root / name).write_bytes((root / "train" / "c1" / "0.jpg").read_bytes())
     summary = _main(root, tmp_path / "out", "cpu", 0)
     assert summary["steps"] == 1 and summary["stops"]["attempts"] == 1  # the failed launch was another run's
 
 
-def test_only_a_run_that_failed_before_its_first_step_gives_up_the_folder(tmp_path):
-    """No record of its end (killed: it may be training yet), a finished or preempted run, or one that trained:
-    a new run is still refused there."""
-    import json
+def test_a_folder_without_checkpoints_is_held_only_while_its_run_runs(tmp_path):
+    """The rule: a folder whose runs left no checkpoint is free, whatever they did (failed, finished, killed);
+    one a live run holds is refused until that run ends or dies; one holding checkpoints needs --resume auto."""
+    import socket
+    import subprocess
+    import sys
+
+    import torch
 
     from ddp_recipes.checkpointing.run_folder import ownership
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
-    ownership.claim(folder, "aaaaaaaaaaaa")
-    (tmp_path / "attempts").mkdir()
-    record = {"attempt": 1, "run_id": "aaaaaaaaaaaa", "started_at": 1.0, "ended": None}
-    (tmp_path / "attempts" / "1.json").write_text(json.dumps(record))
-    with pytest.raises(ownership.CheckpointError, match="holds run aaaaaaaaaaaa"):
+    ownership.claim(folder, "aaaaaaaaaaaa")  # held by this process, whose earlier fit is over: free
+    ownership.refuse_live(ownership.output_survey(tmp_path))
+    ownership.refuse_new_run(ownership.output_survey(tmp_path))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = json.loads((folder / "run.json").read_text())
+        record["holder"] = {"host": socket.gethostname(), "pid": other.pid, "at": 2.0}
+        (folder / "run.json").write_text(json.dumps(record))
+        with pytest.raises(ownership.CheckpointError, match="is held by run aaaaaaaaaaaa, running now"):
+            ownership.refuse_live(ownership.output_survey(tmp_path))
+        with pytest.raises(ownership.CheckpointError, match="is held by run aaaaaaaaaaaa, running now"):
+            ownership.claim(folder, "bbbbbbbbbbbb", free=True)
+        # its fit ended (an error, Ctrl+C, a finish), which released the record: it holds nothing, though it runs
+        (folder / "run.json").write_text(json.dumps({**record, "holder": None}))
+        ownership.refuse_live(ownership.output_survey(tmp_path))
+        (folder / "run.json").write_text(json.dumps(record))
+        with pytest.raises(ownership.CheckpointError, match="running now"):
+            ownership.refuse_live(ownership.output_survey(tmp_path))
+    finally:
+        other.kill()
+        other.wait()
+    ownership.refuse_live(ownership.output_survey(tmp_path))  # killed: it holds nothing
+    ownership.claim(folder, "bbbbbbbbbbbb", free=True)  # taken over; its record kept
+    assert json.loads((folder / "run.json").read_text())["run_id"] == "bbbbbbbbbbbb"
+    assert json.loads((folder / "run-aaaaaaaaaaaa.json").read_text())["run_id"] == "aaaaaaaaaaaa"
+    torch.save({"state_dict": {}, "global_step": 3, "epoch": 0, "ddp_recipes_run": {"run_id": "bbbbbbbbbbbb"}},
+               folder / "last.ckpt")
+    with pytest.raises(ownership.CheckpointError, match="holds run bbbbbbbbbbbb .last.ckpt at step 3"):
         ownership.refuse_new_run(ownership.output_survey(tmp_path))
-    for ended, step in (("finished", 3), ("error: RuntimeError", 3), ("preempted by SIGTERM", 0)):
-        # it trained, or stopped cleanly: its checkpoints may have been moved away, its summary is still there
-        (tmp_path / "attempts" / "1.json").write_text(json.dumps({**record, "ended": ended, "last_step": step}))
-        with pytest.raises(ownership.CheckpointError, match="holds run aaaaaaaaaaaa"):
-            ownership.refuse_new_run(ownership.output_survey(tmp_path))
-    (tmp_path / "attempts" / "1.json").write_text(json.dumps({**record, "ended": "error: UnreadableImage",
-                                                               "last_step": 0}))
-    ownership.refuse_new_run(ownership.output_survey(tmp_path))  # failed before a step: the folder is free
 
 
 def test_named_loader_and_describe(tmp_path):

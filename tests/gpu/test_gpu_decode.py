@@ -1,6 +1,7 @@
 """``--decode gpu`` on a real GPU (nvJPEG): the CUDA twins of tests/data/test_device_decode.py; skip without CUDA.
 
-Proves: the same encoded batch decoded and augmented on CUDA equals the CPU device's result (libjpeg-turbo)
+Proves, with each decoder library (TorchCodec's nvJPEG path, torchvision's; the ``image_library`` fixture): the
+same encoded batch decoded and augmented on CUDA equals the CPU device's result (libjpeg-turbo)
 within a few levels of JPEG decoder rounding, for the same draws; nvJPEG's refusals (a PNG named .JPEG, a
 CMYK JPEG) fall back to the CPU, are counted and keep every image. (The pack's side of the step makes no host
 read: tests/cross_cutting/test_host_sync.py, on the CPU; torchvision's nvJPEG call itself waits for its decode
@@ -20,7 +21,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.parametrize("name", sorted(decode_pipelines()))
-def test_nvjpeg_gives_the_cpu_decoders_batch_for_the_same_draws(tmp_path, name):
+def test_nvjpeg_gives_the_cpu_decoders_batch_for_the_same_draws(tmp_path, name, image_library):
     """Same files, same draws: CUDA against the CPU device, through pipelines without threshold operations (see
     tests.helpers.decode_pipelines; the CPU twin holds the bound with a decoder that adds +-1 level noise)."""
     pipeline = decode_pipelines()[name]
@@ -36,7 +37,7 @@ def test_nvjpeg_gives_the_cpu_decoders_batch_for_the_same_draws(tmp_path, name):
 
 
 @needs_cuda
-def test_files_nvjpeg_refuses_are_decoded_on_the_cpu_and_counted(tmp_path):
+def test_files_nvjpeg_refuses_are_decoded_on_the_cpu_and_counted(tmp_path, image_library):
     root = write_jpeg_tree(tmp_path, per_class=3, side=40)
     write_odd_images(root / "train" / "c0")
     files = sorted(str(p) for p in root.rglob("*.*") if p.is_file())

@@ -39,8 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.cli import OneLineParser
-from ddp_recipes.config.cli import fail
+from ddp_recipes.config.cli import FlagParser, fail
 from tests.gpucheck.machine import Machine, inspect_machine
 from tests.gpucheck.report import (
     EXIT_CODES,
@@ -246,7 +245,7 @@ def resnet50_flops(batch_size: int) -> int | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FlagParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S, help="total seconds for all checks")
     p.add_argument("--only", default="", help="comma list of check names to run (default: all)")
     p.add_argument("--batch-size", type=int, default=128, help="ResNet-50 per-GPU batch (NVIDIA's is 256)")

@@ -396,13 +396,16 @@ def test_the_decode_gpu_check_runs_the_recipe_both_ways(tmp_path):
                   "3", "--precision", "32-true"]
     check.timeout_s = 240
     [result] = runner.run_checks([check], gpus=1, out_dir=tmp_path, budget_s=300, **QUIET)
+    from ddp_recipes.data.decoders import image_decoders
+
     assert result["verdict"] == "fail" and result["reason"].startswith("--decode gpu decoded on cpu, not CUDA"), result
     data = result["data"]
     for decode in ("cpu", "gpu"):
         assert data[decode]["images_per_s"] > 0 and 0 <= data[decode]["input_wait_fraction"] <= 1
         assert data[decode]["steps"] == 3
     assert data["cpu"]["decode"] is None  # the PIL pipeline
-    assert data["gpu"]["decode"] == {"device": "cpu", "images": 3 * 4 + 2 * 4, "cpu_fallbacks": 0}  # + sanity, test
+    assert data["gpu"]["decode"] == {"device": "cpu", "images": 3 * 4 + 2 * 4, "cpu_fallbacks": 0,  # + sanity, test
+                                     "decoder": image_decoders().name}
     work = tmp_path / "gpu-check" / "decode-gpu"
     assert len(list((work / "jpegs" / "train").rglob("*.jpg"))) == 16
 

@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import (
     ConstantLR,
     CosineAnnealingLR,
     ExponentialLR,
+    LambdaLR,
     LinearLR,
     SequentialLR,
     StepLR,
@@ -28,6 +29,8 @@ from ddp_recipes.optim.optimizers import build_optimizer, param_groups
 from ddp_recipes.optim.schedules import (
     lightning_reference_scheduler,
     reference_scheduler,
+    schedule_length,
+    warmup_cosine,
 )
 from tests.tiny_modules import TinyClassifier, classifier_loader
 
@@ -362,3 +365,18 @@ def test_build_from_names_the_config_fields():
     with pytest.raises(ConfigError) as err:
         build_from(EMAArgs, Flags(model_ema=True, model_ema_decay=2.0), names)
     assert err.value.cli().startswith("--model-ema-decay must be in [0, 1]")
+
+
+def test_a_schedule_states_the_run_length_its_curve_was_sized_for():
+    """What ResumeState compares across a resume is a typed property of the pack's schedules, kept through the
+    scheduler's state dict (a checkpoint), and None for a schedule that does not depend on the run's length."""
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert schedule_length(warmup_cosine(opt, 2, 40)) == 40
+    assert schedule_length(warmup_cosine(opt, 2, 0)) is None  # warm-up only: no decay over the run
+    cosine = reference_scheduler(opt, 10, 100, ReferenceSchedule(lr_scheduler="cosineannealinglr"))
+    assert schedule_length(cosine) == 100
+    assert schedule_length(reference_scheduler(opt, 10, 100, ReferenceSchedule(lr_scheduler="steplr"))) is None
+    assert schedule_length(LambdaLR(opt, lambda step: 1.0)) is None  # a user's own
+    resumed = warmup_cosine(opt, 2, 80)
+    resumed.load_state_dict(warmup_cosine(opt, 2, 40).state_dict())
+    assert schedule_length(resumed) == 40  # the checkpoint's: ResumeState reads this run's before the restore

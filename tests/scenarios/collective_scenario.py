@@ -12,7 +12,7 @@ CPU ranks, with
   (an asynchronous all-reduce of a flag on a gloo group of its own at every step): the count must see it.
 
 Each rank writes ``OUT/MODE-rank<r>.json``: one row for every whole loop iteration (one training batch's start to
-the next one's), counted by the bench's own counter (``ddp_recipes/bench/harness/step_counts.py`` ``StepCounts``): the
+the next one's), counted by the bench's own counter (``benchmarks/account/step_counts.py`` ``StepCounts``): the
 collectives issued on every process group (``issued``: each group's sequence number, which counts what DDP's C++
 reducer issues too), the groups that exist, which ``torch.distributed`` functions Python called, the host reads
 of tensor values, whether the logger wrote at it and what closed it (``spans``: a step, an epoch end, the fit's
@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, TQDMProgressB
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from ddp_recipes.bench.harness.step_counts import StepCounts, compact  # noqa: E402
+from benchmarks.account.step_counts import StepCounts, compact  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH, EPOCHS = 8, 8, 2
 
@@ -97,9 +97,9 @@ def main(out: Path, mode: str) -> None:
                     DataLoader(val, batch_size=BATCH, collate_fn=keep_batch))
         return
     from ddp_recipes.config.run_config import RunConfig
-    from ddp_recipes.data.base import TensorDataModule
     from ddp_recipes.train.checkpoints import checkpoint_callbacks
     from ddp_recipes.train.run import run_fit_test
+    from tests.tiny_modules import TensorDataModule
 
     cfg = RunConfig(devices=2, accelerator="cpu", max_epochs=EPOCHS, batch_size=BATCH, output_dir=str(out / mode),
                     num_workers=0)

@@ -91,7 +91,7 @@ def test_an_upload_killed_mid_write_resumes_from_the_previous_complete_checkpoin
     """The server holds the step-3 upload after half its body and the node goes away (SIGKILL): the bucket
     still says step 2, ``--resume auto`` takes it, and the run ends as the uninterrupted one."""
     from ddp_recipes.checkpointing.checkpoint import read_checkpoint
-    from ddp_recipes.checkpointing.run_folder.resume_choice import newest_checkpoint
+    from tests.helpers import newest_checkpoint
 
     run([*MNIST, "--output-dir", str(tmp_path / "straight")], timeout=600, check=True)
     bucket = "cut"

@@ -29,8 +29,9 @@ def checkpoint(step: int, epoch: int) -> dict:
 
 def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_path, monkeypatch):
     from ddp_recipes.checkpointing.checkpoint import AtomicCheckpointIO, read_checkpoint
-    from ddp_recipes.checkpointing.run_folder.resume_choice import newest_checkpoint, resolve_resume
+    from ddp_recipes.checkpointing.run_folder.resume import resolve_resume
     from ddp_recipes.errors import CheckpointError
+    from tests.helpers import newest_checkpoint
 
     monkeypatch.chdir(tmp_path)
     run = s3.bucket("rule") + "/run"
@@ -70,9 +71,9 @@ def test_auto_takes_the_newest_complete_checkpoint_from_the_manifests(s3, tmp_pa
         read_checkpoint(f"{run}/checkpoints/best.ckpt")
 
     # --resume URL: the name it was saved under, or nothing there (one line naming --resume).
-    assert resolve_resume(f"{run}/checkpoints/last.ckpt", run) == f"{run}/checkpoints/last.ckpt"
+    assert resolve_resume(f"{run}/checkpoints/last.ckpt") == f"{run}/checkpoints/last.ckpt"
     with pytest.raises(CheckpointError, match=r"^resume s3://rule/run/checkpoints/nope\.ckpt: no such checkpoint"):
-        resolve_resume(f"{run}/checkpoints/nope.ckpt", run)
+        resolve_resume(f"{run}/checkpoints/nope.ckpt")
     # From a URL too, a checkpoint that names a Python object is refused before any of it runs.
     io.save_checkpoint({**checkpoint(9, 1), "extra": fractions.Fraction(1, 3)}, f"{run}/elsewhere/odd.ckpt")
     with pytest.raises(CheckpointError, match=r"holds Python objects.*fractions\.Fraction"):

@@ -8,7 +8,8 @@ import pytest
 
 from ddp_recipes.checkpointing.run_folder.ownership import ATTEMPTS_DIR
 from ddp_recipes.modules.resnet import ResNetClassifier
-from ddp_recipes.train.attempts import read_attempts, stop_costs
+from ddp_recipes.train.attempts import read_attempts
+from ddp_recipes.train.summary import stop_costs
 from recipes import resnet
 
 TINY = ["--accelerator", "cpu", "--data", "synthetic", "--image-size", "16", "--synthetic-samples", "64",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -21,7 +22,6 @@ from ddp_recipes.bench.harness.measure import (
     peak_memory_mb,
     step_stats,
 )
-from ddp_recipes.bench.harness.step_counts import PythonCollectives, WholeIterations, per_step
 from ddp_recipes.bench.harness.workload import (
     Workload,
     build_dataset,
@@ -82,7 +82,7 @@ def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scal
     scaler.update()
 
 
-def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
+def _raw_rank(local_rank: int, w: Workload, out: str, counting: Callable[[], Any] | None = None) -> None:
     if w.threads:
         torch.set_num_threads(w.threads)
     cuda = w.accelerator == "cuda"
@@ -113,15 +113,13 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
         sampler.set_epoch(0)
     timer = StepEnds(device, w.warmup_steps, w.total_steps)
     ends, start = timer.ends, timer.start
-    with PythonCollectives() as calls:
-        # Its iterations counted as Lightning's are (bench.harness.step_counts): from the batch on the device to the
-        # next one on the device; it logs nothing, so it has no log step.
-        counted = WholeIterations(calls, after=w.total_steps, count=w.count_steps)
+    counted = counting() if counting else None  # the clone's count of the iterations after the timed steps
+    with counted or contextlib.nullcontext():
         for step, (x, y) in enumerate(loader):
             if step >= w.run_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            if w.count_steps:
+            if counted:  # from the batch on the device to the next one; it logs nothing, so has no log step
                 counted.mark(step, step=step + 1, logs=False)
             if w.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)  # the module's weights are NHWC already
@@ -130,8 +128,7 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
             optimizer.zero_grad(set_to_none=True)
             backward_and_step(loss, optimizer, scaler)
             timer.step_end()
-        counted.close("fit_end")
-    counts = gather(per_step(counted.rows) if w.count_steps else None)
+    counts = gather(counted.per_step() if counted else None)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     allreduce = measure_allreduce(numel, device, w.allreduce_iters) if distributed else None
     peaks = gather(round(peak_memory_mb(device), 1))
@@ -141,21 +138,22 @@ def _raw_rank(local_rank: int, w: Workload, out: str) -> None:
                      "workload": asdict(w), "params": numel, "first_step_s": ends[0] - start if ends else None,
                      "grad_bytes": numel * 4, "torch_threads": torch.get_num_threads(),
                      "peak_mem_mb_per_rank": peaks, "allreduce": allreduce, "threads_per_rank": threads,
-                     "step_counts_per_rank": counts if w.count_steps else None,
+                     "step_counts_per_rank": counts if counted else None,
                      "cudnn_benchmark": torch.backends.cudnn.benchmark, **data_facts(data),
                      **step_stats(ends, w.warmup_steps, w.batch_size * w.devices)})
     if distributed:
         dist.destroy_process_group()
 
 
-def run_raw(w: Workload, out: str) -> None:
+def run_raw(w: Workload, out: str, counting: Callable[[], Any] | None = None) -> None:
+    """The raw loop at ``w.devices`` ranks; ``counting`` (picklable) makes each rank's iteration counter."""
     if w.devices == 1:
-        _raw_rank(0, w, out)
+        _raw_rank(0, w, out, counting)
         return
     import torch.multiprocessing as mp
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    mp.start_processes(_raw_rank, args=(w, out), nprocs=w.devices, start_method="spawn")
+    mp.start_processes(_raw_rank, args=(w, out, counting), nprocs=w.devices, start_method="spawn")
 
 
 def _writeup_rank(rank: int, w: Workload, out: str) -> None:

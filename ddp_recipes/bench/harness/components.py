@@ -1,19 +1,18 @@
-"""The bench's Lightning runs (``pack`` and ``plain`` in :mod:`ddp_recipes.bench.harness.worker`): the pack's parts
-that ``--without`` switches off, and what both runs time and write.
+"""The bench's Lightning runs (``pack`` and ``plain`` in :mod:`ddp_recipes.bench.harness.worker`): what both runs time
+and write.
 
 * ``pack``: what a recipe run trains with (:func:`~ddp_recipes.train.run.make_trainer`): ``TunedDDPStrategy`` at
   N > 1, ``LastCheckpoint`` (signal flags, the preemption agreement, the step cadence), ``ThroughputMeter`` (the
   live meter and its ``StepClock``), ``DDPDiagnostics``, ``ResumeState``, ``InputWaitProfiler``, the
   resumable training loader, the CSV logger (with ``TrackerRun``) and the progress bar, at the recipe's
-  log cadence. ``--without a,b`` switches parts off, each alone (:data:`PACK_COMPONENTS`), to measure
-  what each costs.
+  log cadence.
 * ``plain``: what a user writes with Lightning alone for the same LightningModule and data:
   ``L.Trainer(strategy="ddp")`` (``"auto"`` at one device), a shuffled ``DataLoader`` (Lightning inserts its
   ``DistributedSampler``), the same CSV logger, log cadence and progress bar.
 
 Both are timed by :class:`~ddp_recipes.bench.harness.measure.StepEnds` at every training batch end, as the raw loop
-is after every step; after the timed steps, ``count_steps`` whole loop iterations are counted
-(:class:`~ddp_recipes.bench.harness.step_counts.StepCounts`: host reads and collectives per step, per rank).
+is after every step. The clone's ``benchmarks/account/worker.py`` adds a counter of the iterations after the timed
+steps and switches parts off (``--count-steps``, ``--without``).
 """
 
 from __future__ import annotations
@@ -27,40 +26,16 @@ from typing import Any
 import torch
 
 from ddp_recipes.bench.harness.measure import HookClock, StepEnds, gather, peak_memory_mb, step_stats, wait_fraction
-from ddp_recipes.bench.harness.step_counts import StepCounts, compact, per_step
 
 LOG_EVERY_N_STEPS = 10  # the recipes' default (RunConfig.log_every_n_steps)
 PROGRESS_REFRESH = 20  # make_trainer's progress bar
-
-# What --without switches off in a pack run, each alone; the value says what is left in its place.
-PACK_COMPONENTS = {
-    "vote": "the preemption agreement across ranks (StopVote: watcher thread, epoch-end vote); each rank alone",
-    "last-checkpoint": "LastCheckpoint altogether (signal flags, vote, step cadence, epoch-end save)",
-    "diagnostics": "DDPDiagnostics",
-    "meter": "ThroughputMeter (live meter and StepClock)",
-    "bucket-view": "the pack's gradient_as_bucket_view (True on CUDA, False on CPU) flipped to the other value",
-    "progress-bar": "the progress bar (refresh every 20 steps)",
-    "logger": "the CSV logger and TrackerRun (no logger)",
-    "profiler": "InputWaitProfiler (Lightning's PassThroughProfiler instead)",
-    "resumable-loader": "the resumable training loader (Lightning's DistributedSampler loader instead)",
-}
-
-
-def parse_without(text: str) -> list[str]:
-    """The comma list ``--without`` names, each checked against :data:`PACK_COMPONENTS`."""
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [n for n in names if n not in PACK_COMPONENTS]
-    if unknown:
-        raise SystemExit(f"--without {unknown[0]!r}: not a pack component; choose from {', '.join(PACK_COMPONENTS)}")
-    return names
-
 
 def scratch_dir(out: str) -> Path:
     """Where a run's logs and checkpoints go: beside its JSON, the same path on every rank, removed after."""
     return Path(out).with_suffix(".scratch")
 
 
-def step_timer(w: Any):
+def step_timer(w: Any, counter: Any = None):
     """The Lightning side's step timer: :class:`StepEnds` at every training batch end, every other callback's
     hooks timed (:class:`HookClock`), the fetch wait of each step."""
     from lightning.pytorch.callbacks import Callback
@@ -73,7 +48,7 @@ def step_timer(w: Any):
 
         def on_train_start(self, trainer, pl_module) -> None:
             # Every other callback's hooks timed (the pack's parts, plain Lightning's bar), not the bench's own.
-            self.hooks.attach(trainer.callbacks, skip=(Timer, StepCounts))
+            self.hooks.attach(trainer.callbacks, skip=(Timer, type(counter)))
             self.steps = StepEnds(trainer.strategy.root_device, w.warmup_steps, w.total_steps, self.hooks)
 
         def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -90,55 +65,14 @@ def step_timer(w: Any):
     return Timer()
 
 
-def step_counter(w: Any) -> StepCounts | None:
-    """The Lightning side's count of the ``w.count_steps`` whole loop iterations after the timed steps (None:
-    the workload counts none)."""
-    return StepCounts(after=w.total_steps, count=w.count_steps) if w.count_steps else None
-
-
-def switch_off(trainer: Any, names: list[str]) -> None:
-    """Take the named parts out of a built pack Trainer (before ``fit``), each as if it had never been added."""
-    from lightning.pytorch.callbacks import ProgressBar
-    from lightning.pytorch.profilers import PassThroughProfiler
-    from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
-
-    from ddp_recipes.checkpointing.last import LastCheckpoint
-    from ddp_recipes.train.callbacks import ThroughputMeter
-    from ddp_recipes.train.diagnostics import DDPDiagnostics
-    from ddp_recipes.train.tracking import TrackerRun
-
-    callbacks = {"last-checkpoint": LastCheckpoint, "diagnostics": DDPDiagnostics, "meter": ThroughputMeter,
-                 "progress-bar": ProgressBar, "logger": TrackerRun}
-    drop = tuple(callbacks[n] for n in names if n in callbacks)
-    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, drop)]
-    if "vote" in names:
-        from ddp_recipes.checkpointing.vote import StopVote
-
-        # This measuring process only: LastCheckpoint then acts on its own rank's flag, as with one rank.
-        StopVote.open = classmethod(lambda cls, trainer: None)
-    if "logger" in names:
-        trainer.loggers = []
-    if "profiler" in names:
-        trainer.profiler = PassThroughProfiler()
-    if "resumable-loader" in names:
-        trainer._data_connector.__class__ = _DataConnector
-    if "bucket-view" in names and hasattr(trainer.strategy, "_ddp_kwargs"):
-        from ddp_recipes.ddp.strategy import bucket_view_default
-
-        chosen = trainer.strategy._ddp_kwargs.get("gradient_as_bucket_view")
-        if chosen is None:
-            chosen = bucket_view_default(trainer.strategy.root_device)
-        trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] = not chosen
-
-
 def finish(w: Any, out: str, name: str, trainer: Any, timer: Any, facts: dict[str, Any],
-           counter: StepCounts | None = None) -> None:
+           counter: Any = None) -> None:
     """Rank 0 writes the run's JSON (every rank's peak memory, thread CPU and step counts gathered), then removes
     the scratch."""
     device = trainer.strategy.root_device
     peaks = gather(round(peak_memory_mb(device), 1))
-    counts = gather(per_step(counter.rows) if counter else None)
-    count_rows = gather(compact(counter.rows) if counter else None)
+    counts = gather(counter.per_step() if counter else None)
+    count_rows = gather(counter.compact() if counter else None)
     threads = gather(timer.steps.threads if timer.steps else None)
     hooks = gather(timer.hooks.ms_per_step(timer.steps.timed_steps) if timer.steps else None)
     if trainer.is_global_zero:

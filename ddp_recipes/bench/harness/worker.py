@@ -1,8 +1,7 @@
 """The measured runs, each in fresh processes: ``python -m ddp_recipes.bench.harness.worker {pack,plain,raw,dp} ...``.
 
 * ``pack``: the library's path: the recipe's LightningModule and Trainer (``make_trainer``: TunedDDPStrategy
-  at N > 1, every callback a recipe run has), Lightning launching the ranks; ``--without`` switches parts
-  off (:mod:`ddp_recipes.bench.harness.components`).
+  at N > 1, every callback a recipe run has), Lightning launching the ranks.
 * ``plain``: plain Lightning, ``L.Trainer(strategy="ddp")``, on the same LightningModule and data.
 * ``raw``: the write-up's plain PyTorch DDP loop (init_process_group, DDP wrap, DistributedSampler, the
   same loop) on the same network, synthetic data, batch, precision and thread budget.
@@ -11,14 +10,16 @@
 
 Every path times a step the same way (``ddp_recipes.bench.harness.measure``: barrier + cuda.synchronize at the end
 of every step, wall time between consecutive step ends, warm-up steps dropped). Rank 0 writes one JSON
-file (``--out``).
+file (``--out``). The clone's ``benchmarks/account/worker.py`` runs these with its counter and switches.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -28,33 +29,27 @@ from ddp_recipes.bench.harness.workload import Workload, build_dataset, build_mo
 from ddp_recipes.data.samplers import keep_batch
 
 
-def run_pack(w: Workload, out: str) -> None:
-    """The recipe's Trainer (make_trainer) with the parts ``w.without`` names switched off."""
-    from ddp_recipes.bench.harness.components import (
-        LOG_EVERY_N_STEPS,
-        finish,
-        parse_without,
-        scratch_dir,
-        step_counter,
-        step_timer,
-        switch_off,
-    )
+def run_pack(w: Workload, out: str, counter: Any = None, switch: Callable[[Any], None] | None = None,
+             name: str = "pack") -> None:
+    """The recipe's Trainer (make_trainer); ``counter``: a callback counting after the timed steps, ``switch``:
+    takes parts out of the built Trainer."""
+    from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS, finish, scratch_dir, step_timer
     from ddp_recipes.config.run_config import RunConfig
     from ddp_recipes.train.callbacks import ThroughputMeter
     from ddp_recipes.train.run import make_trainer
 
-    without = parse_without(w.without)
     scratch = scratch_dir(out)
     cfg = RunConfig(devices=w.devices, accelerator=w.accelerator, precision=w.precision, max_steps=w.run_steps,
                     batch_size=w.batch_size, seed=w.seed, output_dir=str(scratch), num_workers=0,
                     log_every_n_steps=LOG_EVERY_N_STEPS, diagnostics=True)
-    timer, counter = step_timer(w), step_counter(w)
+    timer = step_timer(w, counter)
     # No FLOP count in the meter: it runs once at the first live report, inside the timed window (the
     # recipes count at that moment too; here it would be one step's outlier, not a per-step cost).
     trainer = make_trainer(cfg, callbacks=[ThroughputMeter(), timer, *([counter] if counter else [])],
                            benchmark=True,  # cudnn.benchmark on, as the raw and dp loops set it
                            enable_model_summary=False, num_sanity_val_steps=0)
-    switch_off(trainer, without)
+    if switch is not None:
+        switch(trainer)
     module = build_module(w)
     if w.compile:
         module = torch.compile(module)  # what --compile does: Lightning compiles forward and the step methods
@@ -68,11 +63,10 @@ def run_pack(w: Workload, out: str) -> None:
     else:
         data = build_dataset(w)
         trainer.fit(module, DataLoader(data, batch_size=w.batch_size, shuffle=True, collate_fn=keep_batch))
-    name = "pack" + (f"-without-{'+'.join(without)}" if without else "") + ("-compiled" if w.compile else "")
-    finish(w, out, name, trainer, timer, data_facts(data), counter)
+    finish(w, out, name + ("-compiled" if w.compile else ""), trainer, timer, data_facts(data), counter)
 
 
-def run_plain(w: Workload, out: str) -> None:
+def run_plain(w: Workload, out: str, counter: Any = None) -> None:
     """Plain Lightning: L.Trainer(strategy="ddp"), logging and drawing at the pack's cadence."""
     import lightning as L
     from lightning.pytorch.callbacks import TQDMProgressBar
@@ -83,12 +77,11 @@ def run_plain(w: Workload, out: str) -> None:
         PROGRESS_REFRESH,
         finish,
         scratch_dir,
-        step_counter,
         step_timer,
     )
 
     L.seed_everything(w.seed, verbose=False)
-    timer, counter = step_timer(w), step_counter(w)
+    timer = step_timer(w, counter)
     trainer = L.Trainer(accelerator="gpu" if w.accelerator == "cuda" else "cpu", devices=w.devices,
                         strategy="ddp" if w.devices > 1 else "auto", precision=w.precision,
                         max_steps=w.run_steps, benchmark=True, default_root_dir=scratch_dir(out),
@@ -105,7 +98,8 @@ def run_plain(w: Workload, out: str) -> None:
     finish(w, out, "plain" + ("-compiled" if w.compile else ""), trainer, timer, data_facts(data), counter)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None) -> tuple[str, str, Workload]:
+    """The run's implementation, its JSON path and its :class:`Workload`, from the command line."""
     parser = argparse.ArgumentParser(prog="python -m ddp_recipes.bench.harness.worker")
     parser.add_argument("impl", choices=["pack", "plain", "raw", "dp", "writeup", "pack-compiled", "plain-compiled",
                                          "raw-compiled"])
@@ -116,7 +110,11 @@ def main(argv: list[str] | None = None) -> None:
     impl, out = args.pop("impl"), args.pop("out")
     if impl.endswith("-compiled"):
         impl, args["compile"] = impl.removesuffix("-compiled"), 1
-    w = Workload(**args)
+    return impl, out, Workload(**args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    impl, out, w = parse(argv)
     {"pack": run_pack, "plain": run_plain, "raw": run_raw, "dp": run_dp, "writeup": run_writeup}[impl](w, out)
 
 

@@ -33,10 +33,10 @@ class Workload:
     allreduce_iters: int = 5  # raw: timed all-reduces of the gradient's size, after the steps
     data_dir: str = ""  # mnist: real MNIST (torchvision layout) instead of synthetic tensors
     val_size: int = 0  # mnist with data_dir: images held out as the recipe's --val-size (trained on by no run)
-    without: str = ""  # pack: parts switched off, comma list of bench.harness.components.PACK_COMPONENTS
+    without: str = ""  # pack: parts switched off, comma list (benchmarks/account/worker.py)
     compile: int = 0  # torch.compile the model (pack: as --compile does; raw: the DDP-wrapped module)
     channels_last: int = 0  # resnet: NHWC weights and inputs (tensor-core convolutions under AMP)
-    count_steps: int = 0  # whole loop iterations counted after the timed steps (bench.harness.step_counts; 0: none)
+    count_steps: int = 0  # whole loop iterations counted after the timed steps (benchmarks/account; 0: none)
 
     @property
     def total_steps(self) -> int:

@@ -151,7 +151,8 @@ def run_worker(impl: str, n: int, settings: dict[str, Any], out_dir: Path, tag: 
         args["val_size"] = int(settings["val_size"])
     if settings.get("without"):
         args["without"] = settings["without"]
-    cmd = [sys.executable, "-m", "ddp_recipes.bench.harness.worker", impl, "--out", str(out), "--devices", str(n)]
+    worker = settings.get("worker", "ddp_recipes.bench.harness.worker")  # the clone's account: its own
+    cmd = [sys.executable, "-m", worker, impl, "--out", str(out), "--devices", str(n)]
     for key, value in args.items():
         cmd += ["--" + key.replace("_", "-"), str(value)]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONWARNINGS": "ignore"}

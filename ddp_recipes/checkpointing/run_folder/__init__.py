@@ -1,4 +1,3 @@
-"""A run's folder and what continues in it: which folder (``output_dir.py``: ``--output-dir`` or
-``version_N``), whose it is (``ownership.py``: run ids, ``run.json``, the refusals), which checkpoint continues
-(``resume_choice.py``: ``--resume auto|PATH``, ``ckpt_path="last"``) and how every rank agrees on it
-(``rank0_decision.py``: decided on rank 0, checked on every rank)."""
+"""A run's folder and what continues in it: which folder (``output_dir.py``: ``--output-dir`` or ``version_N``),
+whose it is (``ownership.py``: run ids, ``run.json``, the refusals, the newest checkpoint of the run) and which
+checkpoint every rank loads (``resume.py``: checked before the launch, decided on rank 0 in the ranks)."""

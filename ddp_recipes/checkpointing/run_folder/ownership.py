@@ -1,50 +1,34 @@
 """A checkpoint folder belongs to one run: a new run never touches another run's checkpoints, and continuing
 (``--resume auto``, ``trainer.fit(..., ckpt_path="last")``) takes only the folder's own run's.
 
-A run is named by a run id, made when it starts fresh and kept by every continuation of it (a resume, a
-preemption, a requeue). The id is recorded twice:
-
-* in the folder: ``<checkpoint folder>/run.json`` (``{"format", "run_id", "started"}``), written once by
-  rank 0 when the run first trains there (:func:`claim`);
-* in every checkpoint the run writes, under ``checkpoint["ddp_recipes_run"]`` (and on an object store in its
-  manifest too), so a checkpoint says whose it is wherever it is copied.
-
-The rules, decided on rank 0 (:mod:`~ddp_recipes.checkpointing.run_folder.rank0_decision` sends the decision to
-every rank; a recipe checks them once before it launches, :func:`refuse_other_runs`):
-
-* a new run into a folder that holds a run (a record, or any complete checkpoint) is refused in one line
-  naming the run found and the two ways on (:func:`refuse_new_run`);
-* continuing takes the newest checkpoint of the folder's run (:meth:`Survey.owner`, and
-  :func:`~ddp_recipes.checkpointing.run_folder.resume_choice.newest_of_run`): the record's id, else
-  the one id its checkpoints carry; any other run's checkpoint is skipped with a warning whatever its step
-  count, and a folder whose checkpoints name several runs and which has no record is refused;
-* a checkpoint given by path continues its own run; into a folder that holds another run it is refused
-  (:func:`refuse_foreign_checkpoint`).
-
-A checkpoint or folder may carry no run id (plain Lightning's checkpoints, a folder with no ``run.json``):
-a folder with no record whose checkpoints carry no id is continued from its newest complete checkpoint, and
-once a folder has a recorded run its id-less checkpoints are skipped.
+A run's id is made when it starts fresh and kept by every continuation; it is recorded in the folder
+(``run.json``: ``{"format", "run_id", "started", "holder"}``, by rank 0 at each start, :func:`claim`) and in every
+checkpoint (``checkpoint["ddp_recipes_run"]``, a bucket's manifest too). The rule is the README's sentence
+(docs/resume-and-preemption.md spells it out): a new run into a folder holding checkpoints is refused
+(:func:`refuse_new_run`), one holding none is taken over (the old record kept as ``run-<id>.json``); continuing
+takes the newest checkpoint of the folder's run (:func:`newest_of_run`); a folder a live run holds is refused
+(:func:`refuse_live`; two launches at once are told apart by the record's exclusive create). Id-less checkpoints
+(plain Lightning's) continue from the newest until the folder has a record.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ddp_recipes.checkpointing import files
-from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, plain_data, run_of, unreadable_because
-from ddp_recipes.config.run_config import RunConfig
-from ddp_recipes.config.world import will_be_global_zero
+from ddp_recipes.checkpointing.checkpoint import CHECKPOINT_DIR, load_header, run_of, unreadable_because
 from ddp_recipes.errors import CheckpointError, lit
 from ddp_recipes.storage import Url, location, same_path
-from ddp_recipes.storage.store import listing, read_bytes, size, write_new
+from ddp_recipes.storage.store import read_bytes, renames, size, write_new
 
 RUN_FILE = "run.json"
 FORMAT = "ddp-recipes-run/1"
@@ -82,6 +66,7 @@ class Found:
     step: int
     epoch: int
     run_id: str | None
+    header: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # the file's, tensors unread
 
     @property
     def name(self) -> str:
@@ -92,17 +77,17 @@ class Found:
 
 
 def facts(path: str | os.PathLike) -> Found:
-    """A checkpoint's step, epoch and run, read without loading its tensors (a local file mapped, a URL from
-    its manifest); raises if it is not a readable checkpoint."""
+    """A checkpoint's step, epoch and run, read without loading its tensors (a local file mapped: its header
+    is kept; a URL from its manifest); raises if it is not a readable checkpoint."""
     path = os.fspath(path)
     entry = files.manifest(path)
     if entry is not None:
         return _from_manifest(path, entry)
-    with plain_data():  # a file alone, or a bucket's object without a manifest: its header
-        checkpoint = torch.load(files.fetch(path), map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = load_header(files.fetch(path))  # a file alone, or a bucket's object without a manifest
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError("not a Lightning checkpoint")
-    return Found(path, int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0)), run_of(checkpoint))
+    return Found(path, int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0)), run_of(checkpoint),
+                 checkpoint)
 
 
 def _from_manifest(path: str, entry: dict[str, Any]) -> Found:
@@ -136,8 +121,9 @@ class Survey:
         return ids[0] if len(ids) == 1 else None
 
     def holds_a_run(self) -> bool:
-        # an unreadable checkpoint is a run's too: a new run would overwrite the bytes someone may yet restore
-        return self.record is not None or bool(self.checkpoints) or bool(self.unreadable)
+        """Whether it holds checkpoints (an unreadable one too: its bytes may yet be restored). A folder whose
+        runs left none holds nothing to continue or lose."""
+        return bool(self.checkpoints) or bool(self.unreadable)
 
     def describe(self, run_id: str | None = None) -> str:
         """"run 3f2a9c1e7b40 (last.ckpt at step 189, epoch 3)" for ``run_id`` (default: the owner's)."""
@@ -193,34 +179,83 @@ def folder_text(found: Survey, words: Words) -> str:
     return f"{words.folder} {lit(shown)}"
 
 
-def ended_before_its_first_checkpoint(found: Survey, words: Words = RECIPE) -> str | None:
-    """The recorded run's id when every launch of it failed before its first optimizer step and it holds no
-    checkpoint (a recipe's ``attempts/`` records, each with its run id and how it ended: a bad image, a crash in
-    set-up, Ctrl+C): a new run may take the folder, since nothing there can be continued. None otherwise: a run
-    still going or killed (no record of its end: it may be training yet), one that trained or finished (its
-    checkpoints may have been moved, its summary is still there), or no attempt records (outside a recipe)."""
-    run_id = found.recorded_run
-    if not run_id or found.checkpoints or found.unreadable or not words.parent:
-        return None
-    attempts = found.folder.parent / ATTEMPTS_DIR
-    try:
-        names = [n for n in map(str, listing(attempts)) if n.endswith(".json")]
-        records = [json.loads(read_bytes(attempts / n).decode()) for n in names]
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    mine = [r for r in records if isinstance(r, dict) and r.get("run_id") == run_id]
-    # failed, and before its first optimizer step: a run that trained (and whose checkpoints are gone) keeps it
-    failed = all(str(r.get("ended") or "").startswith("error") and not r.get("last_step") for r in mine)
-    return run_id if mine and failed else None
-
-
 ATTEMPTS_DIR = "attempts"  # a recipe's attempt records (train/attempts.py), beside its checkpoint folder
 
 
+def newest_of_run(found: Survey, words: Words = RECIPE, keep: bool = True) -> Found | None:
+    """The checkpoint continuing the folder's run takes: the newest of the owner's (the rules:
+    :mod:`~ddp_recipes.checkpointing.run_folder.ownership`; by optimizer step, ties to last.ckpt, then the
+    newest hpc_ckpt_N); None when it has none yet. Other runs' checkpoints are skipped with one warning each."""
+    owner = found.owner()
+    if owner is None and len(found.run_ids) > 1:
+        runs = "; ".join(found.describe(run_id) for run_id in found.run_ids)
+        raise CheckpointError(f"{folder_text(found, words)} holds the checkpoints of {len(found.run_ids)} runs "
+                              f"({runs}) and no {RUN_FILE} saying whose folder it is; pass the one to continue with "
+                              f"{words.resume_path}, or pass another {words.another}")
+    if owner is None:  # no record and no run id on any checkpoint: every checkpoint is the run's
+        mine = list(found.checkpoints)
+    else:
+        mine = [c for c in found.checkpoints if c.run_id == owner]
+        for other in found.checkpoints:
+            if other.run_id != owner:
+                whose = f"run {other.run_id}" if other.run_id else "a run of an earlier ddp-recipes (no run id)"
+                _said_once(f"{words.asked}: skipping {other.path} ({other.describe()}): it belongs to {whose}, "
+                           f"not to this folder's run {owner}")
+    newest = max(mine, key=newest_key, default=None)
+    check_unreadable(found, newest, words, keep)
+    return newest
+
+
+def check_unreadable(found: Survey, newest: Found | None, words: Words = RECIPE, keep: bool = True) -> None:
+    """Continuing a folder that holds an unreadable checkpoint file (cut by a full disk or a broken copy): with
+    a readable checkpoint of the run to continue from, say which, and with ``keep`` (a fit: its saves would
+    write over it) that the caller sets the file aside (:func:`set_aside_unreadable`); with none, refuse in one
+    line naming the file and the ways on, instead of starting from step 0 over it."""
+    if not found.unreadable:
+        return
+    path, why = found.unreadable[0]
+    more = f" (and {len(found.unreadable) - 1} more)" if len(found.unreadable) > 1 else ""
+    if newest is None:
+        raise CheckpointError(f"{lit(path)}{more} {why} and the run in "
+                              f"{folder_text(found, words)} has no other; nothing was changed: restore it from a "
+                              f"copy, continue from another checkpoint with {words.resume_path}, or start a new run "
+                              f"with another {words.another}", "output_dir" if words.parent else None)
+    if keep and not renames(path):
+        raise CheckpointError(f"{lit(path)}{more} {why}; nothing was changed: restore "
+                              f"it, or continue from {newest.name} with {words.resume_path}")
+    kept = f"the file is kept as {file_name(path)}{UNREADABLE}" if keep else "the file is left as it is"
+    _said_once(f"{words.asked}: {path}{more} {why}; continuing from {newest.describe()}; {kept}")
+
+
+UNREADABLE = ".unreadable"  # the suffix an unreadable checkpoint is kept under (never a *.ckpt, never taken)
+
+
+def set_aside_unreadable(found: Survey) -> None:
+    """Rank 0, once continuing from another checkpoint is decided: each unreadable local checkpoint file gets
+    a name no save writes (``last.ckpt.unreadable``, ``.unreadable-2``, ...), so its bytes stay for whoever
+    may restore them."""
+    for path, _ in found.unreadable:
+        target, n = Path(path + UNREADABLE), 1
+        while target.exists():
+            n += 1
+            target = Path(f"{path}{UNREADABLE}-{n}")
+        os.replace(path, target)
+
+
+def _said_once(message: str) -> None:
+    """A warning of the folder's state, once per process: the recipe reads the folder before the ranks start
+    and rank 0 reads it again once the process group is up; the user is told once."""
+    if message not in _SAID:
+        _SAID.add(message)
+        rank_zero_warn(message)
+
+
+_SAID: set[str] = set()
+
+
 def refuse_new_run(found: Survey, words: Words = RECIPE) -> None:
-    """A new run must not start in a folder that holds a run: raise naming the run found and the ways on. A
-    run that ended before its first checkpoint holds nothing to protect (:func:`ended_before_its_first_checkpoint`)."""
-    if found.holds_a_run() and not ended_before_its_first_checkpoint(found, words):
+    """A new run must not start in a folder holding a run's checkpoints: raise naming the run and the ways on."""
+    if found.holds_a_run():
         raise CheckpointError(f"{folder_text(found, words)} holds {found.describe()}: a new run there would overwrite "
                               f"its checkpoints; continue it with {words.resume}, or pass another {words.another}",
                               "output_dir" if words.parent else None)
@@ -253,23 +288,6 @@ def output_survey(output_dir: str | os.PathLike) -> Survey:
     return survey(out / CHECKPOINT_DIR, extra=files.loose(out, "hpc_ckpt_*.ckpt"))
 
 
-def refuse_other_runs(cfg: RunConfig, resume: str | None, checkpoint: dict[str, Any] | None) -> None:
-    """The output folder belongs to one run: a new run (``--resume none``) into a folder that holds a run, or
-    ``--resume PATH`` of another run into it, fails in one line. Checked on the process that will be rank 0,
-    after every other check of the run's input and before any other rank starts, so the refusal is one line
-    and nothing is launched; rank 0 checks again once the process group is up
-    (:mod:`~ddp_recipes.checkpointing.run_folder.rank0_decision`), for every rank and for a folder that
-    changed meanwhile."""
-    if not will_be_global_zero():
-        return
-    found = output_survey(cfg.output_dir)
-    if cfg.resume in (None, "none"):
-        refuse_new_run(found)
-    elif resume and cfg.resume != "auto":
-        given = Found(resume, int(checkpoint.get("global_step", 0)), int(checkpoint.get("epoch", 0)),
-                      run_of(checkpoint))
-        refuse_foreign_checkpoint(found, given)
-
 # ---- the record ------------------------------------------------------------------------------------------
 
 def read_record(folder: Path | Url) -> dict[str, Any] | None:
@@ -284,21 +302,71 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else {"format": "unreadable"}
 
 
-def claim(folder: str | os.PathLike, run_id: str, replaces: str | None = None) -> None:
-    """Record ``run_id`` as the folder's run (rank 0, once training starts there). A folder another run
-    recorded meanwhile (two runs started into one folder at the same moment) is an error, never overwritten;
-    ``replaces``: the id of a run that ended before its first checkpoint, whose record this one takes over."""
+def live_holder(record: dict[str, Any] | None) -> bool:
+    """Whether the process that recorded ``record`` still runs its fit there: the fit has not ended (an end it
+    lives to see, finished, failed or preempted, releases the record: :func:`release`) and its pid is alive on
+    this host and is not this one (a SIGKILL leaves no end). A holder on another host cannot be seen: a pod
+    restarted elsewhere after its node was lost must continue its run; two launches at once are still told
+    apart by :func:`claim`'s exclusive create. A record naming no process holds nothing."""
+    holder = (record or {}).get("holder")
+    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname() or holder.get("pid") == os.getpid():
+        return False
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except (ProcessLookupError, KeyError, TypeError, ValueError):
+        return False
+    except OSError:  # another user's process: it runs
+        pass
+    return True
+
+
+def refuse_live(found: Survey, words: Words = RECIPE) -> None:
+    """Any launch into a folder a live run holds (:func:`live_holder`) is refused naming it and the way on."""
+    if live_holder(found.record):
+        holder = found.record["holder"]
+        raise CheckpointError(f"{folder_text(found, words)} is held by run {found.record.get('run_id')}, running now "
+                              f"(pid {holder['pid']} on {holder.get('host')}): pass another {words.another}, or run "
+                              "this once it has ended", "output_dir" if words.parent else None)
+
+
+def claim(folder: str | os.PathLike, run_id: str, free: bool = False) -> None:
+    """Record ``run_id`` as the folder's run, held by this process (rank 0, each time training starts there).
+    A folder another run recorded is an error, never overwritten, unless it is ``free`` (it holds no
+    checkpoint) and its run no longer runs (:func:`live_holder`): that record is kept as ``run-<id>.json``."""
     where = location(folder)
     record = read_record(where)
-    if record is not None and record.get("run_id") == run_id:
-        return
-    if record is not None and record.get("format") != "unreadable" and record.get("run_id") != (replaces or object()):
-        raise CheckpointError(f"{lit(where)} was claimed by run {record.get('run_id')} while this run started; "
-                              "run it with another output folder")
-    payload = (json.dumps({"format": FORMAT, "run_id": run_id,
-                           "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, indent=2) + "\n").encode()
+    ours = record is not None and record.get("run_id") == run_id
+    refuse_live(Survey(where, record), LIBRARY)
+    if record is not None and not ours and record.get("format") != "unreadable":
+        if not free:
+            raise CheckpointError(f"{lit(where)} was claimed by run {record.get('run_id')} while this run started; "
+                                  "run it with another output folder")
+        try:  # the earlier run's record stays, under its own name
+            write_new(where / f"run-{record.get('run_id')}.json", read_bytes(where / RUN_FILE))
+        except FileExistsError:
+            raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
+                                  "another output folder") from None
+    started = (record or {}).get("started") if ours else None
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}
+    payload = {"format": FORMAT, "run_id": run_id,
+               "started": started or time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "holder": holder}
     try:
-        write_new(where / RUN_FILE, payload, replace=record is not None)  # unreadable, or a run with nothing saved
+        write_new(where / RUN_FILE, (json.dumps(payload, indent=2) + "\n").encode(), replace=record is not None)
     except FileExistsError:
         raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
                               "another output folder") from None
+
+
+def release(folder: str | os.PathLike, run_id: str) -> None:
+    """Rank 0, at the end of a fit it lives to see: the record it wrote no longer holds the folder. Best
+    effort (an unreachable store leaves it held, as a SIGKILL does; this host's next launch sees the pid gone)."""
+    where = location(folder)
+    try:
+        record = read_record(where)
+        holder = (record or {}).get("holder") or {}
+        if (record or {}).get("run_id") == run_id and (holder.get("pid"), holder.get("host")) == (
+                os.getpid(), socket.gethostname()):
+            payload = {**record, "holder": None}
+            write_new(where / RUN_FILE, (json.dumps(payload, indent=2) + "\n").encode(), replace=True)
+    except Exception:  # noqa: BLE001 - never in the way of the fit's own outcome
+        pass

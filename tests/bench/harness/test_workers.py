@@ -151,24 +151,25 @@ def test_synthetic_data_is_not_seeded_per_batch():
     assert all(type(i) is int for i in ResumableSampler(seeded, num_replicas=1, rank=0))
 
 
-# ---- the nvJPEG fallback of --decode gpu and the loader bench (reached on CPU: torchvision's CPU decode_jpeg
+# ---- the nvJPEG fallback of --decode gpu and the loader bench (reached on CPU: either library's CPU decode_jpeg
 # rejects the same non-JPEG files nvJPEG does, a PNG named .JPEG among them) ----------------------------------
 
 
 def _image_files(tmp_path):
     from PIL import Image
-    from torchvision.io import read_file
 
     Image.new("RGB", (12, 10), (200, 30, 30)).save(tmp_path / "real.JPEG", format="JPEG")
     Image.new("RGB", (12, 10), (30, 200, 30)).save(tmp_path / "png_in_disguise.JPEG", format="PNG")
     Image.new("CMYK", (12, 10), (0, 200, 200, 0)).save(tmp_path / "cmyk.JPEG", format="JPEG")
-    return [read_file(str(tmp_path / name)) for name in ("real.JPEG", "png_in_disguise.JPEG", "cmyk.JPEG")]
+    return [torch.frombuffer(bytearray((tmp_path / name).read_bytes()), dtype=torch.uint8)
+            for name in ("real.JPEG", "png_in_disguise.JPEG", "cmyk.JPEG")]
 
 
-def test_a_png_named_jpeg_falls_back_to_the_cpu_decoder(tmp_path):
-    from torchvision.io import decode_jpeg
-
+def test_a_png_named_jpeg_falls_back_to_the_cpu_decoder(tmp_path, image_library):
+    from ddp_recipes.data.decoders import image_decoders
     from ddp_recipes.data.device_decode import decode_one
+
+    decode_jpeg = image_decoders().decode_jpeg
 
     jpeg, png, _ = _image_files(tmp_path)
     image, fell_back = decode_one(jpeg, "cpu", decode_jpeg)
@@ -177,10 +178,11 @@ def test_a_png_named_jpeg_falls_back_to_the_cpu_decoder(tmp_path):
     assert fell_back and image.shape == (3, 10, 12) and image[1].float().mean() > 150  # the green PNG
 
 
-def test_the_batch_decode_keeps_the_batch_when_one_file_is_rejected(tmp_path):
-    from torchvision.io import decode_jpeg
-
+def test_the_batch_decode_keeps_the_batch_when_one_file_is_rejected(tmp_path, image_library):
+    from ddp_recipes.data.decoders import image_decoders
     from ddp_recipes.data.device_decode import decode_images
+
+    decode_jpeg = image_decoders().decode_jpeg
 
     files = _image_files(tmp_path)
     calls: list[int] = []

@@ -138,21 +138,27 @@ def _jpeg_folder(root, per_class: int = 20):
 
 
 def test_loader_bench_times_each_decode_path_per_worker_count(tmp_path, capsys):
+    from ddp_recipes.data.decoders import image_decoders
+
     folder = _jpeg_folder(tmp_path / "imgs")
     out = tmp_path / "loader.json"
     assert main(["loader", "--data-dir", str(folder), "--workers", "0,1", "--batch-size", "8", "--batches", "2",
                  "--image-size", "32", "--repeats", "1", "--target-images-per-s", "5000", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    cells = {(r["decode"], r["workers"]): r for r in result["rows"]}
-    assert set(cells) == {(d, w) for d in ("pil", "tensor", "gpu") for w in (0, 1)}
-    assert all(r["images_per_s"] > 0 for r in cells.values())
-    assert all(r["workers_for_target"] >= 1 for (d, _), r in cells.items() if d != "gpu")
+    # The decoder library is a dimension of the paths that decode with one: both where torchcodec imports.
+    libraries = ["torchcodec", "torchvision"] if image_decoders().name == "torchcodec" else ["torchvision"]
+    cells = {(r["decode"], r["decoder"], r["workers"]): r for r in result["rows"]}
+    decoding = {(d, lib, w) for d in ("tensor", "gpu") for lib in libraries for w in (0, 1)}
+    assert result["decoders"] == libraries and set(cells) == {("pil", None, w) for w in (0, 1)} | decoding
+    assert all(r["images_per_s"] > 0 and r["images_per_s_rounds"] == [r["images_per_s"]] for r in cells.values())
+    assert all(r["workers_for_target"] >= 1 for (d, _, _), r in cells.items() if d != "gpu")
     # Without CUDA the gpu path runs the recipe's --decode gpu code on the CPU, and the table says so.
-    gpu = cells[("gpu", 1)]
-    assert gpu["device"] == "cpu" and gpu["cpu_fallbacks"] == 0 and gpu["images_per_s_per_worker"] is None
+    for library in libraries:
+        gpu = cells[("gpu", library, 1)]
+        assert gpu["device"] == "cpu" and gpu["cpu_fallbacks"] == 0 and gpu["images_per_s_per_worker"] is None
     printed = capsys.readouterr().out
-    assert result["images"] == 40 and "| tensor | 1 |" in printed and "| gpu (on cpu) | 1 |" in printed
-    assert "not nvJPEG on a GPU" in printed
+    assert result["images"] == 40 and f"| tensor | {libraries[0]} | 1 |" in printed and "| pil | - | 1 |" in printed
+    assert f"| gpu (on cpu) | {libraries[-1]} | 1 |" in printed and "not nvJPEG on a GPU" in printed
 
 
 def test_loader_bench_writes_real_size_synthetic_jpegs(tmp_path, capsys):
@@ -167,6 +173,7 @@ def test_loader_bench_writes_real_size_synthetic_jpegs(tmp_path, capsys):
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["--decode", "pil,jpegturbo"], "--decode"),
+    (["--decoders", "pillow"], "--decoders takes auto or torchcodec, torchvision (got 'pillow')"),
     (["--workers", "two"], "--workers"),
     (["--batch-size", "64"], "one epoch must hold"),
     # 40 images: 5 batches of 8, but 1 + 2 x 2 are skipped before the clock starts (it reported 0.0 images/s)

@@ -11,7 +11,7 @@ import torch
 
 from ddp_recipes.checkpointing.checkpoint import RUN_KEY
 from ddp_recipes.checkpointing.run_folder import ownership
-from ddp_recipes.checkpointing.run_folder.resume_choice import newest_of_run
+from ddp_recipes.checkpointing.run_folder.ownership import newest_of_run
 from ddp_recipes.errors import ConfigError
 from recipes import mnist
 from tests.helpers import MNIST_CPU, files_of, last_ckpt, refused_mnist

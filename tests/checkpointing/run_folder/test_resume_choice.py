@@ -9,9 +9,8 @@ import shutil
 import pytest
 import torch
 
-from ddp_recipes.checkpointing.run_folder.resume_choice import newest_checkpoint
 from recipes import mnist
-from tests.helpers import MNIST_CPU, assert_same_weights, last_ckpt
+from tests.helpers import MNIST_CPU, assert_same_weights, last_ckpt, newest_checkpoint
 from tests.marks import needs_mnist
 
 

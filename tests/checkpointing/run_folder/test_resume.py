@@ -30,7 +30,7 @@ def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_pat
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing.last import LastCheckpoint
-    from ddp_recipes.checkpointing.run_folder import rank0_decision
+    from ddp_recipes.checkpointing.run_folder import resume
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -40,9 +40,9 @@ def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_pat
              "folder": str(folder)}
     trainer = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=_Strategy(rank0), callbacks=[],
                               fast_dev_run=False)
-    monkeypatch.setattr(rank0_decision, "_gather", lambda problem: [None, problem])
+    monkeypatch.setattr(resume, "_gather", lambda problem: [None, problem])
     with pytest.raises(ConfigError) as info:
-        rank0_decision.agree(trainer, LastCheckpoint(folder), rank0_decision.Continue(), fitting=True)
+        resume.agree(trainer, LastCheckpoint(folder), resume.Continue(), fitting=True)
     text = info.value.cli()
     assert (f"rank 0 resumes from {folder / 'last.ckpt'} (step 6 of run aaaaaaaaaaaa), which rank 1 reads as "
             "step 3") in text
@@ -50,7 +50,7 @@ def test_a_rank_that_reads_another_file_at_rank_0s_path_fails_every_rank(tmp_pat
     assert info.value.agreed  # printed by rank 0 only
     rank0["step"] = 3  # the same file: rank 1 takes rank 0's folder and run id
     last = LastCheckpoint(tmp_path / "elsewhere")
-    assert rank0_decision.agree(trainer, last, rank0_decision.Continue(), fitting=True) == str(folder / "last.ckpt")
+    assert resume.agree(trainer, last, resume.Continue(), fitting=True) == str(folder / "last.ckpt")
     assert last.dirpath == folder and last.run_id == "aaaaaaaaaaaa"
     assert not (folder / "run.json").exists()  # only rank 0 records the run
 
@@ -62,22 +62,22 @@ def test_a_checkpoint_without_a_run_id_continues_at_two_ranks(tmp_path, monkeypa
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing.last import LastCheckpoint
-    from ddp_recipes.checkpointing.run_folder import rank0_decision
+    from ddp_recipes.checkpointing.run_folder import resume
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     torch.save({"state_dict": {}, "global_step": 7, "epoch": 0}, folder / "last.ckpt")  # no RUN_KEY
     rank0_trainer = SimpleNamespace(is_global_zero=True, global_rank=0, callbacks=[], checkpoint_callbacks=[],
                                     fast_dev_run=False, default_root_dir=str(tmp_path))
-    for request in (rank0_decision.Continue(), str(folder / "last.ckpt")):
-        decision = rank0_decision.decide(rank0_trainer, LastCheckpoint(folder), request, fitting=True)
+    for request in (resume.Continue(), str(folder / "last.ckpt")):
+        decision = resume.decide(rank0_trainer, LastCheckpoint(folder), request, fitting=True)
         assert decision["ckpt_run"] is None and decision["run_id"], decision
-        assert rank0_decision._check_same(decision, 1) is None
+        assert resume._check_same(decision, 1) is None
     trainer = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=_Strategy(decision), callbacks=[],
                               fast_dev_run=False)
-    monkeypatch.setattr(rank0_decision, "_gather", lambda problem: [None, problem])
+    monkeypatch.setattr(resume, "_gather", lambda problem: [None, problem])
     last = LastCheckpoint(folder)
-    assert rank0_decision.agree(trainer, last, str(folder / "last.ckpt"), fitting=True) == str(folder / "last.ckpt")
+    assert resume.agree(trainer, last, str(folder / "last.ckpt"), fitting=True) == str(folder / "last.ckpt")
     assert last.run_id == decision["run_id"]
 
 
@@ -87,7 +87,7 @@ def test_a_claim_refused_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from ddp_recipes.checkpointing.last import LastCheckpoint
-    from ddp_recipes.checkpointing.run_folder import rank0_decision
+    from ddp_recipes.checkpointing.run_folder import resume
 
     class Told:
         def __init__(self, outcome):
@@ -100,7 +100,7 @@ def test_a_claim_refused_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
     rank1 = SimpleNamespace(is_global_zero=False, global_rank=1, strategy=Told(("claim", "CheckpointError: taken")),
                             fast_dev_run=False)
     with pytest.raises(ConfigError, match="rank 0 could not record the run in .*taken.*every rank stops") as info:
-        rank0_decision._claim_on_rank_0(rank1, LastCheckpoint(folder))
+        resume._claim_on_rank_0(rank1, LastCheckpoint(folder))
     assert info.value.agreed
     sent = []
 
@@ -114,5 +114,19 @@ def test_a_claim_refused_on_rank_0_stops_every_rank(tmp_path, monkeypatch):
     last.run_id = "aaaaaaaaaaaa"
     rank0 = SimpleNamespace(is_global_zero=True, global_rank=0, strategy=Records(None), fast_dev_run=False)
     with pytest.raises(ConfigError, match="was claimed by run bbbbbbbbbbbb"):
-        rank0_decision._claim_on_rank_0(rank0, last)
+        resume._claim_on_rank_0(rank0, last)
     assert sent and sent[0][0] == "claim" and "was claimed by run bbbbbbbbbbbb" in sent[0][1]
+
+
+def test_a_rank_checks_rank_0s_choice_against_the_header_it_read_before_the_launch(tmp_path):
+    """A recipe's rank read its candidate's header before the launch: that read is its view of rank 0's choice,
+    so it reads the file again only for a path it did not open (each rank loads the checkpoint whole once)."""
+    from ddp_recipes.checkpointing.run_folder import resume
+
+    path = str(tmp_path / "last.ckpt")  # not there now: the header read before the launch is what counts
+    decision = {"path": path, "step": 6, "ckpt_run": "aaaaaaaaaaaa"}
+    header = {"global_step": 6, "ddp_recipes_run": {"run_id": "aaaaaaaaaaaa"}}
+    assert resume._check_same(decision, 1, resume.Continue(path, header)) is None
+    stale = resume.Continue(path, {**header, "global_step": 3})
+    assert "which rank 1 reads as step 3 of run aaaaaaaaaaaa" in resume._check_same(decision, 1, stale)
+    assert "which rank 1 cannot read (no such file)" in resume._check_same(decision, 1, resume.Continue())

@@ -29,6 +29,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
+from ddp_recipes.lightning_seam.reach import logs_this_step
+
 HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
                "broadcast_object_list", "barrier", "gather", "gather_object", "scatter", "scatter_object_list",
@@ -157,12 +159,36 @@ class WholeIterations:
                           "issued": None if now is None or self._issued is None else now - self._issued,
                           "ops": dict(mode.ops)})
 
+    def per_step(self) -> dict[str, Any]:
+        """:func:`per_step` of the rows."""
+        return per_step(self.rows)
+
+    def compact(self) -> list[dict[str, Any]]:
+        """:func:`compact` of the rows."""
+        return compact(self.rows)
+
     def ops(self) -> Counter[str]:
         """Every aten op of every counted iteration together."""
         total: Counter[str] = Counter()
         for row in self.rows:
             total.update(row["ops"])
         return total
+
+
+class LoopCount(WholeIterations):
+    """:class:`WholeIterations` of a hand-written loop with its own :class:`PythonCollectives`, as a context; the
+    open iteration closes as ``"fit_end"`` on exit."""
+
+    def __init__(self, after: int = 0, count: int | None = None) -> None:
+        super().__init__(PythonCollectives(), after, count)
+
+    def __enter__(self) -> LoopCount:
+        self.calls.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close("fit_end")
+        self.calls.__exit__(*exc)
 
 
 class StepCounts(Callback):
@@ -182,6 +208,12 @@ class StepCounts(Callback):
     @property
     def rows(self) -> list[dict[str, Any]]:
         return self.iterations.rows
+
+    def per_step(self) -> dict[str, Any]:
+        return per_step(self.rows)
+
+    def compact(self) -> list[dict[str, Any]]:
+        return compact(self.rows)
 
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -212,7 +244,7 @@ class StepCounts(Callback):
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Lightning's own test of a log step, before its _batches_that_stepped moves on.
-        self.iterations.note(logs=bool(trainer._logger_connector.should_update_logs))
+        self.iterations.note(logs=logs_this_step(trainer))
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -1,5 +1,5 @@
-"""The bench's whole-iteration count (``bench/harness/step_counts.py``) and the fields ``bench overhead`` and the bench
-workers report from it (counts only: nothing here is timed)."""
+"""The bench's whole-iteration count (``benchmarks/account/step_counts.py``) and the fields ``benchmarks overhead`` and
+the bench workers report from it (counts only: nothing here is timed)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_recipes.bench.harness import step_counts
-from ddp_recipes.bench.harness.step_counts import PythonCollectives, WholeIterations, per_step
+from benchmarks.account import step_counts
+from benchmarks.account.step_counts import PythonCollectives, WholeIterations, per_step
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_per_step_leaves_out_ddps_own_call_and_iterations_that_held_an_epoch_end
 
 
 def _overhead(tmp_path, count_steps: int) -> dict:
-    from ddp_recipes.bench.__main__ import main
+    from benchmarks.__main__ import main
 
     out = tmp_path / "overhead.json"
     assert main(["overhead", "--steps", "4", "--warmup-steps", "2", "--rounds", "2", "--batch-size", "16",
@@ -97,7 +97,7 @@ def test_bench_overhead_without_counting_says_so(tmp_path, capsys):
 
 @pytest.mark.parametrize("impl", ["raw", "pack", "plain"])
 def test_a_bench_worker_counts_after_its_timed_steps_and_times_as_many_as_without(tmp_path, impl):
-    from ddp_recipes.bench.harness.worker import main
+    from benchmarks.account.worker import main
 
     out = tmp_path / f"{impl}.json"
     main([impl, "--out", str(out), "--recipe", "mnist", "--arch", "mlp", "--batch-size", "8", "--steps", "3",
@@ -116,7 +116,7 @@ def test_a_bench_worker_counts_after_its_timed_steps_and_times_as_many_as_withou
 
 
 def test_bench_overhead_refuses_a_negative_count(tmp_path, capsys):
-    from ddp_recipes.bench.__main__ import main
+    from benchmarks.__main__ import main
 
     with pytest.raises(SystemExit) as exc:
         main(["overhead", "--count-steps", "-1", "--out", str(tmp_path / "o.json")])

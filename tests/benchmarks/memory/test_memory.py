@@ -1,4 +1,4 @@
-"""`python -m ddp_recipes.bench.memory` end to end at toy size (no memory or timing value is asserted), and
+"""`python -m benchmarks.memory` end to end at toy size (no memory or timing value is asserted), and
 its bad input."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ddp_recipes.bench.memory.run import main
+from benchmarks.memory.run import main
 
 TOY = ["--arch", "resnet18", "--batch-size", "2", "--image-size", "32", "--steps", "1", "--threads", "1",
        "--accelerator", "cpu"]

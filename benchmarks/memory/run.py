@@ -1,7 +1,7 @@
-"""``python -m ddp_recipes.bench.memory``: peak memory and step time of one ResNet training step, per variant.
+"""``python -m benchmarks.memory``: peak memory and step time of one ResNet training step, per variant.
 
-    python -m ddp_recipes.bench.memory                       # ResNet-50, batch 16, 224 px, every variant
-    python -m ddp_recipes.bench.memory --arch resnet18 --batch-size 8 --variants baseline,grad-checkpointing
+    python -m benchmarks.memory                       # ResNet-50, batch 16, 224 px, every variant
+    python -m benchmarks.memory --arch resnet18 --batch-size 8 --variants baseline,grad-checkpointing
 
 Variants: ``baseline`` (32-true), ``grad-checkpointing``, ``channels-last``, ``bf16-mixed`` (torch.autocast
 with bfloat16) and ``grad-checkpointing-bf16``. Each runs in a fresh process (this module with
@@ -44,15 +44,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.memory.report import markdown_table, summarize, summary_line
+from benchmarks.memory.worker import METHOD, NUM_CLASSES, VARIANTS, measure_variant
 from ddp_recipes.bench.cli import config_from, config_parser
-from ddp_recipes.bench.memory.report import markdown_table, summarize, summary_line
-from ddp_recipes.bench.memory.worker import METHOD, NUM_CLASSES, VARIANTS, measure_variant
 from ddp_recipes.config.choices import ACCELERATORS, check_choice
 from ddp_recipes.config.cli import fail, opt, writable_dir
 from ddp_recipes.config.world import resolve_accelerator
 from ddp_recipes.errors import ConfigError
 
-PROG = "python -m ddp_recipes.bench.memory"
+PROG = "python -m benchmarks.memory"
 ARCHS = ("resnet18", "resnet34", "resnet50")  # ResNetClassifier's; repeated so the parent skips importing it
 MIN_IMAGE_SIZE = 32  # ResNetClassifier.min_image_size(cifar_stem=False)
 WORKER_TIMEOUT_S = 3600
@@ -108,11 +108,11 @@ class MemoryBenchConfig:
 # ---- runner: every variant in a fresh process ----------------------------------------------------------
 
 def run_variant(variant: str, s: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """One variant in a fresh ``python -m ddp_recipes.bench.memory --variant`` process; its JSON."""
+    """One variant in a fresh ``python -m benchmarks.memory --variant`` process; its JSON."""
     out = out_dir / "memory-runs" / f"{variant}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "ddp_recipes.bench.memory", "--variant", variant, "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--variant", variant, "--json", str(out)]
     for key in ("arch", "batch_size", "image_size", "steps", "accelerator", "threads", "seed"):
         cmd += ["--" + key.replace("_", "-"), str(s[key])]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

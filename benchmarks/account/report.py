@@ -1,12 +1,11 @@
-"""The tables of ``bench account`` (:mod:`ddp_recipes.bench.account.run`), and the docs block they replace."""
+"""The tables of ``benchmarks account`` (:mod:`benchmarks.account.run`), and the docs block they replace."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.harness.components import PACK_COMPONENTS
-from ddp_recipes.bench.harness.step_counts import DDP_OWN
+from benchmarks.account.step_counts import DDP_OWN
+from benchmarks.account.worker import PACK_COMPONENTS
 
 BEGIN, END = "<!-- bench-account:begin -->", "<!-- bench-account:end -->"
 CONTENDED_LOAD = 0.5  # 1-minute load average above which other work shared the cores (beyond the runs' own)
@@ -64,8 +63,8 @@ def counts_table(result: dict[str, Any]) -> list[str]:
     if not counted or not any(summary[str(n)].get("counts", {}).get(label) for n in devices for label in RUNS):
         return []
     lines = [f"Host reads and collectives per step, per rank (rank 0 / rank 1 / ...), over the {counted} whole loop "
-             "iterations after each run's timed steps (`bench/harness/step_counts.py`, batch start to the next batch "
-             "start; a range where rounds differ):", "",
+             "iterations after each run's timed steps (`benchmarks/account/step_counts.py`, batch start to the next "
+             "batch start; a range where rounds differ):", "",
              "| run | N | host reads, step without logging | host reads, log step | Python collectives beyond DDP's "
              "own, step without logging | the same, log step | collectives issued per step without logging, DDP's "
              "included |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -148,14 +147,3 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"{len(failed)} run(s) failed: "
                   + ", ".join(f"{r['label']} N={r['devices']} round {r['round'] + 1}" for r in failed) + "."]
     return "\n".join(lines)
-
-
-def rewrite_doc(path: Path, text: str, begin: str = BEGIN, end: str = END) -> None:
-    """Replace what is between the ``begin`` and ``end`` markers in ``path`` with ``text`` (markers kept)."""
-    doc = path.read_text()
-    if begin not in doc or end not in doc or doc.index(begin) > doc.index(end):
-        raise SystemExit(f"{path} has no {begin} ... {end} block to rewrite; add the two markers where the "
-                         "table goes")
-    head, rest = doc.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")

@@ -1,18 +1,18 @@
-"""``python -m ddp_recipes.bench account``: where the pack's step time goes, against plain Lightning and the raw loop.
+"""``python -m benchmarks account``: where the pack's step time goes, against plain Lightning and the raw loop.
 
-    python -m ddp_recipes.bench account                           # make bench's workload, N=1,2, 3 rounds
-    python -m ddp_recipes.bench account --doc docs/benchmark.md   # and rewrite the table there
-    python -m ddp_recipes.bench account --from bench-results/account/account.json --doc docs/benchmark.md
+    python -m benchmarks account                           # make bench's workload, N=1,2, 3 rounds
+    python -m benchmarks account --doc docs/benchmark.md   # and rewrite the table there
+    python -m benchmarks account --from bench-results/account/account.json --doc docs/benchmark.md
 
 Every round runs, at each N, the raw DDP loop, plain Lightning (``L.Trainer(strategy="ddp")``), the pack (the
 recipe's Trainer) and the pack with each of its parts switched off alone (``--without``, see
-:data:`~ddp_recipes.bench.harness.components.PACK_COMPONENTS`), each in fresh processes, back to back, the order
+:data:`~benchmarks.account.worker.PACK_COMPONENTS`), each in fresh processes, back to back, the order
 reversed every other round. What a part costs is the paired difference pack - pack without it, per round;
 Lightning's own loop is plain - raw; the gap is pack - raw. Beside them: the host time inside each part's
 hooks (exact, from the same runs) and the CPU time of threads other than the training thread. The load
 average before and after every run is recorded: a figure taken on a loaded host says so. After its timed
 steps, each raw, plain and pack run counts ``--count-steps`` more whole loop iterations
-(:mod:`ddp_recipes.bench.harness.step_counts`): host reads and collectives per step, on every rank.
+(:mod:`benchmarks.account.step_counts`): host reads and collectives per step, on every rank.
 
 Writes ``--out``/account.json and account.md; ``--doc FILE`` replaces the block between
 ``<!-- bench-account:begin -->`` and ``<!-- bench-account:end -->`` in FILE with the tables.
@@ -30,12 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.cli import measuring_args
-from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS, PACK_COMPONENTS
+from benchmarks.account.worker import PACK_COMPONENTS
+from ddp_recipes.bench.cli import measuring_args, rewrite_doc
+from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS
 from ddp_recipes.bench.speedup import run as speedup
 from ddp_recipes.errors import ConfigError
 
-PROG = "python -m ddp_recipes.bench account"
+PROG = "python -m benchmarks account"
 BASELINES = ("raw", "plain", "pack")
 
 
@@ -54,7 +55,7 @@ def measure(settings: dict[str, Any], runs: list[str], rounds: int, out: Path,
             progress: Any = print) -> list[dict[str, Any]]:
     """Every (round, label, N) run of the ``runs`` labels (:func:`labels`), interleaved as the speedup bench's
     (:func:`speedup.interleaved_schedule`), each by its runner (:func:`speedup.run_worker`); each row: the run's
-    figures and the load around it. ``bench overhead`` is the same comparison with only plain and pack."""
+    figures and the load around it. ``benchmarks overhead`` is the same comparison with only plain and pack."""
     devices = settings["devices"]
     plan = [(label, n) for n in devices for label in runs]
     schedule = speedup.interleaved_schedule(plan, rounds)
@@ -62,7 +63,8 @@ def measure(settings: dict[str, Any], runs: list[str], rounds: int, out: Path,
     for i, (round_no, label, n) in enumerate(schedule, 1):
         impl = label if label in BASELINES else "pack"
         run_settings = {**settings, "without": label.removeprefix("pack-without-") if impl != label else "",
-                        "count_steps": settings.get("count_steps", 0) if impl == label else 0}
+                        "count_steps": settings.get("count_steps", 0) if impl == label else 0,
+                        "worker": "benchmarks.account.worker"}  # the bench's worker with its counter and switches
         before, start = _load(), time.perf_counter()
         try:
             run = speedup.run_worker(impl, n, run_settings, out, tag=f"-{label}-round{round_no + 1}")
@@ -128,7 +130,7 @@ def _threads(rows: list[dict[str, Any]], label: str, n: int) -> dict[str, Any] |
             "other_cpu_ms": spread_of([max(t["other_threads_cpu_ms_per_step"] for t in run) for run in runs])}
 
 
-COUNTED = ("reads", "python", "issued")  # bench.harness.step_counts.per_step's per-step means
+COUNTED = ("reads", "python", "issued")  # benchmarks.account.step_counts.per_step's per-step means
 
 
 def _counts(rows: list[dict[str, Any]], label: str, n: int) -> list[dict[str, Any]] | None:
@@ -179,7 +181,7 @@ def summarize(rows: list[dict[str, Any]], devices: list[int], components: list[s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``bench account``."""
+    """The flags of ``benchmarks account``."""
     p.add_argument("--devices", default="1,2", help="device counts, comma list (must include 1)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run, after the warm-up")
@@ -209,8 +211,8 @@ def _components(text: str) -> list[str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """``bench account``: measure (or read ``--from``), write account.json/.md, print and rewrite ``--doc``."""
-    from ddp_recipes.bench.account.report import markdown, rewrite_doc
+    """``benchmarks account``: measure (or read ``--from``), write account.json/.md, print and rewrite ``--doc``."""
+    from benchmarks.account.report import BEGIN, END, markdown
     from ddp_recipes.bench.hostinfo import host_facts
     from ddp_recipes.config.cli import fail
 
@@ -247,6 +249,6 @@ def run_command(args: argparse.Namespace) -> int:
     text = markdown(result)
     print(text)
     if args.doc:
-        rewrite_doc(Path(args.doc), text)
+        rewrite_doc(Path(args.doc), text, BEGIN, END)
         print(f"rewrote the bench-account block of {args.doc}")
     return 0

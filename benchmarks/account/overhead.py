@@ -1,15 +1,15 @@
-"""``python -m ddp_recipes.bench overhead``: what the pack adds to a training step, against plain Lightning.
+"""``python -m benchmarks overhead``: what the pack adds to a training step, against plain Lightning.
 
-    python -m ddp_recipes.bench overhead --data-dir data --val-size 5000 --rounds 3
-    python -m ddp_recipes.bench overhead --steps 600 --threads 1 --out bench-results/overhead.json
+    python -m benchmarks overhead --data-dir data --val-size 5000 --rounds 3
+    python -m benchmarks overhead --steps 600 --threads 1 --out bench-results/overhead.json
 
-The one-device MNIST view of ``bench account``'s comparison (:func:`~ddp_recipes.bench.account.run.measure`): each
+The one-device MNIST view of ``benchmarks account``'s comparison (:func:`~benchmarks.account.run.measure`): each
 round runs **plain** (``lightning.Trainer`` as a user writes it for the same LightningModule and in-memory
 tensors: a shuffled ``DataLoader``, the same CSV logger, log cadence and progress bar) and **pack** (the
 recipe's Trainer, the resumable loader over the recipe's in-memory MNIST split), each in a fresh process,
 the order alternating; both timed alike (every training batch end to the next, the warm-up dropped). After
 its timed steps each run counts ``--count-steps`` more whole loop iterations, untimed
-(:class:`~ddp_recipes.bench.harness.step_counts.StepCounts`): host reads and Python ``torch.distributed`` calls per
+(:class:`~benchmarks.account.step_counts.StepCounts`): host reads and Python ``torch.distributed`` calls per
 step, for steps that do not log and for log steps apart.
 
 Writes ``--out`` (JSON: every run, the per-round pack/plain ratio's median and range, the counts) and prints
@@ -25,13 +25,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddp_recipes.bench.account.run import by_round, measure, spread_of, summarize
+from benchmarks.account.run import by_round, measure, spread_of, summarize
 from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS
 from ddp_recipes.bench.speedup.run import BenchConfig
 from ddp_recipes.config.choices import MNIST_ARCHS
 from ddp_recipes.errors import ConfigError
 
-PROG = "python -m ddp_recipes.bench overhead"
+PROG = "python -m benchmarks overhead"
 RUNS = ["plain", "pack"]
 
 
@@ -61,7 +61,7 @@ def _best_ratio(rows: list[dict[str, Any]]) -> float | None:
 
 
 def overhead_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """``bench account``'s one-device summary of plain and pack, with the best of each and both input waits."""
+    """``benchmarks account``'s one-device summary of plain and pack, with the best of each and both input waits."""
     summary = summarize(rows, [1], [])["1"]
 
     def spread(label: str, key: str) -> dict[str, float] | None:
@@ -104,7 +104,7 @@ def summary_line(result: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``bench overhead``."""
+    """The flags of ``benchmarks overhead``."""
     p.add_argument("--data-dir", default="",
                    help="folder holding MNIST/raw (empty: synthetic tensors of MNIST's shape)")
     p.add_argument("--val-size", type=int, default=0, help="images held out, as the recipe's --val-size")
@@ -123,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """``bench overhead``: the rounds of plain and pack, the JSON written and the one-line summary."""
+    """``benchmarks overhead``: the rounds of plain and pack, the JSON written and the one-line summary."""
     from ddp_recipes.config.cli import fail
 
     try:

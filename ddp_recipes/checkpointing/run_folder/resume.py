@@ -1,63 +1,108 @@
-"""Which checkpoint a fit starts from, decided once on rank 0 and sent to every rank.
+"""Which checkpoint a run continues from: decided once, on rank 0, inside the ranks; loaded once, by every rank
+(Lightning's restore). The route: docs/architecture.md#the-resume-route; the folder's rules: ``ownership.py``.
 
-Lightning resolves ``ckpt_path`` in every rank before the process group exists (``_select_ckpt_path``, run
-under each launcher before ``_run``): each rank reads its own view of the folder, so ranks on node-local
-disks (or a folder that changes while they start) can pick different files, and none of them can tell.
-Here ``ckpt_path="last"`` is only noted then; the decision is made in ``resume_start``, which every rank
-reaches after the process group is up (``strategy.setup_environment``) and after every set-up hook, on
-every launcher (Lightning's subprocess launcher, spawn/fork, torchrun, SLURM, one process per pod):
+Before any rank starts, a recipe opens ``--resume`` (:func:`open_resume`) from headers and manifests only: it
+refuses what cannot run (a missing file, a folder of another run or one a live run holds, a cut checkpoint with
+nothing else to continue) and hands the recipe the candidate's header for the checks of the run's input.
 
-1. rank 0 reads the checkpoint folder and decides, by the rules of
-   :mod:`~ddp_recipes.checkpointing.run_folder.ownership`: the checkpoint to continue (the newest of the
-   folder's run, :mod:`~ddp_recipes.checkpointing.run_folder.resume_choice`), or a fresh start (refused when
-   the folder holds another run), or the given path (refused when it is another run's, in a folder that
-   holds one). A recipe made the same checks before it launched; they are made again here because the
-   library's ``build_trainer`` path has no such step, and the folder may have changed since;
-2. the decision (path, its step and run, the folder, the run id) is broadcast;
-3. every other rank checks that it reads that very checkpoint at that path (same step, same run) and the
-   ranks gather their answers: a rank that cannot (a node-local disk holding another copy, or none) fails
-   every rank with one line, instead of training from another file;
-4. rank 0 records the run in the folder (``run.json``) when the fit trains, and every rank's
-   :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` takes rank 0's folder and run id.
+Lightning resolves ``ckpt_path`` in every rank before the process group exists, each from its own view of the
+folder. Here ``ckpt_path="last"`` is only noted then and decided in ``resume_start``, which every rank reaches
+with the process group up, on every launcher (subprocess, spawn/fork, torchrun, SLURM):
 
-An error of step 1 is raised on every rank with the same text (printed once, by rank 0).
+1. rank 0 reads the folder and decides: the newest checkpoint of the folder's run (the one the recipe opened),
+   a fresh start (refused in a folder holding another run's checkpoints), or the given path (refused when it
+   is another run's, in a folder that holds one); an error is raised on every rank, printed by rank 0;
+2. the decision (path, step, run, folder, run id) is broadcast;
+3. every other rank checks that it reads that very checkpoint at that path (same step, same run: the header
+   its process read before the launch, or a header read now); a rank that cannot (a node-local disk holding
+   another copy, or none) fails every rank with one line instead of training from another file;
+4. rank 0 records the run (``run.json``) when the fit trains, every rank's
+   :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` takes rank 0's folder and run id, and Lightning's
+   restore loads the file, once per rank.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch.distributed as dist
-from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from typing_extensions import override
 
+from ddp_recipes.checkpointing import files
+from ddp_recipes.checkpointing.checkpoint import read_checkpoint, run_of
 from ddp_recipes.checkpointing.last import LastCheckpoint
-from ddp_recipes.checkpointing.run_folder import ownership, resume_choice
+from ddp_recipes.checkpointing.run_folder import ownership
+from ddp_recipes.checkpointing.run_folder.output_dir import settle_output_dir
+from ddp_recipes.checkpointing.run_folder.ownership import Found, check_unreadable, newest_of_run, set_aside_unreadable
+from ddp_recipes.config.run_config import RunConfig
+from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.errors import CheckpointError, ConfigError, lit
+from ddp_recipes.lightning_seam.connectors import install_checkpoint_route
+from ddp_recipes.lightning_seam.reach import last_checkpoints_of
 from ddp_recipes.storage import Url, location
+from ddp_recipes.storage.retry import StorageError
+from ddp_recipes.storage.store import check_store
 
+
+def open_resume(cfg: RunConfig, training: bool = True, debugging: bool = False
+                ) -> tuple[str | None, dict[str, Any] | None]:
+    """Before any rank starts: settle the run's output folder (:func:`settle_output_dir`), refuse what cannot
+    run there (on the process that will be rank 0, for a run that trains and is no ``fast_dev_run``), and
+    return the checkpoint ``--resume`` names with its header (tensors unread), or (None, None) for a fresh
+    start. ``training`` False (``--test-only``) only reads."""
+    settle_output_dir(cfg, create=training)
+    resume = None if cfg.resume in (None, "none") else cfg.resume
+    if resume == "auto":  # a missing bucket or a refused credential fails here, not as "no checkpoint"
+        check_store(cfg.output_dir, "output_dir")
+    checks = training and not debugging and will_be_global_zero()
+    found = ownership.output_survey(cfg.output_dir) if resume == "auto" or checks else None
+    if checks:
+        ownership.refuse_live(found)
+    if resume == "auto":
+        newest = newest_of_run(found, keep=training)
+        return (newest.path, newest.header or read_checkpoint(newest.path)) if newest else (None, None)
+    if resume is None:
+        if checks:
+            ownership.refuse_new_run(found)
+        return None, None
+    header = read_checkpoint(resolve_resume(resume))
+    if checks:
+        given = Found(resume, int(header.get("global_step", 0)), int(header.get("epoch", 0)), run_of(header))
+        ownership.refuse_foreign_checkpoint(found, given)
+    return resume, header
+
+
+def resolve_resume(resume: str) -> str:
+    """``--resume PATH``, which must exist (one line naming ``--resume`` otherwise)."""
+    try:
+        files.resolve(resume)  # raises naming --resume when there is nothing there
+    except StorageError as err:  # refused, or the store is down: about --resume, not --output-dir
+        raise err.renamed(output_dir="resume") from err.__cause__
+    return resume
+
+
+# ---- the decision in the ranks -----------------------------------------------------------------------------
 
 class Continue(str):
-    """``ckpt_path`` for "continue this folder's run" (``--resume auto``): ``"last"``, with the checkpoint the
-    recipe already opened on rank 0 before the process group existed (``expected``), which the decision must
-    match."""
+    """``ckpt_path="last"`` of ``--resume auto``, with the checkpoint this process opened before the launch
+    (``expected``, whose ``header`` it read), which rank 0's decision must be."""
 
-    expected: str | None
-
-    def __new__(cls, expected: str | None = None) -> Continue:
+    def __new__(cls, expected: str | None = None, header: dict[str, Any] | None = None) -> Continue:
         value = super().__new__(cls, "last")
         value.expected = expected
+        value.seen = (int(header.get("global_step", 0)), run_of(header)) if expected and header else None
         return value
 
 
-class RunCheckpointConnector(_CheckpointConnector):
-    """Lightning's checkpoint connector, with ``ckpt_path`` decided on rank 0 (module docstring).
+class RunCheckpointRoute:
+    """Lightning's ``ckpt_path``, with ``"last"`` decided on rank 0 (module docstring); installed on the Trainer's
+    checkpoint connector by the seam (:func:`~ddp_recipes.lightning_seam.connectors.install_checkpoint_route`).
 
     ``ckpt_path="last"`` means the newest complete checkpoint of the folder's run (by its step, unreadable
     files skipped) among :class:`LastCheckpoint`'s folder, Lightning's SLURM ``hpc_ckpt_N`` and every
@@ -65,43 +110,39 @@ class RunCheckpointConnector(_CheckpointConnector):
     runs. Without a LastCheckpoint (``preemption=False``) it is resolved at once, by the same rule.
     """
 
-    @override
-    def _parse_ckpt_path(self, state_fn: TrainerFn, ckpt_path: Any, model_provided: bool,
-                         model_connected: bool) -> Any:
+    def parse(self, trainer: L.Trainer, state_fn: TrainerFn, ckpt_path: Any, default: Callable[[Any], Any]) -> Any:
+        """The path Lightning's ``_parse_ckpt_path`` would give, but ``"last"`` as above (``default``: Lightning's)."""
         if ckpt_path != "last":
             with warnings.catch_warnings():
-                if sum(not isinstance(c, LastCheckpoint) for c in self.trainer.checkpoint_callbacks) == 1:
+                if sum(not isinstance(c, LastCheckpoint) for c in trainer.checkpoint_callbacks) == 1:
                     # Lightning counts LastCheckpoint among "multiple ModelCheckpoint callbacks" and warns that
                     # "best" is the first one's: with one ModelCheckpoint of the user's (or Lightning's default),
                     # that one is the first (build_trainer puts LastCheckpoint last), so nothing is ambiguous.
                     warnings.filterwarnings("ignore", message=r".*multiple `ModelCheckpoint` callbacks")
-                return super()._parse_ckpt_path(state_fn, ckpt_path, model_provided, model_connected)
-        if _last_checkpoint(self.trainer) is not None:
-            return ckpt_path if isinstance(ckpt_path, Continue) else Continue()  # decided in resume_start
+                return default(ckpt_path)
+        if _last_checkpoint(trainer) is not None:
+            return ckpt_path if isinstance(ckpt_path, Continue) else Continue()  # decided in resume
         fitting = state_fn == TrainerFn.FITTING
-        survey = _survey(self.trainer, None, ownership.LIBRARY)
-        found = resume_choice.newest_of_run(survey, ownership.LIBRARY, keep=fitting)
-        if found is not None and survey.unreadable and fitting and self.trainer.is_global_zero:
-            resume_choice.set_aside_unreadable(survey)  # before a ModelCheckpoint's save writes over the bytes
+        survey = _survey(trainer, None, ownership.LIBRARY)
+        found = newest_of_run(survey, ownership.LIBRARY, keep=fitting)
+        if found is not None and survey.unreadable and fitting and trainer.is_global_zero:
+            set_aside_unreadable(survey)  # before a ModelCheckpoint's save writes over the bytes
         if found is None:
             rank_zero_info('ckpt_path="last": no checkpoint yet; starting from the beginning')
         return found.path if found is not None else None
 
-    @override
-    def resume_start(self, checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
-        last = _last_checkpoint(self.trainer)
-        fitting = self.trainer.state.fn == TrainerFn.FITTING
+    def resume(self, trainer: L.Trainer, checkpoint_path: Any) -> Any:
+        """The file every rank loads: rank 0's decision where the run continues (:func:`agree`)."""
+        last = _last_checkpoint(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
         if last is not None and (fitting or isinstance(checkpoint_path, Continue)):
-            checkpoint_path = agree(self.trainer, last, checkpoint_path, fitting)
-        super().resume_start(checkpoint_path, weights_only=weights_only)
+            return agree(trainer, last, checkpoint_path, fitting)
+        return checkpoint_path
 
 
 def find_last_checkpoint(trainer: L.Trainer) -> None:
-    """Give ``trainer`` the :class:`RunCheckpointConnector` (Lightning creates its connector in
-    ``Trainer.__init__``; its state is kept, only its class changes)."""
-    connector = trainer._checkpoint_connector
-    if type(connector) is _CheckpointConnector:
-        connector.__class__ = RunCheckpointConnector
+    """Route ``trainer``'s ``ckpt_path`` through :class:`RunCheckpointRoute`."""
+    install_checkpoint_route(trainer, RunCheckpointRoute())
 
 
 def _last_checkpoint(trainer: L.Trainer) -> LastCheckpoint | None:
@@ -125,7 +166,7 @@ def _survey(trainer: L.Trainer, last: LastCheckpoint | None, words: ownership.Wo
         if isinstance(where, Url):
             others.append(where)
         else:
-            extra += [Path(p) for p in sorted(callback._find_last_checkpoints(trainer))]
+            extra += [Path(p) for p in sorted(last_checkpoints_of(callback, trainer))]
     if folder is None:
         return ownership.Survey(root, checkpoints=[ownership.facts(p) for p in extra])
     found = ownership.survey(folder, extra=extra, asked=words.asked)
@@ -136,55 +177,46 @@ def _survey(trainer: L.Trainer, last: LastCheckpoint | None, words: ownership.Wo
     return found
 
 
-# ---- the decision ----------------------------------------------------------------------------------------
-
 def decide(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool) -> dict[str, Any]:
     """Rank 0's decision for ``request`` (None: a fresh start; a :class:`Continue`; a checkpoint path)."""
     words = last.words
     found = _survey(trainer, last, words)
     debugging = bool(trainer.fast_dev_run)
-    step = replaces = None
     if isinstance(request, Continue):
-        newest = resume_choice.newest_of_run(found, words, keep=fitting and not debugging)
-        if newest is not None and request.expected is not None and newest.path != request.expected:
+        chosen = newest_of_run(found, words, keep=fitting and not debugging)
+        if chosen is not None and request.expected not in (None, chosen.path):
             opened = next((c for c in found.checkpoints if c.path == request.expected), None)
-            if opened is None or (opened.step, opened.run_id) != (newest.step, newest.run_id):
+            if opened is None or (opened.step, opened.run_id) != (chosen.step, chosen.run_id):
                 raise CheckpointError(f"the newest checkpoint of the run in {lit(found.folder)} changed while the run "
-                                      f"started (it was {lit(request.expected)}, it is now {lit(newest.path)}); run "
+                                      f"started (it was {lit(request.expected)}, it is now {lit(chosen.path)}); run "
                                       "it again")
-            newest = opened  # as new as the one found (another callback's last file): the one the recipe opened
-        path = newest.path if newest is not None else None
-        if newest is None:
+            chosen = opened  # as new as the one found (another callback's last file): the one the recipe opened
+        if chosen is None:
             rank_zero_info(f"{words.asked}: no checkpoint of this run yet; starting from the beginning")
-        run_id = (newest.run_id if newest is not None else None) or found.owner() or ownership.new_run_id()
-        step = newest.step if newest is not None else None
-        ckpt_run = newest.run_id if newest is not None else None
+        run_id = (chosen.run_id if chosen is not None else None) or found.owner() or ownership.new_run_id()
     elif not request:
-        path = ckpt_run = None
+        chosen, run_id = None, ownership.new_run_id()
         if fitting and not debugging:
             ownership.refuse_new_run(found, words)
-        replaces = ownership.ended_before_its_first_checkpoint(found, words)
-        run_id = ownership.new_run_id()
     else:
-        path = os.fspath(request)
         try:
-            given = ownership.facts(path)
+            chosen = ownership.facts(os.fspath(request))
         except ConfigError:
             raise
         except Exception as err:
             asked = "{resume}" if words.parent else "ckpt_path"
-            raise CheckpointError(f"{asked} {lit(path)} is not a readable checkpoint ({type(err).__name__})") from None
+            raise CheckpointError(f"{asked} {lit(request)} is not a readable checkpoint ({type(err).__name__})"
+                                  ) from None
         if fitting and not debugging:
-            ownership.refuse_foreign_checkpoint(found, given, words)
-        run_id = given.run_id or found.owner() or ownership.new_run_id()
-        step, ckpt_run = given.step, given.run_id
-    if found.unreadable and path is not None and fitting and not debugging:
-        resume_choice.check_unreadable(found, newest if isinstance(request, Continue) else given, words)
-        resume_choice.set_aside_unreadable(found)  # before this run's first save could write over the bytes
+            ownership.refuse_foreign_checkpoint(found, chosen, words)
+        run_id = chosen.run_id or found.owner() or ownership.new_run_id()
+    if found.unreadable and chosen is not None and fitting and not debugging:
+        check_unreadable(found, chosen, words)
+        set_aside_unreadable(found)  # before this run's first save could write over the bytes
     # run_id: the run this fit is (and records); ckpt_run: what the checkpoint itself records, which every rank
     # compares with its own read of the file (None for a checkpoint without a run id, plain Lightning's included).
-    return {"path": path, "step": step, "run_id": run_id, "ckpt_run": ckpt_run, "folder": str(last.dirpath),
-            "replaces": replaces}
+    return {"path": chosen and chosen.path, "step": chosen and chosen.step, "run_id": run_id,
+            "ckpt_run": chosen and chosen.run_id, "folder": str(last.dirpath), "free": not found.holds_a_run()}
 
 
 def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool) -> str | None:
@@ -210,7 +242,7 @@ def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool)
         error = (CheckpointError if kind == "CheckpointError" else ConfigError)(template, param)
         error.agreed = True  # the same on every rank: rank 0 prints it
         raise error
-    problem = None if trainer.is_global_zero else _check_same(decision, trainer.global_rank)
+    problem = None if trainer.is_global_zero else _check_same(decision, trainer.global_rank, request)
     problems = [p for p in _gather(problem) if p]
     if problems:
         words = last.words
@@ -223,11 +255,11 @@ def agree(trainer: L.Trainer, last: LastCheckpoint, request: Any, fitting: bool)
     last.dirpath = location(decision["folder"])
     last.run_id = decision["run_id"]
     if fitting and not trainer.fast_dev_run:
-        _claim_on_rank_0(trainer, last, decision.get("replaces"))
+        _claim_on_rank_0(trainer, last, decision.get("free", False))
     return decision["path"]
 
 
-def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint, replaces: str | None = None) -> None:
+def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint, free: bool = False) -> None:
     """Rank 0 records the run in its folder; its outcome is broadcast, so a refusal there (claimed meanwhile,
     a read-only folder, a denied bucket) stops every rank at once instead of leaving the others waiting in
     DDP's set-up for the collective timeout. Collective (once per fit)."""
@@ -235,7 +267,7 @@ def _claim_on_rank_0(trainer: L.Trainer, last: LastCheckpoint, replaces: str | N
     told: str | None = None
     if trainer.is_global_zero:
         try:
-            ownership.claim(last.dirpath, last.run_id, replaces)
+            ownership.claim(last.dirpath, last.run_id, free)
         except Exception as err:
             failure, told = err, f"{type(err).__name__}: {err}"
     told = trainer.strategy.broadcast(("claim", told))[1]
@@ -282,16 +314,21 @@ def _same_place(a: Path | Url, b: Path | Url) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _check_same(decision: dict[str, Any], rank: int) -> str | None:
-    """None when this rank reads rank 0's checkpoint as rank 0 does; else what it reads instead."""
+def _check_same(decision: dict[str, Any], rank: int, request: Any = None) -> str | None:
+    """None when this rank reads rank 0's checkpoint as rank 0 does; else what it reads instead. The header this
+    process read before the launch (``request``: a :class:`Continue`) is its read of that path."""
     path = decision["path"]
     if path is None:
         return None
-    try:
-        mine = ownership.facts(path)
-    except Exception as err:
-        reason = "no such file" if isinstance(err, FileNotFoundError) else type(err).__name__
-        return f"rank 0 resumes from {lit(path)} (step {decision['step']}), which rank {rank} cannot read ({reason})"
+    if isinstance(request, Continue) and request.seen is not None and request.expected == path:
+        mine = Found(path, request.seen[0], 0, request.seen[1])
+    else:
+        try:
+            mine = ownership.facts(path)
+        except Exception as err:
+            reason = "no such file" if isinstance(err, FileNotFoundError) else type(err).__name__
+            return (f"rank 0 resumes from {lit(path)} (step {decision['step']}), which rank {rank} cannot read "
+                    f"({reason})")
     if (mine.step, mine.run_id) != (decision["step"], decision["ckpt_run"]):
         return (f"rank 0 resumes from {lit(path)} (step {decision['step']} of run {decision['ckpt_run']}), which rank "
                 f"{rank} reads as step {mine.step} of run {mine.run_id}")

@@ -1,5 +1,5 @@
-"""One variant of the memory bench, measured in this process (``python -m ddp_recipes.bench.memory --variant X
---json FILE`` runs it): a warm-up step, the memory step, then the timed steps. ``ddp_recipes.bench.memory``'s
+"""One variant of the memory bench, measured in this process (``python -m benchmarks.memory --variant X
+--json FILE`` runs it): a warm-up step, the memory step, then the timed steps. ``benchmarks.memory``'s
 docstring says what "step peak" means on CUDA and on CPU."""
 
 from __future__ import annotations

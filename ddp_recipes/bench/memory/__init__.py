@@ -1,2 +1,0 @@
-"""``python -m ddp_recipes.bench.memory``: peak memory and step time per variant (``run``), each variant
-measured in a fresh process (``worker``), the table (``report``)."""
