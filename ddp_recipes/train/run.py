@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from ddp_recipes.checkpointing import kept
 from ddp_recipes.checkpointing.checkpoint import plain_data, read_checkpoint
 from ddp_recipes.checkpointing.run_folder.output_dir import discard_unused_output_dirs, output_folder
-from ddp_recipes.checkpointing.run_folder.resume import Continue, open_resume
+from ddp_recipes.checkpointing.run_folder.resume import Continue, open_resume, refuse_other_runs
 from ddp_recipes.config.cli import fail
 from ddp_recipes.config.run_config import RunConfig, changed_fields
 from ddp_recipes.data.unreadable import describe as describe_unreadable
@@ -200,6 +200,8 @@ def run_fit_test(cfg: RunConfig, build_model: Callable[[], L.LightningModule], d
         extra = {**classes.record(), **(extra or {})}
         if classes.datamodule is not None:
             callbacks.append(PlannedBatch(cfg.plan.batch.per_device, class_path(classes.datamodule)))
+    if not debugging:  # after the run's input checks, before the Trainer (its info lines) and any rank start;
+        refuse_other_runs(cfg, ckpt_path, checkpoint)  # a debugging run writes nothing, touches no run
     # The trackers are made with the trainer: a missing tracker package fails here, before anything is written.
     trainer = make_trainer(cfg, callbacks=callbacks, checkpoint=checkpoint, **trainer_kwargs)
     out = output_folder(cfg)  # after the trainer: a setting it refuses leaves nothing behind

@@ -52,30 +52,39 @@ from ddp_recipes.storage.store import check_store
 
 def open_resume(cfg: RunConfig, training: bool = True, debugging: bool = False
                 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Before any rank starts: settle the run's output folder (:func:`settle_output_dir`), refuse what cannot
-    run there (on the process that will be rank 0, for a run that trains and is no ``fast_dev_run``), and
-    return the checkpoint ``--resume`` names with its header (tensors unread), or (None, None) for a fresh
-    start. ``training`` False (``--test-only``) only reads."""
+    """Before any rank starts: settle the run's output folder (:func:`settle_output_dir`) and return the
+    checkpoint ``--resume`` names with its header (tensors unread), or (None, None) for a fresh start; a folder
+    a live run holds is refused here for ``--resume auto`` (on the process that will be rank 0, for a run that
+    trains and is no ``fast_dev_run``), the other runs' folders by :func:`refuse_other_runs`, after the run's
+    input checks. ``training`` False (``--test-only``) only reads."""
     settle_output_dir(cfg, create=training)
     resume = None if cfg.resume in (None, "none") else cfg.resume
     if resume == "auto":  # a missing bucket or a refused credential fails here, not as "no checkpoint"
         check_store(cfg.output_dir, "output_dir")
-    checks = training and not debugging and will_be_global_zero()
-    found = ownership.output_survey(cfg.output_dir) if resume == "auto" or checks else None
-    if checks:
-        ownership.refuse_live(found)
-    if resume == "auto":
+        found = ownership.output_survey(cfg.output_dir)
+        if training and not debugging and will_be_global_zero():
+            ownership.refuse_live(found)
         newest = newest_of_run(found, keep=training)
         return (newest.path, newest.header or read_checkpoint(newest.path)) if newest else (None, None)
     if resume is None:
-        if checks:
-            ownership.refuse_new_run(found)
         return None, None
-    header = read_checkpoint(resolve_resume(resume))
-    if checks:
+    return resume, read_checkpoint(resolve_resume(resume))
+
+
+def refuse_other_runs(cfg: RunConfig, resume: str | None, header: dict[str, Any] | None) -> None:
+    """A new run (``--resume none``) into a folder holding a run's checkpoints, or ``--resume PATH`` of another
+    run into it, or any launch into a folder a live run holds: one line. Checked on the process that will be
+    rank 0 after every other check of the run's input (so a bad flag is named first), before any rank starts;
+    ``--resume auto`` was checked when it was opened (:func:`open_resume`)."""
+    if cfg.resume == "auto" or not will_be_global_zero():
+        return
+    found = ownership.output_survey(cfg.output_dir)
+    ownership.refuse_live(found)
+    if resume is None:
+        ownership.refuse_new_run(found)
+    else:
         given = Found(resume, int(header.get("global_step", 0)), int(header.get("epoch", 0)), run_of(header))
         ownership.refuse_foreign_checkpoint(found, given)
-    return resume, header
 
 
 def resolve_resume(resume: str) -> str:
