@@ -1,15 +1,10 @@
 """Checkpoints that survive a kill mid-save, and reading them as plain data.
 
-Lightning's TorchCheckpointIO (``_atomic_save``) writes inside an fsspec transaction: the bytes go to a
-temp file from ``tempfile.mkstemp()``, i.e. in ``$TMPDIR``, which is often another filesystem than the
-checkpoint folder (a node-local /tmp, a network home), so the final "rename" is a copy that a kill can cut
-short, and nothing is fsynced, so a power cut can leave the new name with missing data.
-:class:`AtomicCheckpointIO` writes the temp file in the checkpoint's own folder, fsyncs it, renames it over
-the old one (``os.replace``: atomic on POSIX within one filesystem) and fsyncs the folder, so a reader sees
-the old checkpoint or the new one, never half of one; the temp file a killed save leaves behind is removed
-by the next save. Only rank 0 writes (Lightning's strategies call ``save_checkpoint`` on rank 0
-only); every rank loads the same file. On an object store (``--output-dir s3://...``), where there is no
-rename, a save is an object and then a manifest naming it (:mod:`ddp_recipes.checkpointing.files`).
+Lightning's ``_atomic_save`` writes its temp file in ``$TMPDIR`` (often another filesystem: the "rename" is a
+copy a kill can cut) and fsyncs nothing. :class:`AtomicCheckpointIO` writes the temp file in the checkpoint's own
+folder, fsyncs it, ``os.replace``s it over the old one and fsyncs the folder: a reader sees the old checkpoint or
+the new one, never half. Only rank 0 writes; every rank loads the same file. On an object store a save is an
+object and then a manifest naming it (:mod:`ddp_recipes.checkpointing.files`).
 """
 
 from __future__ import annotations

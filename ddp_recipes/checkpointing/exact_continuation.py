@@ -1,20 +1,10 @@
 """What a checkpoint must carry, beyond Lightning's, for a resumed run to continue exactly.
 
-Lightning saves weights, optimizer, LR schedulers, precision/scaler and loop counters. :class:`ResumeState`
-adds what decides the rest of the run and puts it back at the *training boundary* (``on_train_start``):
-after every set-up hook, after Lightning restored the checkpoint, before the first training batch.
-
-* Every rank's python/numpy/torch random streams, and on CUDA its own device's generator. A fresh run gets
-  ``seed + rank`` there instead, so set-up hooks (a DataModule's ``random_split``, ``configure_model``) see
-  the same RNG on every rank and only training draws per-rank streams.
-* The training loader's position. Lightning builds the training iterator in ``setup_data()``, which
-  ``configure_optimizers`` reaches through ``estimated_stepping_batches`` *before* the loop state is
-  restored: a ``Stateful`` loader's saved position is then never loaded, and a loader with workers has
-  already started epoch 0's order. Both are repaired here (see :func:`reposition_train_loader`).
-* The new run's learning rates. Restoring optimizer and scheduler state brings back the old run's LR and
-  ``base_lrs``; a resume at another world size must use its own scaled LR, so it is re-applied, and the
-  schedule's index is carried over by training progress when an epoch has another number of steps.
-* The comm hook's state (PowerSGD's error feedback and warm-start matrices), via the strategy.
+:class:`ResumeState` saves and puts back at the *training boundary* (``on_train_start``: after every set-up hook
+and Lightning's restore, before the first batch) every rank's random streams (a fresh run gets ``seed + rank``
+there, so set-up hooks see the same RNG on every rank), the training loader's position (Lightning builds the
+iterator before it restores the loop state: :func:`reposition_train_loader`), the new run's scaled learning
+rates and the comm hook's state. The whole list and why: docs/resume-and-preemption.md.
 """
 
 from __future__ import annotations

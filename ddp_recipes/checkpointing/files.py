@@ -1,13 +1,9 @@
 """A checkpoint as files, wherever the run's folder is: saved whole or not at all, found again, read back.
 
-Where the store renames a file into place (a local folder, :func:`~ddp_recipes.storage.store.renames`), a
-checkpoint is one file written through a temp file renamed over it. A bucket has no rename: a save writes the
-checkpoint as a new object ``<folder>/objects/last-<step>-<token>.ckpt``, then its manifest
-``<folder>/last.ckpt.manifest.json`` (object, size, sha256, step, epoch, run id) in one request, then deletes the
-object the old manifest named; a kill before the manifest leaves the previous checkpoint the one resumed.
-``--resume auto`` reads only manifests (the most steps whose object has the recorded size; the download checked
-against the sha256); ``--resume URL`` takes a manifest, the saved name or an object (docs/cloud-and-kubernetes.md).
-Callers use the functions at the end of this module; each hands the path to the rule its store needs.
+Where the store renames (a local folder), a checkpoint is one file renamed into place. A bucket has no rename: a
+save writes a new object ``<folder>/objects/last-<step>-<token>.ckpt``, then its manifest
+``<folder>/last.ckpt.manifest.json`` (object, size, sha256, step, epoch, run id), then deletes the old object; a
+kill before the manifest leaves the previous checkpoint the one resumed (docs/cloud-and-kubernetes.md).
 """
 
 from __future__ import annotations

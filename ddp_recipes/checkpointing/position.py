@@ -1,24 +1,11 @@
 """The run's position in its epochs, saved in every checkpoint and checked against what the run then does.
 
-An exact resume rests on three counts agreeing: the checkpoint's (epoch, batches of it trained, global step),
-Lightning's loops (where the resumed fit continues) and the training loader (how many of the epoch's samples
-it skips). Lightning keeps its own copy of the first two in loop counters whose restart rules have more than
-one stage; when they disagree, a resumed run trains an epoch's first batches a second time and ends past its
-limit with no error (issue #43: 26 steps where ``--max-epochs 3`` x 8 steps imply 24). :class:`RunPosition`
-keeps a copy of its own and fails loudly, on every rank (each computes the same plain integers, no
-collective), the moment they part:
-
-* at the resumed fit's first batch: it must be the checkpoint's next one (same epoch and batch, or the next
-  epoch's first after a finished epoch), at the checkpoint's step, and a resumable loader must skip exactly
-  the samples the checkpoint's loader had given;
-* at every epoch end: no more optimizer steps in the epoch than its batches allow;
-* at the fit's end: no more steps than ``max_steps`` and ``max_epochs`` x steps per epoch imply.
-
-All of it is Python integers read at those points; no hook of it runs after a fit's first batch.
-
-:func:`open_next_epoch` and :func:`reopen_cut_epoch` put right the two restores of Lightning 2.6 found to
-break the agreement (:class:`~ddp_recipes.checkpointing.exact_continuation.ResumeState` calls them at the
-training boundary).
+An exact resume rests on the checkpoint's counts (epoch, batches of it trained, global step), Lightning's loop
+counters and the training loader's skip agreeing; when they part, a resumed run trains batches twice and ends
+past its limit with no error (issue #43). :class:`RunPosition` keeps its own copy and fails loudly, on every rank,
+at the resumed fit's first batch, at every epoch end and at the fit's end: Python integers, no collective, no
+hook after the first batch. :func:`open_next_epoch` and :func:`reopen_cut_epoch` put right the two restores of
+Lightning 2.6 found to break the agreement (docs/resume-and-preemption.md, "A resumed run cannot repeat, skip or overrun a batch").
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Preemption: signal handlers that only record the signal, the SLURM requeue, and ranks that follow their launcher.
 
-Clusters stop jobs with a signal and a grace period: Kubernetes, spot/preemptible VMs and torchrun send
-SIGTERM (SIGKILL follows, 30 s later by default); SLURM sends the signal of ``#SBATCH --signal`` (SIGUSR1
-here) before the time limit and SIGTERM on preemption. A rank cannot act on a signal where it lands: a
-collective started from a signal handler (Lightning 2.6 broadcasts from its SIGTERM handler, and its
-SLURM handler saves a checkpoint, which gathers RNG states) runs at a different point on each rank and
-pairs with whatever collective the others are in. So here the handlers only set a flag; at each
-optimizer-step boundary the ranks agree through the rendezvous store, with no collective and no device
-read per step (:class:`~ddp_recipes.checkpointing.vote.StopVote`): if any rank was signalled, all of them save
-``last.ckpt`` together at the boundary after the one where it saw the signal
-(:class:`~ddp_recipes.checkpointing.last.LastCheckpoint`), rank 0 requeues the SLURM job if SLURM asked for
-it (:func:`requeue_slurm_job`), and every rank exits with 128 + signal number and one line on rank 0 (no
-traceback).
+A rank cannot act on a signal where it lands: a collective started from a handler (Lightning 2.6 broadcasts from
+its SIGTERM handler; its SLURM handler saves, which gathers) pairs with whatever collective the others are in.
+So the handlers only set a flag; the ranks agree at optimizer-step boundaries through the rendezvous store
+(:class:`~ddp_recipes.checkpointing.vote.StopVote`), save ``last.ckpt`` together, rank 0 requeues SLURM if asked
+(:func:`requeue_slurm_job`), and every rank exits with 128 + signal and one line (docs/resume-and-preemption.md).
 """
 
 from __future__ import annotations
