@@ -106,6 +106,9 @@ def unrotated(source: torch.Tensor | str | os.PathLike) -> torch.Tensor:
     if view[:2].tobytes() != b"\xff\xd8":
         return data
     while pos + 4 <= len(view) and view[pos] == 0xFF and view[pos + 1] not in (0xDA, 0xD9):  # up to SOS/EOI
+        if view[pos + 1] == 0xFF:  # a fill byte: any marker may follow any number of them (JPEG B.1.1.2)
+            pos += 1
+            continue
         if view[pos + 1] == APP1:
             found.append(pos + 1)
         pos += 2 + (int(view[pos + 2]) << 8 | int(view[pos + 3]))
