@@ -305,7 +305,7 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
 def live_holder(record: dict[str, Any] | None) -> bool:
     """Whether the process that recorded ``record`` still runs its fit there: the fit has not ended (an end it
     lives to see, finished, failed or preempted, releases the record: :func:`release`) and its pid is alive on
-    this host and is not this one (a SIGKILL leaves no end). A holder on another host cannot be seen: a pod
+    this host and is not this one (a SIGKILL leaves no end), nor a later process that reuses the pid. A holder on another host cannot be seen: a pod
     restarted elsewhere after its node was lost must continue its run; two launches at once are still told
     apart by :func:`claim`'s exclusive create. A record naming no process holds nothing."""
     holder = (record or {}).get("holder")
@@ -317,7 +317,23 @@ def live_holder(record: dict[str, Any] | None) -> bool:
         return False
     except OSError:  # another user's process: it runs
         pass
-    return True
+    started = _process_start(int(holder["pid"]))
+    at = holder.get("at")
+    # A pid reused (a container restarted on this host hands out the same small pids): a process that started
+    # after the record was written is not its writer. 2 s covers /proc's rounding of the boot time.
+    return started is None or not isinstance(at, int | float) or started <= at + 2
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), where /proc says (Linux); else None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime; the name may hold spaces
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def refuse_live(found: Survey, words: Words = RECIPE) -> None:

@@ -83,3 +83,24 @@ def test_a_folder_with_several_runs_and_no_record_is_refused(tmp_path):
         assert newest_of_run(ownership.survey(folder)).name == "last.ckpt"
     with pytest.raises(ConfigError, match="was claimed by run aaaaaaaaaaaa"):
         ownership.claim(folder, "cccccccccccc")
+
+
+def test_a_pid_reused_by_a_later_process_does_not_hold_the_folder():
+    """run.json names its holder by host and pid; a container restarted on the same host (same hostname) hands
+    out the same small pids again, so the pid may be alive as another process that started after the record:
+    that one does not hold the folder. The process that wrote the record (started before it) does."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        holder = {"host": socket.gethostname(), "pid": other.pid}
+        assert ownership.live_holder({"run_id": "a", "holder": {**holder, "at": time.time()}})
+        an_hour_ago = time.time() - 3600  # the record's writer died; its pid now runs another program
+        assert not ownership.live_holder({"run_id": "a", "holder": {**holder, "at": an_hour_ago}})
+    finally:
+        other.kill()
+        other.wait()
