@@ -44,8 +44,12 @@ LIBRARIES = ("torchcodec", "torchvision")
 def image_decoders(library: str | None = None) -> ImageDecoders:
     """This process's decoders, chosen on the first call: TorchCodec's where it imports, else torchvision.io's.
     ``library`` asks for one of :data:`LIBRARIES` (``"torchcodec"``: ImportError where it is missing)."""
-    missing = None
-    if library == "torchcodec" or library is None and os.environ.get(ENV) != "torchvision":
+    missing, forced = None, os.environ.get(ENV, "")
+    if forced not in ("", *LIBRARIES):  # a typo would silently decode with the other library
+        from ddp_recipes.errors import ConfigError, lit
+
+        raise ConfigError(f"{ENV}={lit(forced)} is not a decoder: set it to {' or '.join(LIBRARIES)}, or unset it")
+    if library == "torchcodec" or library is None and forced != "torchvision":
         try:
             from torchcodec.decoders import decode_image, decode_jpeg
 

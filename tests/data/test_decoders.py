@@ -153,3 +153,13 @@ def test_a_fill_byte_before_the_exif_segment_does_not_let_it_turn_the_image(imag
     image = decode_images([data], "cpu")[0][0]
     assert torch.equal(image, to_tensor(open_rgb(filled, "filled.jpg")))
     assert tuple(image.shape[1:]) == image_size(filled) == (23, 41)
+
+
+@pytest.mark.parametrize("value", ["bogus", "TorchVision", "pil"])
+def test_an_unknown_decoder_in_the_environment_is_one_line_naming_the_variable(unchosen, monkeypatch, value):
+    """A typo must not silently decode with the other library: the line names the variable and its values."""
+    from ddp_recipes.errors import ConfigError
+
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(ConfigError, match=f"{ENV}={value} is not a decoder: set it to torchcodec or torchvision"):
+        image_decoders()
