@@ -5,6 +5,7 @@ folder whose checkpoints name several runs and no record is refused too."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -104,3 +105,15 @@ def test_a_pid_reused_by_a_later_process_does_not_hold_the_folder():
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_bucket_folders_record_is_released_at_the_end_of_its_fit(s3):
+    """A bucket's run.json is claimed and released as a local one: held by this process while its fit runs (a
+    second claim from a process that still runs is refused), holding nothing once released."""
+    folder = s3.bucket("released") + "/run/checkpoints"
+    ownership.claim(folder, "aaaaaaaaaaaa")
+    record = ownership.read_record(ownership.location(folder))
+    assert record["run_id"] == "aaaaaaaaaaaa" and record["holder"]["pid"] == os.getpid()
+    ownership.release(folder, "aaaaaaaaaaaa")
+    record = ownership.read_record(ownership.location(folder))
+    assert record["run_id"] == "aaaaaaaaaaaa" and record["holder"] is None
