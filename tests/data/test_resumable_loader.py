@@ -139,6 +139,27 @@ def test_the_workers_end_when_the_loop_drops_the_persistent_iterator():
     assert loader.samples_seen() == seen and loader.state_dict()["samples_seen"] == seen
 
 
+def test_the_workers_of_a_non_persistent_iterator_end_when_the_loop_drops_it():
+    """A user's DataLoader(num_workers=2) is adopted with its persistent_workers=False: its iterator is no loader
+    attribute, and its workers end when the last reference to it goes (the fit's loop at teardown, a run stopped
+    mid-epoch by max_steps). The loader must not be that reference, and its position must stay readable."""
+    from ddp_recipes.data.resumable import ResumableDataLoader, ResumableSampler, SeededDataset
+
+    seeded = SeededDataset(TensorBatchDataset(torch.arange(64.0)), SEED)
+    loader = ResumableDataLoader(seeded, batch_size=BATCH, num_workers=1, persistent_workers=False,
+                                 sampler=ResumableSampler(seeded, num_replicas=1, rank=0, seed=SEED))
+    loader.sampler.set_epoch(0)
+    it = iter(loader)
+    next(it), next(it)
+    workers = list(it._workers)
+    assert loader.samples_seen() == 2 * BATCH and all(w.is_alive() for w in workers)
+    del it  # what the loop does at teardown
+    for w in workers:
+        w.join(timeout=30)
+    assert not any(w.is_alive() for w in workers)
+    assert loader.samples_seen() == 2 * BATCH and loader.state_dict()["samples_seen"] == 2 * BATCH
+
+
 EXIT_SCRIPT = """
 import torch
 from ddp_recipes.data.resumable import resumable_loader
