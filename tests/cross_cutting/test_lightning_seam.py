@@ -270,3 +270,16 @@ def test_an_install_without_lightnings_sources_passes(trainer, monkeypatch):
 
     monkeypatch.setattr(inspect, "getsource", no_source)
     assert broken(trainer) is None
+
+
+def test_a_checkout_run_without_install_names_the_range_too(monkeypatch):
+    """The lent machine's stack (make test-stack) runs the pack from its checkout, not installed: no package
+    metadata. The fix still names the range, from the checkout's pyproject.toml, as a pip argument."""
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert admitted_lightning() == "lightning" + re.search(r'"lightning([^"]*)"', pyproject).group(1)
