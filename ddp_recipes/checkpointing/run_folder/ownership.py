@@ -7,7 +7,8 @@ checkpoint (``checkpoint["ddp_recipes_run"]``, a bucket's manifest too). The rul
 (docs/resume-and-preemption.md spells it out): a new run into a folder holding checkpoints is refused
 (:func:`refuse_new_run`), one holding none is taken over (the old record kept as ``run-<id>.json``); continuing
 takes the newest checkpoint of the folder's run (:func:`newest_of_run`); a folder a live run holds is refused
-(:func:`refuse_live`; two launches at once are told apart by the record's exclusive create). Id-less checkpoints
+(:func:`refuse_live`; two launches at once are told apart by the record's exclusive create, on a
+filesystem: a bucket's last writer wins). Id-less checkpoints
 (plain Lightning's) continue from the newest until the folder has a record.
 """
 
