@@ -306,9 +306,10 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
 def live_holder(record: dict[str, Any] | None) -> bool:
     """Whether the process that recorded ``record`` still runs its fit there: the fit has not ended (an end it
     lives to see, finished, failed or preempted, releases the record: :func:`release`) and its pid is alive on
-    this host and is not this one (a SIGKILL leaves no end), nor a later process that reuses the pid. A holder on another host cannot be seen: a pod
-    restarted elsewhere after its node was lost must continue its run; two launches at once are still told
-    apart by :func:`claim`'s exclusive create. A record naming no process holds nothing."""
+    this host and is not this one (a SIGKILL leaves no end), nor a later process that reuses the pid. A holder
+    on another host cannot be seen: a pod restarted elsewhere after its node was lost must continue its run; two
+    launches at once are still told apart by :func:`claim`'s exclusive create. A record naming no process holds
+    nothing."""
     holder = (record or {}).get("holder")
     if not isinstance(holder, dict) or holder.get("host") != socket.gethostname() or holder.get("pid") == os.getpid():
         return False
