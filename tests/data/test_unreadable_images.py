@@ -60,7 +60,6 @@ def test_a_folder_without_checkpoints_is_held_only_while_its_run_runs(tmp_path):
     import socket
     import subprocess
     import sys
-    import time
 
     import torch
 
@@ -74,8 +73,7 @@ def test_a_folder_without_checkpoints_is_held_only_while_its_run_runs(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         record = json.loads((folder / "run.json").read_text())
-        # as that process would write it: after it started (a later process reusing a pid holds nothing)
-        record["holder"] = {"host": socket.gethostname(), "pid": other.pid, "at": time.time()}
+        record["holder"] = {"host": socket.gethostname(), "pid": other.pid, "at": 2.0}
         (folder / "run.json").write_text(json.dumps(record))
         with pytest.raises(ownership.CheckpointError, match="is held by run aaaaaaaaaaaa, running now"):
             ownership.refuse_live(ownership.output_survey(tmp_path))

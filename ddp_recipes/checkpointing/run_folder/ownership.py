@@ -319,22 +319,20 @@ def live_holder(record: dict[str, Any] | None) -> bool:
         return False
     except OSError:  # another user's process: it runs
         pass
-    started = _process_start(int(holder["pid"]))
-    at = holder.get("at")
-    # A pid reused (a container restarted on this host hands out the same small pids): a process that started
-    # after the record was written is not its writer. 2 s covers /proc's rounding of the boot time.
-    return started is None or not isinstance(at, int | float) or started <= at + 2
+    # A pid reused (a container restarted on this host hands out the same small pids) is another process: the
+    # holder is the process that started when the record says (boot id and start tick, not the wall clock).
+    recorded, now = holder.get("start"), process_start(int(holder["pid"]))
+    return recorded is None or now is None or recorded == now
 
 
-def _process_start(pid: int) -> float | None:
-    """When process ``pid`` started (seconds since the epoch), where /proc says (Linux); else None."""
+def process_start(pid: int) -> str | None:
+    """Which process ``pid`` is: ``"<boot id>:<start tick>"`` where /proc says (Linux), unique for as long as the
+    host runs; else None."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime; the name may hold spaces
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        ticks = stat[stat.rindex(")") + 2:].split()[19]  # field 22, starttime; the name may hold spaces
+        return f"{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}:{int(ticks)}"
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -365,7 +363,7 @@ def claim(folder: str | os.PathLike, run_id: str, free: bool = False) -> None:
             raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
                                   "another output folder") from None
     started = (record or {}).get("started") if ours else None
-    holder = {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time(), "start": process_start(os.getpid())}
     payload = {"format": FORMAT, "run_id": run_id,
                "started": started or time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "holder": holder}
     try:

@@ -86,25 +86,33 @@ def test_a_folder_with_several_runs_and_no_record_is_refused(tmp_path):
         ownership.claim(folder, "cccccccccccc")
 
 
-def test_a_pid_reused_by_a_later_process_does_not_hold_the_folder():
+def test_a_pid_reused_by_another_process_does_not_hold_the_folder(tmp_path):
     """run.json names its holder by host and pid; a container restarted on the same host (same hostname) hands
-    out the same small pids again, so the pid may be alive as another process that started after the record:
-    that one does not hold the folder. The process that wrote the record (started before it) does."""
+    out the same small pids again, so the pid may be alive as another process: that one does not hold the folder.
+    The process that wrote the record does."""
     import socket
     import subprocess
     import sys
-    import time
 
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = ("import sys; from ddp_recipes.checkpointing.run_folder import ownership; "
+            "ownership.claim(sys.argv[1], 'aaaaaaaaaaaa'); print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    other = None
     try:
-        time.sleep(0.5)
-        holder = {"host": socket.gethostname(), "pid": other.pid}
-        assert ownership.live_holder({"run_id": "a", "holder": {**holder, "at": time.time()}})
-        an_hour_ago = time.time() - 3600  # the record's writer died; its pid now runs another program
-        assert not ownership.live_holder({"run_id": "a", "holder": {**holder, "at": an_hour_ago}})
+        assert holder.stdout.readline().strip() == "held"
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a later process
+        record = ownership.read_record(tmp_path)
+        assert record["holder"]["pid"] == holder.pid and ownership.live_holder(record)
+        # the holder was SIGKILLed; its pid now runs another program (here: another process's pid)
+        reused = {**record, "holder": {**record["holder"], "pid": other.pid}}
+        assert socket.gethostname() == reused["holder"]["host"] and not ownership.live_holder(reused)
     finally:
-        other.kill()
-        other.wait()
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        if other is not None:
+            other.kill()
+            other.wait()
 
 
 def test_a_bucket_folders_record_is_released_at_the_end_of_its_fit(s3):
