@@ -225,3 +225,26 @@ def test_a_users_own_daemon_that_ignores_sigterm_is_left_to_finish(tmp_path):
     proc = run([script, done], timeout=120, port=False, threads=None, quiet=None)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
     assert done.exists(), "the user's process was killed at exit"
+
+
+def test_a_users_non_persistent_loader_leaves_no_worker_after_fit(tmp_path):
+    """End to end: a plain DataLoader(num_workers=1) adopted as resumable (persistent_workers=False, as the user
+    built it), the fit stopped mid-epoch by max_steps: no loader worker outlives ``fit``."""
+    import gc
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+
+    from ddp_recipes.data.resumable import ResumableDataLoader
+    from ddp_recipes.train.trainer import build_trainer
+    from tests.tiny_modules import tiny_module_and_data
+
+    model, plain = tiny_module_and_data(samples=64, batch_size=4)
+    loader = DataLoader(plain.dataset, batch_size=4, shuffle=True, num_workers=1)
+    trainer = build_trainer(devices=1, accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=str(tmp_path))
+    before = set(multiprocessing.active_children())
+    trainer.fit(model, loader)
+    gc.collect()
+    assert isinstance(trainer.train_dataloader, ResumableDataLoader) and not trainer.train_dataloader.persistent_workers
+    assert set(multiprocessing.active_children()) <= before
