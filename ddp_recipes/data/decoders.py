@@ -44,8 +44,12 @@ LIBRARIES = ("torchcodec", "torchvision")
 def image_decoders(library: str | None = None) -> ImageDecoders:
     """This process's decoders, chosen on the first call: TorchCodec's where it imports, else torchvision.io's.
     ``library`` asks for one of :data:`LIBRARIES` (``"torchcodec"``: ImportError where it is missing)."""
-    missing = None
-    if library == "torchcodec" or library is None and os.environ.get(ENV) != "torchvision":
+    missing, forced = None, os.environ.get(ENV, "")
+    if forced not in ("", *LIBRARIES):  # a typo would silently decode with the other library
+        from ddp_recipes.errors import ConfigError, lit
+
+        raise ConfigError(f"{ENV}={lit(forced)} is not a decoder: set it to {' or '.join(LIBRARIES)}, or unset it")
+    if library == "torchcodec" or library is None and forced != "torchvision":
         try:
             from torchcodec.decoders import decode_image, decode_jpeg
 
@@ -106,6 +110,9 @@ def unrotated(source: torch.Tensor | str | os.PathLike) -> torch.Tensor:
     if view[:2].tobytes() != b"\xff\xd8":
         return data
     while pos + 4 <= len(view) and view[pos] == 0xFF and view[pos + 1] not in (0xDA, 0xD9):  # up to SOS/EOI
+        if view[pos + 1] == 0xFF:  # a fill byte: any marker may follow any number of them (JPEG B.1.1.2)
+            pos += 1
+            continue
         if view[pos + 1] == APP1:
             found.append(pos + 1)
         pos += 2 + (int(view[pos + 2]) << 8 | int(view[pos + 3]))

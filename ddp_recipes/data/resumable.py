@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sized
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -182,28 +181,9 @@ class ResumableDataLoader(DataLoader):
 
     def __iter__(self):
         it = super().__iter__()
-        self._live = it
+        self._live = _Yielded(it)
         self._live_version = self._loaded_version
         return it
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "_iterator" and value is None:
-            self._let_go_of_live()
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name == "_iterator":
-            self._let_go_of_live()
-        super().__delattr__(name)
-
-    def _let_go_of_live(self) -> None:
-        """When the persistent iterator is dropped (Lightning's ``CombinedLoader.reset`` at a loop's teardown),
-        keep only its count: a reference held here would keep its workers alive. Lightning 2.6 shuts them down
-        itself; its development head (2026-07, PR #21708) only deletes its own reference and leaves the
-        workers to the iterator's ``__del__``, which never ran while this loader held it."""
-        live = self.__dict__.get("_live")
-        if live is not None and live is self.__dict__.get("_iterator"):
-            self._live = SimpleNamespace(_num_yielded=getattr(live, "_num_yielded", 0))
 
     def samples_seen(self) -> int:
         """Samples of the current epoch consumed over all ranks (skipped + yielded)."""
@@ -231,6 +211,19 @@ class ResumableDataLoader(DataLoader):
     def needs_fresh_iterator(self) -> bool:
         """True when the live iterator was built before the latest :meth:`load_state_dict`."""
         return self._live_version != self._loaded_version
+
+
+class _Yielded:
+    """How many batches an iterator has handed out, readable after it is gone. It holds the iterator's attributes,
+    not the iterator: when the loop drops it (Lightning's loader reset at a loop's teardown, persistent or not), the
+    iterator's ``__del__`` still ends its workers; a reference to the iterator here would keep them alive."""
+
+    def __init__(self, iterator: Any) -> None:
+        self._attrs = vars(iterator)
+
+    @property
+    def _num_yielded(self) -> int:
+        return self._attrs.get("_num_yielded", 0)
 
 
 def _fetches_index_tensors(dataset: Any) -> bool:

@@ -42,9 +42,18 @@ def _found(module: str, *names: str) -> bool:
 
 
 def _skips_uncallable_hooks(trainer: Any) -> bool:
+    """Lightning's own dispatch, run on a stand-in trainer whose one callback has the hook set to None (what it
+    does, not how its source reads: an install may ship .pyc only)."""
+    from types import SimpleNamespace
+
     from lightning.pytorch.trainer import call
 
-    return "callable(fn)" in inspect.getsource(call._call_callback_hooks)
+    stand_in = SimpleNamespace(lightning_module=None, callbacks=[SimpleNamespace(seam_probe=None)])
+    try:
+        call._call_callback_hooks(stand_in, "seam_probe")
+    except TypeError:  # it called None
+        return False
+    return True
 
 
 #: Lightning's private methods the pack's classes outside this folder override, by the Lightning class that has
@@ -137,11 +146,23 @@ def admitted_lightning() -> str:
     """The Lightning requirement of this install of the pack (its package metadata), e.g. ``lightning>=2.6.6,<2.7``."""
     try:
         requires = importlib.metadata.requires("ddp-recipes") or []
-    except importlib.metadata.PackageNotFoundError:
-        requires = []
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed: its pyproject.toml
+        requires = _checkout_requires()
     found = [r.split(";")[0].replace(" ", "") for r in requires if r.replace(" ", "").startswith("lightning")
              and r.replace(" ", "")[len("lightning"):][:1] in "<>=!~"]
     return found[0] if found else "the lightning range in ddp-recipes' pyproject.toml"
+
+
+def _checkout_requires() -> list[str]:
+    """The dependencies of the checkout this package runs from (``pyproject.toml`` beside ``ddp_recipes/``)."""
+    import tomllib
+    from pathlib import Path
+
+    try:
+        project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text("utf-8"))["project"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return list(project.get("dependencies", [])) if project.get("name") == "ddp-recipes" else []
 
 
 def broken(trainer: Any) -> Assumption | None:

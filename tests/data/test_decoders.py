@@ -139,3 +139,27 @@ def test_no_library_turns_a_jpeg_by_its_exif_orientation(image_library, tmp_path
         from torchcodec.decoders import decode_jpeg
 
         assert decode_jpeg(datas[5]).shape[1:] == (41, 23)
+
+
+def test_a_fill_byte_before_the_exif_segment_does_not_let_it_turn_the_image(image_library):
+    """A marker may be preceded by any number of 0xFF fill bytes (JPEG B.1.1.2): the EXIF segment after them is
+    still hidden from the decoder, and the file decodes as the PIL loader of --decode cpu reads it."""
+    from ddp_recipes.data.pixels import open_rgb, to_tensor
+
+    turned = _oriented(6)
+    at = turned.index(b"\xff\xe1")
+    filled = turned[:at] + b"\xff\xff" + turned[at:]
+    data = torch.frombuffer(bytearray(filled), dtype=torch.uint8)
+    image = decode_images([data], "cpu")[0][0]
+    assert torch.equal(image, to_tensor(open_rgb(filled, "filled.jpg")))
+    assert tuple(image.shape[1:]) == image_size(filled) == (23, 41)
+
+
+@pytest.mark.parametrize("value", ["bogus", "TorchVision", "pil"])
+def test_an_unknown_decoder_in_the_environment_is_one_line_naming_the_variable(unchosen, monkeypatch, value):
+    """A typo must not silently decode with the other library: the line names the variable and its values."""
+    from ddp_recipes.errors import ConfigError
+
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(ConfigError, match=f"{ENV}={value} is not a decoder: set it to torchcodec or torchvision"):
+        image_decoders()

@@ -139,6 +139,27 @@ def test_the_workers_end_when_the_loop_drops_the_persistent_iterator():
     assert loader.samples_seen() == seen and loader.state_dict()["samples_seen"] == seen
 
 
+def test_the_workers_of_a_non_persistent_iterator_end_when_the_loop_drops_it():
+    """A user's DataLoader(num_workers=2) is adopted with its persistent_workers=False: its iterator is no loader
+    attribute, and its workers end when the last reference to it goes (the fit's loop at teardown, a run stopped
+    mid-epoch by max_steps). The loader must not be that reference, and its position must stay readable."""
+    from ddp_recipes.data.resumable import ResumableDataLoader, ResumableSampler, SeededDataset
+
+    seeded = SeededDataset(TensorBatchDataset(torch.arange(64.0)), SEED)
+    loader = ResumableDataLoader(seeded, batch_size=BATCH, num_workers=1, persistent_workers=False,
+                                 sampler=ResumableSampler(seeded, num_replicas=1, rank=0, seed=SEED))
+    loader.sampler.set_epoch(0)
+    it = iter(loader)
+    next(it), next(it)
+    workers = list(it._workers)
+    assert loader.samples_seen() == 2 * BATCH and all(w.is_alive() for w in workers)
+    del it  # what the loop does at teardown
+    for w in workers:
+        w.join(timeout=30)
+    assert not any(w.is_alive() for w in workers)
+    assert loader.samples_seen() == 2 * BATCH and loader.state_dict()["samples_seen"] == 2 * BATCH
+
+
 EXIT_SCRIPT = """
 import torch
 from ddp_recipes.data.resumable import resumable_loader
@@ -204,3 +225,26 @@ def test_a_users_own_daemon_that_ignores_sigterm_is_left_to_finish(tmp_path):
     proc = run([script, done], timeout=120, port=False, threads=None, quiet=None)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
     assert done.exists(), "the user's process was killed at exit"
+
+
+def test_a_users_non_persistent_loader_leaves_no_worker_after_fit(tmp_path):
+    """End to end: a plain DataLoader(num_workers=1) adopted as resumable (persistent_workers=False, as the user
+    built it), the fit stopped mid-epoch by max_steps: no loader worker outlives ``fit``."""
+    import gc
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+
+    from ddp_recipes.data.resumable import ResumableDataLoader
+    from ddp_recipes.train.trainer import build_trainer
+    from tests.tiny_modules import tiny_module_and_data
+
+    model, plain = tiny_module_and_data(samples=64, batch_size=4)
+    loader = DataLoader(plain.dataset, batch_size=4, shuffle=True, num_workers=1)
+    trainer = build_trainer(devices=1, accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=str(tmp_path))
+    before = set(multiprocessing.active_children())
+    trainer.fit(model, loader)
+    gc.collect()
+    assert isinstance(trainer.train_dataloader, ResumableDataLoader) and not trainer.train_dataloader.persistent_workers
+    assert set(multiprocessing.active_children()) <= before

@@ -7,7 +7,8 @@ checkpoint (``checkpoint["ddp_recipes_run"]``, a bucket's manifest too). The rul
 (docs/resume-and-preemption.md spells it out): a new run into a folder holding checkpoints is refused
 (:func:`refuse_new_run`), one holding none is taken over (the old record kept as ``run-<id>.json``); continuing
 takes the newest checkpoint of the folder's run (:func:`newest_of_run`); a folder a live run holds is refused
-(:func:`refuse_live`; two launches at once are told apart by the record's exclusive create). Id-less checkpoints
+(:func:`refuse_live`; two launches at once are told apart by the record's exclusive create, on a
+filesystem: a bucket's last writer wins). Id-less checkpoints
 (plain Lightning's) continue from the newest until the folder has a record.
 """
 
@@ -305,9 +306,10 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
 def live_holder(record: dict[str, Any] | None) -> bool:
     """Whether the process that recorded ``record`` still runs its fit there: the fit has not ended (an end it
     lives to see, finished, failed or preempted, releases the record: :func:`release`) and its pid is alive on
-    this host and is not this one (a SIGKILL leaves no end). A holder on another host cannot be seen: a pod
-    restarted elsewhere after its node was lost must continue its run; two launches at once are still told
-    apart by :func:`claim`'s exclusive create. A record naming no process holds nothing."""
+    this host and is not this one (a SIGKILL leaves no end), nor a later process that reuses the pid. A holder
+    on another host cannot be seen: a pod restarted elsewhere after its node was lost must continue its run; two
+    launches at once are still told apart by :func:`claim`'s exclusive create. A record naming no process holds
+    nothing."""
     holder = (record or {}).get("holder")
     if not isinstance(holder, dict) or holder.get("host") != socket.gethostname() or holder.get("pid") == os.getpid():
         return False
@@ -317,7 +319,21 @@ def live_holder(record: dict[str, Any] | None) -> bool:
         return False
     except OSError:  # another user's process: it runs
         pass
-    return True
+    # A pid reused (a container restarted on this host hands out the same small pids) is another process: the
+    # holder is the process that started when the record says (boot id and start tick, not the wall clock).
+    recorded, now = holder.get("start"), process_start(int(holder["pid"]))
+    return recorded is None or now is None or recorded == now
+
+
+def process_start(pid: int) -> str | None:
+    """Which process ``pid`` is: ``"<boot id>:<start tick>"`` where /proc says (Linux), unique for as long as the
+    host runs; else None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = stat[stat.rindex(")") + 2:].split()[19]  # field 22, starttime; the name may hold spaces
+        return f"{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}:{int(ticks)}"
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def refuse_live(found: Survey, words: Words = RECIPE) -> None:
@@ -347,7 +363,7 @@ def claim(folder: str | os.PathLike, run_id: str, free: bool = False) -> None:
             raise CheckpointError(f"{lit(where)} was claimed by another run while this run started; run it with "
                                   "another output folder") from None
     started = (record or {}).get("started") if ours else None
-    holder = {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "at": time.time(), "start": process_start(os.getpid())}
     payload = {"format": FORMAT, "run_id": run_id,
                "started": started or time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "holder": holder}
     try:

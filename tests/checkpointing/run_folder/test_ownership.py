@@ -5,6 +5,7 @@ folder whose checkpoints name several runs and no record is refused too."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -83,3 +84,44 @@ def test_a_folder_with_several_runs_and_no_record_is_refused(tmp_path):
         assert newest_of_run(ownership.survey(folder)).name == "last.ckpt"
     with pytest.raises(ConfigError, match="was claimed by run aaaaaaaaaaaa"):
         ownership.claim(folder, "cccccccccccc")
+
+
+def test_a_pid_reused_by_another_process_does_not_hold_the_folder(tmp_path):
+    """run.json names its holder by host and pid; a container restarted on the same host (same hostname) hands
+    out the same small pids again, so the pid may be alive as another process: that one does not hold the folder.
+    The process that wrote the record does."""
+    import socket
+    import subprocess
+    import sys
+
+    code = ("import sys; from ddp_recipes.checkpointing.run_folder import ownership; "
+            "ownership.claim(sys.argv[1], 'aaaaaaaaaaaa'); print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    other = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a later process
+        record = ownership.read_record(tmp_path)
+        assert record["holder"]["pid"] == holder.pid and ownership.live_holder(record)
+        # the holder was SIGKILLed; its pid now runs another program (here: another process's pid)
+        reused = {**record, "holder": {**record["holder"], "pid": other.pid}}
+        assert socket.gethostname() == reused["holder"]["host"] and not ownership.live_holder(reused)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        if other is not None:
+            other.kill()
+            other.wait()
+
+
+def test_a_bucket_folders_record_is_released_at_the_end_of_its_fit(s3):
+    """A bucket's run.json is claimed and released as a local one: held by this process while its fit runs (a
+    second claim from a process that still runs is refused), holding nothing once released."""
+    folder = s3.bucket("released") + "/run/checkpoints"
+    ownership.claim(folder, "aaaaaaaaaaaa")
+    record = ownership.read_record(ownership.location(folder))
+    assert record["run_id"] == "aaaaaaaaaaaa" and record["holder"]["pid"] == os.getpid()
+    ownership.release(folder, "aaaaaaaaaaaa")
+    record = ownership.read_record(ownership.location(folder))
+    assert record["run_id"] == "aaaaaaaaaaaa" and record["holder"] is None
