@@ -87,13 +87,9 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
 
 def completed_epochs(trainer: L.Trainer) -> int:
     """Whole epochs trained: ``trainer.current_epoch``, except after a fit that stopped inside an epoch
-    (``max_steps``, ``max_time``), where Lightning counts the cut epoch as done; a run continued from that
-    checkpoint counts it as not done. The same checkpoint then gives the same count, whichever run wrote it.
-
-    A fit that trained nothing (resumed with its limit already met, e.g. a spent ``max_time``) keeps the
-    checkpoint's counters as they were when it was written: one written in ``on_train_epoch_end`` has the
-    epoch processed but not yet completed, so ``current_epoch`` is one short there, and the restored batch
-    progress says whether that epoch ran to its last batch.
+    (``max_steps``, ``max_time``), which Lightning counts as done and a continued run does not; so one checkpoint
+    gives one count, whichever run wrote it. A fit that trained nothing keeps the checkpoint's counters (one
+    written in ``on_train_epoch_end`` is one epoch short there; its batch progress says if the epoch ended).
     """
     fit_loop = trainer.fit_loop
     progress = fit_loop.epoch_progress.current
@@ -129,20 +125,11 @@ def reposition_train_loader(trainer: L.Trainer, new_epoch: bool = False) -> None
 def close_finished_epoch(trainer: L.Trainer) -> None:
     """Resumed from a checkpoint written after an epoch's last batch, start the next epoch at its first batch.
 
-    Two checkpoints Lightning 2.6 restarts wrongly (it restarts the epoch loop "on last" for both):
-
-    * one written at the epoch's end (``last.ckpt``, a ``--max-steps`` stop on the last batch) in a fit that
-      does not validate there (no validation step or data, ``limit_val_batches=0``,
-      ``check_val_every_n_epoch``). Lightning keeps the finished epoch open until its validation has run; with
-      none to run it fetches another batch and trains it inside that epoch (plain Lightning resumed from such
-      a ``last.ckpt`` trains batch 2 of a 2-batch epoch 1, then epoch 2). Here the finished epoch ends at once;
-    * one written after ``fit`` returned (``final.ckpt``, ``trainer.save_checkpoint`` after fit), where the
-      epoch is counted complete too. Lightning starts the next epoch, but numbers its batches on from the old
-      epoch's and trains one batch fewer in it. Here the new epoch's counters start from zero, as in the
-      uninterrupted run.
-
-    Uses loop internals (:mod:`~ddp_recipes.lightning_seam.reach`): the loops' restart stages, the epoch loop's
-    progress and its validation check.
+    Lightning 2.6 restarts the epoch loop "on last" for two such checkpoints: one written at the epoch's end in a
+    fit that does not validate there (it keeps the epoch open and trains another batch inside it), and one
+    written after ``fit`` returned (``final.ckpt``: the next epoch numbers its batches on from the old one's and
+    trains one fewer). Here the finished epoch ends at once and the new one's counters start from zero, as in the
+    uninterrupted run (loop internals through :mod:`~ddp_recipes.lightning_seam.reach`).
     """
     fit_loop = trainer.fit_loop
     loop, fetcher = fit_loop.epoch_loop, reach.train_fetcher(trainer)

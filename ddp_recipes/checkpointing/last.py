@@ -35,22 +35,14 @@ LIBRARY_RESUME = 'run the script again with trainer.fit(..., ckpt_path="last") t
 
 
 class LastCheckpoint(Checkpoint):
-    """``<dirpath>/last.ckpt`` at every epoch end and every ``every_n_steps`` steps; saves and exits on
-    SIGTERM (and SLURM's requeue signal, requeueing the job when Lightning's SLURM environment has
-    ``auto_requeue``). Saves go through the trainer, so through its (atomic) checkpoint IO, on rank 0.
-
-    Where the fit stops before its epoch ends (``max_steps``, ``max_time``, ``trainer.should_stop``), the save
-    is made at that batch's end, as a preemption's is, so a run continued with a larger limit goes on with the
-    rest of the epoch. Lightning's epoch-end hooks still run after such a stop, and a checkpoint written there
-    says the epoch is over: continuing from it would skip the rest of the epoch (and ``--max-epochs 1`` would
-    count it as done). A ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
-
-    The folder belongs to one run (:mod:`~ddp_recipes.checkpointing.run_folder.ownership`): ``run_id``
-    (decided on rank 0 when fitting starts, :mod:`~ddp_recipes.checkpointing.run_folder.resume`) goes
-    into every checkpoint the trainer writes. ``words`` is the vocabulary of the messages: a recipe's flags or
-    the library's arguments.
-
-    A ``Checkpoint`` subclass, so Lightning runs its epoch-end hook after the LightningModule's.
+    """``<dirpath>/last.ckpt`` at every epoch end and every ``every_n_steps`` steps; saves and exits on SIGTERM
+    (and SLURM's requeue signal, requeueing where Lightning's SLURM environment has ``auto_requeue``), through
+    the trainer's atomic checkpoint IO, on rank 0. A fit that stops inside its epoch (``max_steps``, ``max_time``,
+    ``should_stop``) saves at that batch's end, as a preemption does: a save from Lightning's epoch-end hooks
+    would say the epoch is over and a continued run would skip its rest. ``run_id`` (rank 0's, see
+    :mod:`~ddp_recipes.checkpointing.run_folder.resume`) goes into every checkpoint; ``words``: the messages'
+    vocabulary (a recipe's flags or the library's arguments). A ``Checkpoint``, so its epoch-end hook runs after
+    the LightningModule's; a ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
     """
 
     def __init__(self, dirpath: str | os.PathLike | None, every_n_steps: int = 0,

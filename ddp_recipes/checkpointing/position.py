@@ -5,7 +5,7 @@ counters and the training loader's skip agreeing; when they part, a resumed run 
 past its limit with no error (issue #43). :class:`RunPosition` keeps its own copy and fails loudly, on every rank,
 at the resumed fit's first batch, at every epoch end and at the fit's end: Python integers, no collective, no
 hook after the first batch. :func:`open_next_epoch` and :func:`reopen_cut_epoch` put right the two restores of
-Lightning 2.6 found to break the agreement (docs/resume-and-preemption.md, "A resumed run cannot repeat, skip or overrun a batch").
+Lightning 2.6 found to break the agreement (docs/resume-and-preemption.md: "A resumed run cannot repeat...").
 """
 
 from __future__ import annotations

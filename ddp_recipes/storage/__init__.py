@@ -58,9 +58,9 @@ def absolute(path: str | os.PathLike) -> Path | Url:
 
 
 def same_path(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """Whether ``a`` and ``b`` name one place: local paths once absolute, URLs as text (a trailing ``/`` aside);
-    a local path is never a URL's place."""
+    """Whether ``a`` and ``b`` name one place: local paths once resolved (symlinks followed), URLs as text (a
+    trailing ``/`` aside); a local path is never a URL's place."""
     a, b = absolute(a), absolute(b)
     if isinstance(a, Url) or isinstance(b, Url):
         return str(a).rstrip("/") == str(b).rstrip("/")
-    return a == b
+    return os.path.realpath(a) == os.path.realpath(b)

@@ -1,15 +1,10 @@
 """A checkpoint folder belongs to one run: a new run never touches another run's checkpoints, and continuing
 (``--resume auto``, ``trainer.fit(..., ckpt_path="last")``) takes only the folder's own run's.
 
-A run's id is made when it starts fresh and kept by every continuation; it is recorded in the folder
-(``run.json``: ``{"format", "run_id", "started", "holder"}``, by rank 0 at each start, :func:`claim`) and in every
-checkpoint (``checkpoint["ddp_recipes_run"]``, a bucket's manifest too). The rule is the README's sentence
-(docs/resume-and-preemption.md spells it out): a new run into a folder holding checkpoints is refused
-(:func:`refuse_new_run`), one holding none is taken over (the old record kept as ``run-<id>.json``); continuing
-takes the newest checkpoint of the folder's run (:func:`newest_of_run`); a folder a live run holds is refused
-(:func:`refuse_live`; two launches at once are told apart by the record's exclusive create, on a
-filesystem: a bucket's last writer wins). Id-less checkpoints
-(plain Lightning's) continue from the newest until the folder has a record.
+The run id is in ``run.json`` (:func:`claim`, by rank 0 at each start) and in every checkpoint. The rule is the
+README's sentence (docs/resume-and-preemption.md spells it out): :func:`refuse_new_run`, :func:`newest_of_run`,
+:func:`refuse_live` (two launches at once are told apart by the record's exclusive create, on a filesystem: a
+bucket's last writer wins). Id-less checkpoints (plain Lightning's) continue from the newest.
 """
 
 from __future__ import annotations
@@ -304,12 +299,9 @@ def read_record(folder: Path | Url) -> dict[str, Any] | None:
 
 
 def live_holder(record: dict[str, Any] | None) -> bool:
-    """Whether the process that recorded ``record`` still runs its fit there: the fit has not ended (an end it
-    lives to see, finished, failed or preempted, releases the record: :func:`release`) and its pid is alive on
-    this host and is not this one (a SIGKILL leaves no end), nor a later process that reuses the pid. A holder
-    on another host cannot be seen: a pod restarted elsewhere after its node was lost must continue its run; two
-    launches at once are still told apart by :func:`claim`'s exclusive create. A record naming no process holds
-    nothing."""
+    """Whether the process that recorded ``record`` still runs its fit: not released (:func:`release`, at any end
+    it lives to see), its pid alive on this host, not this process and not a later one reusing the pid. A holder
+    on another host cannot be seen (a pod restarted elsewhere must continue its run)."""
     holder = (record or {}).get("holder")
     if not isinstance(holder, dict) or holder.get("host") != socket.gethostname() or holder.get("pid") == os.getpid():
         return False
@@ -319,8 +311,7 @@ def live_holder(record: dict[str, Any] | None) -> bool:
         return False
     except OSError:  # another user's process: it runs
         pass
-    # A pid reused (a container restarted on this host hands out the same small pids) is another process: the
-    # holder is the process that started when the record says (boot id and start tick, not the wall clock).
+    # A reused pid (a container restarted on this host) is another process: boot id and start tick, not the clock.
     recorded, now = holder.get("start"), process_start(int(holder["pid"]))
     return recorded is None or now is None or recorded == now
 

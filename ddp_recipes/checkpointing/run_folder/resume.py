@@ -1,24 +1,11 @@
 """Which checkpoint a run continues from: decided once, on rank 0, inside the ranks; loaded once, by every rank
 (Lightning's restore). The route: docs/architecture.md#the-resume-route; the folder's rules: ``ownership.py``.
 
-Before any rank starts, a recipe opens ``--resume`` (:func:`open_resume`) from headers and manifests only: it
-refuses what cannot run (a missing file, a folder of another run or one a live run holds, a cut checkpoint with
-nothing else to continue) and hands the recipe the candidate's header for the checks of the run's input.
-
-Lightning resolves ``ckpt_path`` in every rank before the process group exists, each from its own view of the
-folder. Here ``ckpt_path="last"`` is only noted then and decided in ``resume_start``, which every rank reaches
-with the process group up, on every launcher (subprocess, spawn/fork, torchrun, SLURM):
-
-1. rank 0 reads the folder and decides: the newest checkpoint of the folder's run (the one the recipe opened),
-   a fresh start (refused in a folder holding another run's checkpoints), or the given path (refused when it
-   is another run's, in a folder that holds one); an error is raised on every rank, printed by rank 0;
-2. the decision (path, step, run, folder, run id) is broadcast;
-3. every other rank checks that it reads that very checkpoint at that path (same step, same run: the header
-   its process read before the launch, or a header read now); a rank that cannot (a node-local disk holding
-   another copy, or none) fails every rank with one line instead of training from another file;
-4. rank 0 records the run (``run.json``) when the fit trains, every rank's
-   :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` takes rank 0's folder and run id, and Lightning's
-   restore loads the file, once per rank.
+Before any rank starts a recipe opens ``--resume`` (:func:`open_resume`) from headers and manifests only and
+refuses what cannot run. Lightning resolves ``ckpt_path`` in every rank before the process group exists, each
+from its own view of the folder; here ``"last"`` is only noted then and decided in ``resume_start``, with the
+group up on every launcher: rank 0 decides (:func:`decide`), broadcasts, every other rank checks it reads that
+very checkpoint (its pre-launch header) or fails every rank in one line, rank 0 records the run (:func:`agree`).
 """
 
 from __future__ import annotations
@@ -45,7 +32,7 @@ from ddp_recipes.config.world import will_be_global_zero
 from ddp_recipes.errors import CheckpointError, ConfigError, lit
 from ddp_recipes.lightning_seam.connectors import install_checkpoint_route
 from ddp_recipes.lightning_seam.reach import last_checkpoints_of
-from ddp_recipes.storage import Url, location
+from ddp_recipes.storage import Url, location, same_path
 from ddp_recipes.storage.retry import StorageError
 from ddp_recipes.storage.store import check_store
 
@@ -298,7 +285,7 @@ def check_checkpoint_names(callbacks: list[Any], last: LastCheckpoint) -> None:
     if last.dirpath is None:
         return
     models = [c for c in callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
-    here = [c for c in models if _same_place(location(c.dirpath), last.dirpath)]
+    here = [c for c in models if same_path(location(c.dirpath), last.dirpath)]
     taken = {"last", *(c.filename for c in here if getattr(c, "pack_owned", False))}
     for callback in here:
         if getattr(callback, "pack_owned", False):
@@ -315,12 +302,6 @@ def check_checkpoint_names(callbacks: list[Any], last: LastCheckpoint) -> None:
             fix += ", or move the pack's with build_trainer(checkpoint_dir=...)"
         raise ConfigError(f"{where} ModelCheckpoint({setting}) would write {name}.ckpt in {lit(last.dirpath)}, over "
                           f"{whose} own {name}.ckpt (what {last.words.resume} continues from): {fix}", "callbacks")
-
-
-def _same_place(a: Path | Url, b: Path | Url) -> bool:
-    if isinstance(a, Url) or isinstance(b, Url):
-        return str(a).rstrip("/") == str(b).rstrip("/")
-    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _check_same(decision: dict[str, Any], rank: int, request: Any = None) -> str | None:
