@@ -146,7 +146,7 @@ def registry_newest(name: str) -> Version:
 
 @pytest.mark.skipif(os.environ.get(NEWEST_CHECK) != "1",
                     reason=f"asks the package registry; CI sets {NEWEST_CHECK}=1 where it installed the newest")
-@pytest.mark.parametrize("name", ["torch", "torchvision", "lightning", "torchmetrics"])
+@pytest.mark.parametrize("name", ["torch", "torchvision", "lightning", "torchmetrics", "torchcodec"])
 def test_ci_ran_the_newest_release_a_user_gets(name):
     """The range is kept honest: where CI installed the newest releases pyproject admits, each of the stack's
     packages must be the newest the registry serves. A new release pyproject excludes (the next torch, Lightning
@@ -157,3 +157,20 @@ def test_ci_ran_the_newest_release_a_user_gets(name):
     newest = registry_newest(name)
     assert installed == newest, (f"the registry serves {name} {newest} but CI ran {installed}: admit it in "
                                  "pyproject.toml (and fix what breaks) or say in docs/testing.md why it is excluded")
+
+
+def test_the_package_metadata_uses_no_deprecated_form():
+    """pyproject.toml as the build backend reads it warns of nothing: a deprecated form (the TOML-table
+    ``license`` setuptools 77 deprecates, removed 2027-02-18) would stop `make install` the day it is removed."""
+    setuptools = pytest.importorskip("setuptools")
+    if Version(setuptools.__version__) < Version("77"):
+        pytest.skip(f"setuptools {setuptools.__version__} here; the build backend pyproject requires is >= 77")
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "from setuptools.config.pyprojecttoml import apply_configuration\n"
+            "from setuptools.dist import Distribution\n"
+            "apply_configuration(Distribution(), 'pyproject.toml')\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
