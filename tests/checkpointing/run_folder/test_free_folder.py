@@ -45,7 +45,13 @@ def _folder(out: str, s3) -> dict[str, bytes]:
         return files_of(Path(out))
     bucket, prefix = out.removeprefix("s3://").split("/", 1)
     client = s3.client()
-    return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in s3.keys(bucket, prefix)}
+    found = {}
+    for key in s3.keys(bucket, prefix):
+        try:
+            found[key] = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except client.exceptions.NoSuchKey:
+            continue  # a live run's object removed between the listing and the read (CI saw one): not in the folder now
+    return found
 
 
 def _refused(result) -> str:
