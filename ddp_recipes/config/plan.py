@@ -104,6 +104,7 @@ _DDP_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "start_method": lambda name, value: check_choice(name, value, START_METHODS) or value,
     "bucket_cap_mb": _positive_mb,
     "timeout_s": _seconds,
+    "hang_report_s": lambda name, value: 0.0 if value in (0, "0") else _seconds(name, value),  # 0: no hang report
     "timeout": lambda name, value: timedelta(seconds=_seconds(name, value)),
     # PowerSGD: rank 0 would compress to nothing; DDP rebuilds its buckets after the first iteration and
     # the error feedback needs them stable, so compression starts at iteration 2 at the earliest.
@@ -130,10 +131,15 @@ class DDPOptions:
     bucket_cap_mb: float | None = None  # None: DDP's own default (25 MiB)
     sync_batchnorm: bool = False
     timeout_s: float | None = None  # None: torch's default collective timeout
+    hang_report_s: float | None = None  # None: derived from the steps seen (ddp_recipes.train.rank_watch); 0: off
 
     def __post_init__(self) -> None:
         for name, value in check_ddp_values(dataclasses.asdict(self)).items():
             object.__setattr__(self, name, value)  # frozen; "30" -> 30.0 for timeout_s
+        if self.hang_report_s and self.timeout_s and self.hang_report_s >= self.timeout_s:
+            raise ConfigError(f"{{hang_report_s}} ({self.hang_report_s:g} s) must be below {{timeout_s}} "
+                              f"({self.timeout_s:g} s): the report comes before the collective timeout ends the run; "
+                              "lower it or leave it unset (derived from the steps seen)", "hang_report_s")
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~ddp_recipes.ddp.strategy.TunedDDPStrategy` these options set."""

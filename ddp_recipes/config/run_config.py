@@ -64,6 +64,9 @@ class RunConfig:
     comm_hook: CommHook = opt("none", "gradient compression for the all-reduce: none, fp16, bf16, powersgd")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB")
     timeout_s: float = opt(1800.0, "seconds a collective may wait before the run fails instead of hanging")
+    hang_report_s: float | None = opt(None, "seconds without a finished batch after which every rank writes its stacks "
+                                            "and one line names the stuck rank (default: from the steps seen, 60 s "
+                                            "or more, under half --timeout-s; 0: off)")
     output_dir: str | None = opt(None, "where logs, checkpoints and summary.json go: a folder or an object-storage URL "
                                        "(s3://bucket/prefix, gs://..., any fsspec URL), owned by one run (default: "
                                        "runs/<recipe>/version_N, a new N for each run)")
@@ -184,7 +187,8 @@ class RunConfig:
         """The frozen :class:`~ddp_recipes.config.plan.RunPlan` of this config (see :attr:`plan`)."""
         ddp = DDPOptions(find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
                          comm_hook=self.comm_hook, bucket_cap_mb=self.bucket_cap_mb,
-                         sync_batchnorm=self.sync_batchnorm, timeout_s=self.timeout_s)
+                         sync_batchnorm=self.sync_batchnorm, timeout_s=self.timeout_s,
+                         hang_report_s=self.hang_report_s)
         # The recipe's default epochs unless only --max-steps was given (then -1: no epoch limit).
         max_epochs = self.max_epochs if self.max_epochs is not None else (
             -1 if self.max_steps > 0 else self.DEFAULT_MAX_EPOCHS)

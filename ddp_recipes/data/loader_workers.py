@@ -15,13 +15,17 @@ import os
 import signal
 import sys
 
+from ddp_recipes.ddp.hangs import report_stacks_on_signal
+
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def loader_worker_init(worker_id: int) -> None:
-    """worker_init_fn of the pack's loaders: :func:`ignore_preemption_signals`, then :func:`die_with_rank`."""
+    """worker_init_fn of the pack's loaders: :func:`ignore_preemption_signals`, :func:`die_with_rank`, and the
+    stack dump a hang report asks for (:func:`~ddp_recipes.ddp.hangs.report_stacks_on_signal`)."""
     ignore_preemption_signals(worker_id)
     die_with_rank()
+    report_stacks_on_signal()
 
 
 def die_with_rank() -> None:

@@ -32,6 +32,7 @@ from ddp_recipes.checkpointing.preemption import Preempted, die_with_launcher, t
 from ddp_recipes.config.plan import DDPOptions, check_ddp_values
 from ddp_recipes.config.world import check_bf16_device
 from ddp_recipes.data.seeding import seed_rank
+from ddp_recipes.ddp import hangs
 from ddp_recipes.ddp.commhooks import ResumablePowerSGD
 from ddp_recipes.ddp.equal_batches import check_equal_batches
 from ddp_recipes.ddp.failures import (
@@ -305,6 +306,8 @@ class TunedDDPStrategy(DDPStrategy):
         waited = f"process-group timeout {timeout:g} s, --timeout-s" if timeout else "no timeout set"
         if what:
             waited = f"{what}; {waited}"
+        if hangs.last_report:  # the hang report of this stall came first: where its stacks are
+            waited = f"{waited}; the hang report's stacks: {hangs.last_report[0]}"
         return (f"{PEER_FAILURE_PREFIX} ({waited}), so this rank stops too. The first error is in the "
                 "other ranks' logs; restart from the last checkpoint (recipes: --resume auto).")
 

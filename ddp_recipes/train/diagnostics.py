@@ -81,7 +81,11 @@ FIXES = {
                    "decoding (images stored at training size, TorchCodec's decode_image on tensors, or GPU "
                    "decoding: the ResNet recipe's --decode gpu with --data imagefolder, elsewhere "
                    "torchcodec.decoders.decode_jpeg(device='cuda')); `python -m ddp_recipes.bench loader` "
-                   "measures images/s per worker count.",
+                   "measures images/s per worker count; on one rank only: that node's disk, network mount or "
+                   "CPU load.",
+    "compute-bound": "a throttled or different device on that rank (nvidia-smi -q -d PERFORMANCE,CLOCK on its "
+                     "node), or code that does more there (work under `if rank == 0`, per-rank logging or "
+                     "evaluation inside the step).",
     "memory-imbalance": "side work (evaluation, logging, metrics) belongs under torch.no_grad(), on CPU, or on "
                         "all ranks, not on rank 0 only with autograd on the GPU.",
 }

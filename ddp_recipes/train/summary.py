@@ -14,6 +14,7 @@ from ddp_recipes.config.run_config import RunConfig
 from ddp_recipes.storage import location
 from ddp_recipes.train.attempts import read_attempts, trainer_run_id
 from ddp_recipes.train.callbacks import ThroughputMeter
+from ddp_recipes.train.rank_watch import RankWatch
 
 
 def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
@@ -59,6 +60,8 @@ def summarize(cfg: RunConfig, trainer: L.Trainer, meter: ThroughputMeter, fit_se
         "lightning_version": L.__version__,
         **{k: (v.total(trainer) if isinstance(v, RankCounts) else v) for k, v in (extra or {}).items()},
         **({"stops": stops} if stops is not None else {}),
+        # rank 0's straggler figures (per-step input wait and forward per rank; slowest/fastest and their ratio)
+        "ranks": next((c.figures or None for c in trainer.callbacks if isinstance(c, RankWatch)), None),
     }
 
 

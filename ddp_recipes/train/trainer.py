@@ -46,6 +46,7 @@ from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.hooks import SkipUnusedHooks
 from ddp_recipes.train.perf import BF16Check, InputWaitProfiler, TF32Setting, configure_tf32
 from ddp_recipes.train.progress import LoggedMetricsBar, ModelTable
+from ddp_recipes.train.rank_watch import RankWatch
 
 
 def build_trainer(
@@ -64,6 +65,7 @@ def build_trainer(
     max_epochs: int | None = None,
     max_steps: int = -1,
     timeout_s: float | str | None = None,
+    hang_report_s: float | str | None = None,
     diagnostics: bool = True,
     lr_scaling: str | None = None,
     warmup_epochs: float | None = None,
@@ -87,8 +89,10 @@ def build_trainer(
     LR facts, so it can warn when the global batch left the reference batch without LR scaling or warm-up
     (left unset, that check is skipped). ``tf32`` runs FP32 matmuls and convolutions as TF32 on Ampere+
     GPUs (no effect on CPU). Unless a ``profiler`` is given, :class:`~ddp_recipes.train.perf.InputWaitProfiler`
-    times the loop's wait for each batch. Any other keyword goes to ``lightning.Trainer``;
-    ``strategy_kwargs`` to TunedDDPStrategy.
+    times the loop's wait for each batch. At 2+ ranks, a rank without a finished batch for ``hang_report_s``
+    (default: derived from the steps seen; 0: off) writes its stacks under ``<default_root_dir>/stall-reports`` and
+    one line names the stuck rank (:mod:`ddp_recipes.train.rank_watch`). Any other keyword goes to
+    ``lightning.Trainer``; ``strategy_kwargs`` to TunedDDPStrategy.
 
     The keywords resolve one :class:`~ddp_recipes.config.plan.RunPlan` (each value checked once, where the
     plan owns it), and the Trainer is built from it by :func:`trainer_for`, the function a recipe's
@@ -119,7 +123,8 @@ def build_trainer(
                               "strategy_kwargs); set it once")
         seed = given if seed is None else seed
     ddp = DDPOptions(find_unused_parameters=find_unused_parameters, static_graph=static_graph, comm_hook=comm_hook,
-                     bucket_cap_mb=bucket_cap_mb, sync_batchnorm=sync_batchnorm, timeout_s=timeout_s)
+                     bucket_cap_mb=bucket_cap_mb, sync_batchnorm=sync_batchnorm, timeout_s=timeout_s,
+                     hang_report_s=hang_report_s)
     plan = RunPlan.resolve(devices=devices, num_nodes=num_nodes, accelerator=accelerator, precision=precision,
                            ddp=ddp, accumulate_grad_batches=accumulate_grad_batches, lr_scaling=lr_scaling,
                            max_epochs=max_epochs, max_steps=max_steps, seed=seed, tf32=tf32,
@@ -209,6 +214,11 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         callbacks.append(DDPDiagnostics(lr_scaling=plan.lr_scaling, warmup_epochs=plan.warmup_epochs,
                                         reference_batch=plan.reference_batch, global_batch=global_batch,
                                         library=lifecycle is not None and lifecycle.library))
+    if plan.distributed and not any(isinstance(c, RankWatch) for c in callbacks):
+        # After DDPDiagnostics, which reports its straggler finding; the hang report needs no diagnostics.
+        library = lifecycle is not None and lifecycle.library
+        callbacks.append(RankWatch(plan.ddp.hang_report_s, plan.ddp.timeout_s,
+                                   "build_trainer(hang_report_s=...)" if library else "--hang-report-s"))
     if not any(isinstance(c, SkipUnusedHooks) for c in callbacks):
         callbacks.append(SkipUnusedHooks())  # no callback's empty per-batch hooks on the step's path
     ddp = plan.ddp
