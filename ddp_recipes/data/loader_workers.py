@@ -9,23 +9,37 @@ registers the exit handler that finds those workers (their ``SigIgn`` mask in ``
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import multiprocessing
 import multiprocessing.util  # its exit handler is registered on import: before ours
 import os
 import signal
 import sys
-
-from ddp_recipes.ddp.hangs import report_stacks_on_signal
+import tempfile
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WORKER_STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None  # not used by torch or Lightning
+STACK_FILE_PREFIX = "ddp-recipes-worker-stack-"
 
 
 def loader_worker_init(worker_id: int) -> None:
     """worker_init_fn of the pack's loaders: :func:`ignore_preemption_signals`, :func:`die_with_rank`, and the
-    stack dump a hang report asks for (:func:`~ddp_recipes.ddp.hangs.report_stacks_on_signal`)."""
+    stack dump a hang report asks for (:func:`report_stacks_on_signal`)."""
     ignore_preemption_signals(worker_id)
     die_with_rank()
     report_stacks_on_signal()
+
+
+def report_stacks_on_signal() -> None:
+    """Dump every thread's stack on :data:`WORKER_STACK_SIGNAL` into an unlinked file that the rank's hang report
+    (:mod:`ddp_recipes.ddp.hangs`) reads through ``/proc``: nothing left on disk, and C-level, so it works while
+    the worker's Python is blocked in a read."""
+    if WORKER_STACK_SIGNAL is None or not os.path.isdir("/proc"):
+        return
+    out = tempfile.NamedTemporaryFile(prefix=STACK_FILE_PREFIX, delete=False)  # noqa: SIM115 - open for life
+    os.unlink(out.name)
+    faulthandler.register(WORKER_STACK_SIGNAL, file=out, all_threads=True, chain=False)
+    report_stacks_on_signal.file = out  # type: ignore[attr-defined]  # kept open (and referenced) for life
 
 
 def die_with_rank() -> None:

@@ -11,14 +11,11 @@ collective: it runs in a thread beside a process group that may be wedged, and t
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import json
 import os
 import re
-import signal
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 import traceback
@@ -26,29 +23,16 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ddp_recipes.data.loader_workers import STACK_FILE_PREFIX, WORKER_STACK_SIGNAL
 from ddp_recipes.storage import location
 from ddp_recipes.storage.store import write_new
 
 REPORT_DIR = "stall-reports"
 AUTO_FLOOR_S = 60.0  # the automatic bound never goes below this: a slow step or save is not a hang
 AUTO_STEPS = 20  # ... and is this many times the slowest interval seen between two finished batches
-WORKER_STACK_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else None  # not used by torch or Lightning
-_STACK_FILE_PREFIX = "ddp-recipes-worker-stack-"
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _INSTALLED = re.compile(r"/(site|dist)-packages/|/lib/python3\.\d+/")  # an installed package or a stdlib
 last_report: list[str] = []  # the report folder of this process's latest stall (for the timeout's message)
-
-
-def report_stacks_on_signal() -> None:
-    """In a loader worker: dump every thread's stack on :data:`WORKER_STACK_SIGNAL` into an unlinked file that
-    its rank reads through ``/proc`` (nothing left on disk; C-level, so it works while the worker's Python is
-    blocked in a read)."""
-    if WORKER_STACK_SIGNAL is None or not os.path.isdir("/proc"):
-        return
-    out = tempfile.NamedTemporaryFile(prefix=_STACK_FILE_PREFIX, delete=False)  # noqa: SIM115 - held for life
-    os.unlink(out.name)
-    faulthandler.register(WORKER_STACK_SIGNAL, file=out, all_threads=True, chain=False)
-    report_stacks_on_signal.file = out  # type: ignore[attr-defined]  # kept open for the worker's life
 
 
 def _ours(filename: str) -> bool:
@@ -92,7 +76,7 @@ def _frames(frame: FrameType | None) -> list[tuple[str, int, str, str]]:
 
 def _worker_stacks(timeout_s: float = 2.0) -> dict[int, str]:
     """This rank's loader workers (its child processes), each with its stack where the pack's worker init armed
-    the dump (:func:`report_stacks_on_signal`), else its state from ``/proc``."""
+    the dump (:func:`~ddp_recipes.data.loader_workers.report_stacks_on_signal`), else its state from ``/proc``."""
     out: dict[int, str] = {}
     with contextlib.suppress(OSError):
         for task in os.listdir("/proc/self/task"):
@@ -119,7 +103,7 @@ def _worker_stacks(timeout_s: float = 2.0) -> dict[int, str]:
 def _stack_file(pid: int) -> str | None:
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
-            if _STACK_FILE_PREFIX in os.readlink(f"/proc/{pid}/fd/{fd}"):
+            if STACK_FILE_PREFIX in os.readlink(f"/proc/{pid}/fd/{fd}"):
                 return f"/proc/{pid}/fd/{fd}"
     return None
 
@@ -225,6 +209,11 @@ def name_stall(posts: list[dict[str, Any]], world_size: int, bound: float, flag:
     for p in posts:
         places.setdefault((p["step"], p["phase"], p["waiting"]), []).append(p)
     odd = [p for p in posts if not p["waiting"]]
+    behind = min(p["step"] for p in posts)
+    if any(p["step"] == behind for p in odd) and any(p["step"] > behind for p in posts):
+        # On CUDA a waiting rank's host runs ahead of its device (the all-reduce is queued, not waited for) and
+        # blocks steps later, outside any collective: the rank behind is the one the others wait for.
+        odd = [p for p in odd if p["step"] == behind]
     if not odd and len(places) > 1:  # every rank waits, in different places: the smaller groups stand out
         largest = max(places.values(), key=len)
         odd = [p for group in places.values() if group is not largest for p in group]

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from ddp_recipes.config.plan import DDPOptions
+from ddp_recipes.data.loader_workers import report_stacks_on_signal
 from ddp_recipes.ddp import hangs
 from ddp_recipes.ddp.hangs import name_stall, phase_of
 from ddp_recipes.errors import ConfigError
@@ -53,6 +54,10 @@ def test_the_line_names_the_rank_that_is_not_where_the_others_are():
     assert "the other 3 rank(s) wait in backward and gradient all-reduce at step 6" in line
     silent = name_stall(waiting, 4, 8.0, "--hang-report-s")  # rank 1's Python never ran its report
     assert "rank 1 posted nothing" in silent and "every rank waits" not in silent
+    ahead = [_post(0, "optimizer step", False, step=9, where="lightning step"), _post(1, "training_step", False)]
+    cuda = name_stall(ahead, 2, 8.0, "--hang-report-s")  # CUDA: rank 0's host ran ahead of its queued all-reduce
+    assert "rank 1 is in training_step at step 6" in cuda and "rank 0 is in" not in cuda, cuda
+    assert "the other 1 rank(s) wait in optimizer step at step 9" in cuda
     same = name_stall([_post(r, "collective barrier", True) for r in range(2)], 2, 8.0, "--hang-report-s")
     assert "none stands out" in same
 
@@ -75,7 +80,7 @@ def test_a_stalled_loader_worker_is_dumped_by_its_rank(tmp_path):
 
 
 def _blocked_worker(ready):
-    hangs.report_stacks_on_signal()
+    report_stacks_on_signal()
     ready.set()
     time.sleep(600)  # the blocked read
 
