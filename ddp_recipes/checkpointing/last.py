@@ -36,13 +36,9 @@ LIBRARY_RESUME = 'run the script again with trainer.fit(..., ckpt_path="last") t
 
 class LastCheckpoint(Checkpoint):
     """``<dirpath>/last.ckpt`` at every epoch end and every ``every_n_steps`` steps; saves and exits on SIGTERM
-    (and SLURM's requeue signal, requeueing where Lightning's SLURM environment has ``auto_requeue``), through
-    the trainer's atomic checkpoint IO, on rank 0. A fit that stops inside its epoch (``max_steps``, ``max_time``,
-    ``should_stop``) saves at that batch's end, as a preemption does: a save from Lightning's epoch-end hooks
-    would say the epoch is over and a continued run would skip its rest. ``run_id`` (rank 0's, see
-    :mod:`~ddp_recipes.checkpointing.run_folder.resume`) goes into every checkpoint; ``words``: the messages'
-    vocabulary (a recipe's flags or the library's arguments). A ``Checkpoint``, so its epoch-end hook runs after
-    the LightningModule's; a ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
+    (and SLURM's requeue signal), on rank 0. A fit that stops inside its epoch saves at that batch's end, as a
+    preemption does: a save from the epoch-end hooks would say the epoch is over and a continued run would skip its
+    rest. A ``Checkpoint``, so its epoch-end hook runs after the LightningModule's; ``fast_dev_run`` writes nothing.
     """
 
     def __init__(self, dirpath: str | os.PathLike | None, every_n_steps: int = 0,
