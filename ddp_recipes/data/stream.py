@@ -13,6 +13,7 @@ import errno
 import itertools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +238,8 @@ def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
-def _checked(read: Any, path: Path | Url) -> Any:
+def _checked(read: Callable[[Path | Url], Any], path: Path | Url) -> Any:
+    """``read(path)``, a store's failure one line naming ``{data_dir}``."""
     try:
         return read(path)
     except StorageError as err:
