@@ -1,9 +1,7 @@
 """``last.ckpt``: written on a fixed cadence, where a limit ends the fit, and on preemption, on every rank together.
 
-:class:`LastCheckpoint` writes ``last.ckpt`` at every epoch end and every ``every_n_steps`` optimizer
-steps, with or without validation and independent of any best-checkpoint callback (Lightning's
-``ModelCheckpoint(save_last=True)`` refreshes it only when it saves a top-k checkpoint). On a signal it saves
-at the boundary every rank agreed on and exits (:mod:`~ddp_recipes.checkpointing.preemption`).
+Lightning's ``ModelCheckpoint(save_last=True)`` refreshes ``last.ckpt`` only when it saves a top-k checkpoint;
+:class:`LastCheckpoint` writes it on its own cadence, with or without validation.
 """
 
 from __future__ import annotations

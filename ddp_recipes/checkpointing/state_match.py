@@ -1,10 +1,8 @@
 """Whether a checkpoint's weights fit the network a run builds, told before any process starts.
 
-Lightning restores ``checkpoint["state_dict"]`` with ``load_state_dict(strict=module.strict_loading)`` on every
-rank after the launch; a checkpoint of another network (a plain Lightning checkpoint of the user's own model, a
-recipe run with other flags that recorded none) then ends each rank in a traceback listing every key. The run's
-module is built here on the meta device (no memory, no weights, milliseconds) and its names and shapes are
-compared with the file's: what does not match is one line naming a few of each.
+Lightning's restore of a checkpoint of another network ends each rank in a traceback listing every key. Here the
+run's module is built on the meta device (no memory, milliseconds) and its names and shapes compared with the
+file's: what does not match is one line naming a few of each.
 """
 
 from __future__ import annotations
