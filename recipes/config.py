@@ -1,9 +1,6 @@
 """The recipes' configs: every flag of ``python -m recipes.mnist`` and ``python -m recipes.resnet``, its default
-and its check, as one dataclass per recipe on top of :class:`~ddp_recipes.config.run_config.RunConfig` (the flags
-they share). Torch-free at import: a recipe's ``--help`` and every error in its flags alone answer
-before torch loads; the checks that need torchvision (``--arch``, ``--weights``) import it last.
-
-A recipe module (``recipes/mnist.py``, ``recipes/resnet.py``) only wires these to the pack's parts.
+and its check, as one dataclass per recipe on top of :class:`~ddp_recipes.config.run_config.RunConfig`. Torch-free
+at import: ``--help`` and every flag error answer before torch loads (``--arch`` and ``--weights`` import it last).
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-# Only the flags' modules at import: --help and a bad flag are answered before torch and Lightning load (seconds);
-# the rest is imported where it is used, after the flags are read.
+# Only the flags' modules at import: --help and a bad flag are answered before torch and Lightning load.
 from ddp_recipes.config.cli import parse_config
 from ddp_recipes.config.run_config import changed_fields
 from recipes.config import MNISTConfig
@@ -61,15 +60,8 @@ def build_model(cfg: MNISTConfig, cls: type[MNISTClassifier] | None = None) -> M
 def main(argv: list[str] | None = None, model_cls: type[MNISTClassifier] | None = None,
          datamodule_cls: type[L.LightningDataModule] | None = None, *, callbacks: list[Callback] | None = None,
          logger: Any = None, trainer_kwargs: dict[str, Any] | None = None) -> dict:
-    """Parse flags, train, test; returns the summary (also written to <output-dir>/summary.json).
-
-    ``model_cls``: your subclass of :class:`MNISTClassifier` (as ``--model-class``); ``datamodule_cls``: your
-    LightningDataModule (as ``--datamodule-class``). Call it from your script's ``if __name__ == "__main__":``
-    block with ``sys.argv[1:]``: with ``--devices N`` Lightning starts each rank by running your script again.
-    ``callbacks`` run after the recipe's (and ``--callbacks``'); ``logger`` (a Lightning logger, a list, or
-    False) replaces the recipe's; ``trainer_kwargs`` are ``lightning.Trainer`` settings the recipe does not own,
-    as ``--trainer KEY=VALUE`` (which overrides them). Build them in every rank: this runs in each.
-    """
+    """Parse flags, train, test; returns the summary (also written to <output-dir>/summary.json). The arguments
+    are as :func:`recipes.resnet.main`'s."""
     cfg = parse_config(MNISTConfig, argv, prog=PROG, description=__doc__)
     from ddp_recipes.checkpointing.checkpoint import check_compatible
     from ddp_recipes.checkpointing.state_match import check_state_fits, meta_module

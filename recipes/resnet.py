@@ -20,8 +20,7 @@ import functools
 import sys
 from typing import TYPE_CHECKING, Any
 
-# Only the flags' modules at import: --help and a bad flag are answered before torch, torchvision and Lightning
-# load (seconds); the rest is imported where it is used, after the flags are read.
+# Only the flags' modules at import: --help and a bad flag are answered before torch and Lightning load.
 from ddp_recipes.config.cli import parse_config
 from ddp_recipes.config.run_config import changed_fields
 from ddp_recipes.errors import ConfigError, lit
@@ -144,11 +143,9 @@ def eval_sets(cfg: ResNetConfig, run: RunStart, datamodule: L.LightningDataModul
 
 def refuse_before_launch(cfg: ResNetConfig, run: RunStart, datamodule: L.LightningDataModule, num_classes: int,
                          has_test: bool) -> None:
-    """Refuse, before any process starts, a run that cannot fit: the data's folders, evaluation sets and classes
-    against the ranks and the classifier, the data's image size against
-    ``--image-size``, the input the architecture takes, the checkpoint's network and optimizer state against
-    this run's, a weights file against the network, the module's arguments, the flags a subclass ignores, and
-    what ``--test-only`` needs."""
+    """Refuse, before any process starts, a run that cannot fit: the data against the ranks, the classifier and
+    ``--image-size``, the network against its input, checkpoint and weights, the module's arguments, the flags a
+    subclass ignores, and what ``--test-only`` needs."""
     from ddp_recipes.data.base import check_before_launch, known_train_size, pack_built
     from ddp_recipes.modules import preflight
     from ddp_recipes.optim.ema import ema_state_dict
@@ -224,13 +221,10 @@ def main(argv: list[str] | None = None, model_cls: type[ResNetClassifier] | None
          logger: Any = None, trainer_kwargs: dict[str, Any] | None = None) -> dict:
     """Parse flags, train (or resume), test; returns the summary written to <output-dir>/summary.json.
 
-    ``model_cls``: your subclass of :class:`ResNetClassifier` (as ``--model-class``); ``datamodule_cls``: your
-    LightningDataModule (as ``--datamodule-class``; replaces ``--data``). Call it from your script's
-    ``if __name__ == "__main__":`` block with ``sys.argv[1:]``: with ``--devices N`` Lightning starts each
-    rank by running your script again.
-    ``callbacks`` run after the recipe's (and ``--callbacks``'); ``logger`` (a Lightning logger, a list, or
-    False) replaces the recipe's; ``trainer_kwargs`` are ``lightning.Trainer`` settings the recipe does not own,
-    as ``--trainer KEY=VALUE`` (which overrides them). Build them in every rank: this runs in each.
+    ``model_cls`` and ``datamodule_cls`` are ``--model-class`` and ``--datamodule-class``; ``callbacks`` run after
+    the recipe's, ``logger`` replaces the recipe's, ``trainer_kwargs`` are as ``--trainer KEY=VALUE`` (which
+    overrides them). Call it under ``if __name__ == "__main__":``: with ``--devices N`` Lightning starts each rank
+    by running your script again, so build the arguments in every rank.
     """
     cfg = parse_config(ResNetConfig, argv, prog=PROG, description=__doc__)
     from ddp_recipes.modules.resnet import ResNetClassifier

@@ -116,9 +116,8 @@ def _starts_as_checkpoint(local: Any) -> bool:
 
 
 def unreadable_because(local: Any, err: BaseException) -> str:
-    """Why a file torch.load refused is no checkpoint, in a user's words: a checkpoint is a zip archive (what
-    ``trainer.save_checkpoint`` writes), so a file that does not start as one is some other file, and one that
-    does was cut or damaged (a full disk, a broken copy)."""
+    """Why a file torch.load refused is no checkpoint, in a user's words: one that does not start as a zip
+    archive is some other file; one that does was cut or damaged."""
     reason = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
     try:
         if os.path.getsize(local) == 0:
@@ -139,15 +138,9 @@ def load_header(local: Any) -> Any:
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
-    """A checkpoint's header on CPU as plain data (a zip file mapped: its structure read, its tensors not,
-    until used), turning any failure into one line naming ``--resume``. Loading the weights is Lightning's
-    restore's, once per rank.
-
-    ``weights_only=True``: a ``.ckpt`` is a pickle, and a full unpickle runs whatever code the file names,
-    on every rank. The pack's checkpoints hold only tensors, numbers, strings, lists and dicts; a user's
-    hyper-parameters may add a Namespace, a Path or numpy scalars (:func:`plain_data`). A file with anything
-    else is refused before any of it runs. A URL is read from a local copy checked against its manifest.
-    """
+    """A checkpoint's header on CPU as plain data (mapped: its tensors are read only when used), any failure one
+    line naming ``--resume``. ``weights_only=True``: a full unpickle would run whatever code the file names, on
+    every rank. A URL is read from a local copy checked against its manifest."""
     local: Any = path
     try:
         local = files.fetch(path)  # the file itself, or a bucket's object downloaded and checked
@@ -173,12 +166,9 @@ def read_checkpoint(path: str) -> dict[str, Any]:
 
 def check_compatible(checkpoint: dict[str, Any], path: str, expected: dict[str, Any],
                      accepted: dict[str, tuple] | None = None, defaults: dict[str, Any] | None = None) -> None:
-    """Fail naming the flag when the checkpoint's hyper-parameters disagree with this run's model.
-
-    ``accepted`` lists the values this recipe can build (e.g. its ``--arch`` choices): a checkpoint with
-    another one comes from another recipe, and suggesting its value would only fail again. ``defaults``:
-    the value a key had when the checkpoint does not record it (the recipe passes some only when set).
-    """
+    """Fail naming the flag when the checkpoint's hyper-parameters disagree with this run's model. ``accepted``:
+    the values this recipe can build (another one means another recipe's checkpoint); ``defaults``: a key's value
+    when the checkpoint does not record it."""
     saved = {**(defaults or {}), **(checkpoint.get("hyper_parameters") or {})}
     for key, value in expected.items():
         if key in saved and saved[key] != value:

@@ -32,12 +32,8 @@ PREBUILT = "_ddp_recipes_built_before"  # the mark build_trainer(seed=...) leave
 
 
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """This process's random streams, as plain lists and tensors (loadable with ``weights_only=True``).
-
-    CUDA: only ``device``'s generator, and only when ``device`` is a CUDA device. A rank draws from its own
-    device alone; saving every visible device's would initialise CUDA on all of them in every rank (a CPU
-    run on a GPU host included) and tie the checkpoint to the number of devices each process sees.
-    """
+    """This process's random streams, as plain lists and tensors (loadable with ``weights_only=True``). CUDA:
+    only ``device``'s generator (every visible device's would initialise CUDA on all of them in every rank)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     cuda = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
     return {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
@@ -100,11 +96,7 @@ def completed_epochs(trainer: L.Trainer) -> int:
 
 
 def reposition_train_loader(trainer: L.Trainer, new_epoch: bool = False) -> None:
-    """Load the checkpoint's loader states Lightning skipped, set the resumed epoch, rebuild the iterator.
-
-    Uses three FitLoop internals (:mod:`~ddp_recipes.lightning_seam.reach`): the pending loader states, the
-    loaders of ``setup_data()``, and its data fetcher.
-    """
+    """Load the checkpoint's loader states Lightning skipped, set the resumed epoch, rebuild the iterator."""
     loaders, fetcher = reach.train_loaders(trainer), reach.train_fetcher(trainer)
     if not loaders or fetcher is None:
         return
@@ -125,11 +117,8 @@ def reposition_train_loader(trainer: L.Trainer, new_epoch: bool = False) -> None
 def close_finished_epoch(trainer: L.Trainer) -> None:
     """Resumed from a checkpoint written after an epoch's last batch, start the next epoch at its first batch.
 
-    Lightning 2.6 restarts the epoch loop "on last" for two such checkpoints: one written at the epoch's end in a
-    fit that does not validate there (it keeps the epoch open and trains another batch inside it), and one
-    written after ``fit`` returned (``final.ckpt``: the next epoch numbers its batches on from the old one's and
-    trains one fewer). Here the finished epoch ends at once and the new one's counters start from zero, as in the
-    uninterrupted run (loop internals through :mod:`~ddp_recipes.lightning_seam.reach`).
+    Lightning 2.6 restarts the epoch loop "on last" there: at the end of an epoch that does not validate it trains
+    another batch inside it; after ``fit`` returned (``final.ckpt``) the next epoch trains one fewer.
     """
     fit_loop = trainer.fit_loop
     loop, fetcher = fit_loop.epoch_loop, reach.train_fetcher(trainer)
@@ -191,12 +180,9 @@ def _warn_unresumable_loader(trainer: L.Trainer) -> None:
 
 
 class ResumeState(TrainerStateCallback):
-    """Saves and restores the random streams, LR facts and comm-hook state; seeds ``seed + rank``.
-
-    ``seed`` is the run's base seed (None: leave the streams alone on a fresh run). Collectives: its
-    ``state_dict`` gathers every rank's state to rank 0, so it runs where Lightning dumps checkpoints, on
-    every rank at the same point (never from a signal handler: see :mod:`ddp_recipes.checkpointing.preemption`).
-    """
+    """Saves and restores the random streams, LR facts and comm-hook state; seeds ``seed + rank`` (``seed`` None:
+    streams left alone on a fresh run). Its ``state_dict`` gathers every rank's state to rank 0: a collective, so
+    never from a signal handler (:mod:`ddp_recipes.checkpointing.preemption`)."""
 
     def __init__(self, seed: int | None = None, prebuilt: str | None = None) -> None:
         self.seed = seed

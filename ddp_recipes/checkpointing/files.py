@@ -250,12 +250,8 @@ def fetch(path: str | os.PathLike) -> Any:
 
 
 class SeesPublished:
-    """A ``ModelCheckpoint``'s ``file_exists`` that knows a name on a bucket is a manifest plus an object.
-
-    Lightning's version counter (``epoch=0.ckpt`` taken: save ``epoch=0-v1.ckpt``; the same for ``save_last``)
-    asks the callback's filesystem whether the name exists: on a bucket only the manifest does, so each save
-    would overwrite the last one. A class, not a closure: the callback stays picklable (the spawn launcher).
-    """
+    """A ``ModelCheckpoint``'s ``file_exists`` that knows a name on a bucket is a manifest plus an object (else
+    Lightning's version counter sees no name taken and each save overwrites the last). A class: it pickles."""
 
     def __init__(self, callback: Any) -> None:
         self.callback = callback

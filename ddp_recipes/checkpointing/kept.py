@@ -1,9 +1,8 @@
 """What a run that fails mid-training leaves to continue from, for the one line that ends it: the checkpoint it last
 saved, or the one it resumed from, or none.
 
-Recorded by :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` in every rank: rank 0 writes ``last.ckpt`` and
-every rank passes the save's barrier after it, so each rank knows the same thing without reading the store (which,
-in an outage of ``--output-dir``'s bucket, would not answer). Per process, reset when a recipe run starts.
+Recorded by :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` in every rank after the save's barrier, so each
+rank knows it without reading the store (which, in a bucket's outage, would not answer).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``last.ckpt``: written on a fixed cadence, where a limit ends the fit, and on preemption, on every rank together.
 
-:class:`LastCheckpoint` writes ``last.ckpt`` at every epoch end and every ``every_n_steps`` optimizer
-steps, with or without validation and independent of any best-checkpoint callback (Lightning's
-``ModelCheckpoint(save_last=True)`` refreshes it only when it saves a top-k checkpoint). On a signal it saves
-at the boundary every rank agreed on and exits (:mod:`~ddp_recipes.checkpointing.preemption`).
+Lightning's ``ModelCheckpoint(save_last=True)`` refreshes ``last.ckpt`` only when it saves a top-k checkpoint;
+:class:`LastCheckpoint` writes it on its own cadence, with or without validation.
 """
 
 from __future__ import annotations
@@ -36,13 +34,9 @@ LIBRARY_RESUME = 'run the script again with trainer.fit(..., ckpt_path="last") t
 
 class LastCheckpoint(Checkpoint):
     """``<dirpath>/last.ckpt`` at every epoch end and every ``every_n_steps`` steps; saves and exits on SIGTERM
-    (and SLURM's requeue signal, requeueing where Lightning's SLURM environment has ``auto_requeue``), through
-    the trainer's atomic checkpoint IO, on rank 0. A fit that stops inside its epoch (``max_steps``, ``max_time``,
-    ``should_stop``) saves at that batch's end, as a preemption does: a save from Lightning's epoch-end hooks
-    would say the epoch is over and a continued run would skip its rest. ``run_id`` (rank 0's, see
-    :mod:`~ddp_recipes.checkpointing.run_folder.resume`) goes into every checkpoint; ``words``: the messages'
-    vocabulary (a recipe's flags or the library's arguments). A ``Checkpoint``, so its epoch-end hook runs after
-    the LightningModule's; a ``fast_dev_run`` writes nothing, as Lightning's own checkpointing does.
+    (and SLURM's requeue signal), on rank 0. A fit that stops inside its epoch saves at that batch's end, as a
+    preemption does: a save from the epoch-end hooks would say the epoch is over and a continued run would skip its
+    rest. A ``Checkpoint``, so its epoch-end hook runs after the LightningModule's; ``fast_dev_run`` writes nothing.
     """
 
     def __init__(self, dirpath: str | os.PathLike | None, every_n_steps: int = 0,

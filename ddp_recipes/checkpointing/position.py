@@ -1,11 +1,9 @@
 """The run's position in its epochs, saved in every checkpoint and checked against what the run then does.
 
-An exact resume rests on the checkpoint's counts (epoch, batches of it trained, global step), Lightning's loop
-counters and the training loader's skip agreeing; when they part, a resumed run trains batches twice and ends
-past its limit with no error (issue #43). :class:`RunPosition` keeps its own copy and fails loudly, on every rank,
-at the resumed fit's first batch, at every epoch end and at the fit's end: Python integers, no collective, no
-hook after the first batch. :func:`open_next_epoch` and :func:`reopen_cut_epoch` put right the two restores of
-Lightning 2.6 found to break the agreement (docs/resume-and-preemption.md: "A resumed run cannot repeat...").
+An exact resume rests on the checkpoint's counts, Lightning's loop counters and the training loader's skip
+agreeing; when they part, a resumed run trains batches twice and ends past its limit with no error (issue #43).
+:class:`RunPosition` keeps its own copy and fails loudly, on every rank (Python integers, no collective).
+:func:`open_next_epoch` and :func:`reopen_cut_epoch` put right the two restores of Lightning 2.6 that break it.
 """
 
 from __future__ import annotations
@@ -24,18 +22,13 @@ from ddp_recipes.lightning_seam import reach
 
 
 def open_next_epoch(trainer: L.Trainer) -> bool:
-    """Resumed from a checkpoint written at an epoch's last batch end (a stop agreed there), let the next epoch
-    start as every epoch does.
+    """Resumed from a checkpoint written at an epoch's last batch end, let the next epoch start as every epoch
+    does; returns whether it opened the epoch.
 
-    Lightning 2.6 restores that checkpoint by counting the epoch processed and completed (its training batches
-    are done; the fit loop's reset), but keeps the fit loop's "restarted mid-epoch" stage, so the next epoch is
-    never counted ready and started and skips its ``on_train_epoch_start`` hooks. A checkpoint written in that
-    epoch then reads as "no epoch in progress", and the run resumed from it trained the whole epoch again
-    (issue #43: 26 steps where the limit implies 24). Cleared, the fit loop opens the epoch, its counters and
-    hooks as in the uninterrupted run. The epoch loop's batch counters start the new epoch here too: Lightning
-    resets them only when the restored count reaches this run's epoch length, so a longer epoch (another batch
-    size or world size) or an unsized loader went on numbering from the old epoch's last batch and trained the
-    new epoch short. Returns whether it opened the epoch (the loader's iterator then belongs to the new epoch).
+    Lightning 2.6 keeps the fit loop's "restarted mid-epoch" stage there, so the next epoch is never started
+    (no ``on_train_epoch_start``) and a checkpoint written in it resumed the whole epoch again (issue #43). The
+    batch counters are reset too: Lightning resets them only when the restored count reaches this run's epoch
+    length, so a longer epoch (another batch or world size) was trained short.
     """
     fit_loop = trainer.fit_loop
     loop = fit_loop.epoch_loop
@@ -52,15 +45,11 @@ def open_next_epoch(trainer: L.Trainer) -> bool:
 
 
 def reopen_cut_epoch(trainer: L.Trainer) -> None:
-    """Resumed from a checkpoint written after a fit that stopped inside an epoch (``trainer.save_checkpoint``
-    after a ``max_steps`` fit, the recipes' ``final.ckpt``), continue that epoch at its next batch, as from the
-    ``last.ckpt`` of the same step.
+    """Resumed from a checkpoint written after a fit that stopped inside an epoch (the recipes' ``final.ckpt``),
+    continue that epoch at its next batch, as from the ``last.ckpt`` of the same step.
 
-    Lightning 2.6 counts the cut epoch completed there and goes on in the next epoch, numbering its batches on
-    from the cut one's: the cut epoch's remaining batches are skipped and the next epoch is trained short
-    (:class:`~ddp_recipes.checkpointing.position.RunPosition` would stop such a run at its first batch). Here
-    the epoch counters go back to "started, not processed", the restart stage Lightning gives a mid-epoch
-    checkpoint, before the loader is repositioned (which reads the epoch from them).
+    Lightning 2.6 counts the cut epoch completed and trains the next one short. Here the epoch counters go back to
+    "started, not processed" with a mid-epoch restart stage, before the loader is repositioned (it reads them).
     """
     fit_loop = trainer.fit_loop
     loop, progress = fit_loop.epoch_loop, fit_loop.epoch_progress
@@ -107,12 +96,9 @@ def _loader_samples_seen(trainer: L.Trainer) -> int | None:
 
 
 class RunPosition(TrainerStateCallback):
-    """Records (epoch, its first step, batches trained in it) in checkpoints; checks a resumed run against it.
-
-    Raises :class:`RunPositionError` where the invariant breaks (see the module's docstring). Checkpoints that
-    carry no record (written before this callback existed) are resumed unchecked at the first batch; the
-    epoch-end and fit-end checks then start with the next whole epoch.
-    """
+    """Records (epoch, its first step, batches trained in it) in checkpoints; checks a resumed run against it at
+    its first batch, every epoch end and the fit's end (:class:`RunPositionError`). A checkpoint without a record
+    is resumed unchecked until the next whole epoch."""
 
     def __init__(self) -> None:
         self._epoch: int | None = None  # the epoch being trained (None: not known yet in this fit)

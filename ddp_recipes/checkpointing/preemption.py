@@ -25,8 +25,7 @@ LAUNCHER_PID_VAR = "DDP_RECIPES_LAUNCHER_PID"  # in the environment of the ranks
 
 def tag_children_with_launcher(launcher: Any) -> None:
     """Make the ranks Lightning's subprocess launcher starts know their launcher's pid (for
-    :func:`die_with_launcher`). Set only while the children are started: this process's environment
-    is left as it was."""
+    :func:`die_with_launcher`), set only while the children are started."""
     def tagged(start_children: Any) -> Any:
         def call_children_scripts(*args: Any, **kwargs: Any) -> Any:
             os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
@@ -41,15 +40,10 @@ def tag_children_with_launcher(launcher: Any) -> None:
 
 def die_with_launcher(enable: bool = True) -> bool:
     """Have the kernel send this rank SIGTERM when the rank that launched it exits (Linux only); with
-    ``enable=False``, stop that again.
+    ``enable=False``, stop that again (at teardown: a rank's own work after ``fit`` must not die with rank 0).
 
-    Lightning's ``--devices N`` launcher starts ranks 1..N-1 as children of rank 0. If rank 0 dies during
-    set-up (a SIGTERM there keeps its default action), a child waiting in the rendezvous or on rank 0's
-    store would otherwise wait out the whole process-group timeout. Applied only to ranks that launcher
-    started (:func:`tag_children_with_launcher`; not to shells' or torchrun's children); a rank whose
-    launcher is already gone stops at once. The strategy undoes it at teardown, so a rank's own work after
-    ``fit`` does not die with rank 0.
-    """
+    If rank 0 dies during set-up, a child waiting in the rendezvous would otherwise wait out the whole
+    process-group timeout. Only ranks Lightning's launcher started (:func:`tag_children_with_launcher`)."""
     launcher = os.environ.get(LAUNCHER_PID_VAR, "")
     if not sys.platform.startswith("linux") or not launcher.isdigit() or int(launcher) == os.getpid():
         return False
@@ -78,16 +72,9 @@ class Preempted(SystemExit):
 
 
 def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
-    """Take out Lightning's per-step SIGTERM broadcast from this trainer's training loop.
-
-    At 2+ ranks, Lightning 2.6's ``_TrainingEpochLoop.advance`` broadcasts ``trainer.received_sigterm`` from
-    rank 0 and reads it back with ``.item()`` before every batch: a collective and a device-to-host read per
-    step. Under the pack's ``FlagSignalConnector`` (:mod:`~ddp_recipes.lightning_seam.connectors`) that flag
-    stays False (the stop is agreed through the rendezvous store, :mod:`~ddp_recipes.checkpointing.vote`), so
-    the broadcast can only ever say "go on".
-    Checked on Lightning 2.6.x (the pinned range); tests/checkpointing/test_sigterm_broadcast.py fails the
-    day a release renames or moves it.
-    """
+    """Take out Lightning's per-step SIGTERM broadcast (a collective and a device-to-host read before every
+    batch at 2+ ranks): under the pack's ``FlagSignalConnector`` its flag stays False (the stop is agreed through
+    the rendezvous store, :mod:`~ddp_recipes.checkpointing.vote`), so it can only ever say "go on"."""
     reach.replace_sigterm_broadcast(trainer, _agreed_elsewhere)
 
 

@@ -1,10 +1,8 @@
 """Whether a checkpoint's weights fit the network a run builds, told before any process starts.
 
-Lightning restores ``checkpoint["state_dict"]`` with ``load_state_dict(strict=module.strict_loading)`` on every
-rank after the launch; a checkpoint of another network (a plain Lightning checkpoint of the user's own model, a
-recipe run with other flags that recorded none) then ends each rank in a traceback listing every key. The run's
-module is built here on the meta device (no memory, no weights, milliseconds) and its names and shapes are
-compared with the file's: what does not match is one line naming a few of each.
+Lightning's restore of a checkpoint of another network ends each rank in a traceback listing every key. Here the
+run's module is built on the meta device (no memory, milliseconds) and its names and shapes compared with the
+file's: what does not match is one line naming a few of each.
 """
 
 from __future__ import annotations
@@ -47,13 +45,10 @@ def _some(names: list[str]) -> str:
 
 def check_state_fits(checkpoint: dict[str, Any], path: str, module: L.LightningModule, base: type,
                      flags: str) -> None:
-    """Refuse, naming ``--resume``, a checkpoint whose ``state_dict`` would not load into ``module`` (the run's
-    module, e.g. from :func:`meta_module`): names it lacks or does not have (when the module loads strictly, as
-    Lightning's default ``strict_loading``) and shapes that differ. ``base``: the recipe's module class; a class
-    that overrides ``on_load_checkpoint`` or ``load_state_dict`` beyond it may rename the keys itself, and one that
-    overrides ``setup`` may add layers there (Lightning runs it before the restore, with the data and the trainer
-    this check does not have): both are left to the load. ``flags``: the recipe's flags that shape its network,
-    for the fix when only shapes differ."""
+    """Refuse, naming ``--resume``, a checkpoint whose ``state_dict`` would not load into ``module`` (names, when
+    it loads strictly, and shapes). A subclass of ``base`` that overrides ``on_load_checkpoint``,
+    ``load_state_dict`` or ``setup`` may rename keys or add layers itself: left to the load. ``flags``: the
+    recipe's flags that shape its network, for the fix."""
     cls = type(module)
     if any(getattr(cls, hook) is not getattr(base, hook) for hook in ("on_load_checkpoint", "load_state_dict",
                                                                       "setup")):

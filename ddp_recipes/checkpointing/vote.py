@@ -1,12 +1,9 @@
 """Every rank agrees on a preemption signal at the same optimizer-step boundary, with no collective per step.
 
 A signal handler only sets a flag; saving is collective, so the ranks must stop at one step. A flagged rank
-announces the stop step ``t + 1`` in the rendezvous store (``compare_set``: the first stands) and waits for every
-rank's acknowledgement; each rank's watcher thread blocks in ``store.wait`` on its own store client (no CPU, no
-GIL) and records the step; each boundary is then an attribute read. DDP's per-step all-reduce keeps every rank
-within one boundary of the others, so all stop at ``t + 1`` (the argument: docs/resume-and-preemption.md). The
-epoch and train ends use one all-reduce (:meth:`StopVote.now`); a store without ``clone`` is read once per
-boundary instead.
+announces the stop step ``t + 1`` in the rendezvous store (``compare_set``: the first stands); each rank's watcher
+thread blocks in ``store.wait`` (no CPU, no GIL), so each boundary is an attribute read. DDP's per-step all-reduce
+keeps every rank within one boundary of the others, so all stop at ``t + 1`` (docs/resume-and-preemption.md).
 """
 
 from __future__ import annotations

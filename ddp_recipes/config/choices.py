@@ -14,10 +14,8 @@ from typing import Any, Literal, get_args, get_origin
 from ddp_recipes.errors import ConfigError, lit
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed"]  # the pack's own: resolved per accelerator
-# What a recipe's --precision takes: the pack's three, Lightning's true-precision ones (run as given: the model's
-# weights in that dtype), and Lightning's short spellings (PRECISION_SPELLINGS). Not Lightning's transformer-engine
-# ones: they swap the model's layers for Transformer Engine's, which the recipes' models are not built for
-# (build_trainer passes them on: LIGHTNING_PRECISIONS).
+# A recipe's --precision: not Lightning's transformer-engine ones, which swap the model's layers for Transformer
+# Engine's (build_trainer passes them on: LIGHTNING_PRECISIONS).
 PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true", "32", "16", "bf16",
                         "64"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]

@@ -13,13 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddp_recipes.config.choices import (
-    ACCELERATORS,
-    COMM_HOOKS,
-    LR_SCALING_RULES,
-    START_METHODS,
-    check_choice,
-)
+from ddp_recipes.config.choices import ACCELERATORS, COMM_HOOKS, LR_SCALING_RULES, START_METHODS, check_choice
 from ddp_recipes.config.world import (
     check_devices,
     lightning_precision,
@@ -106,8 +100,7 @@ _DDP_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "timeout_s": _seconds,
     "hang_report_s": lambda name, value: 0.0 if value in (0, "0") else _seconds(name, value),  # 0: no hang report
     "timeout": lambda name, value: timedelta(seconds=_seconds(name, value)),
-    # PowerSGD: rank 0 would compress to nothing; DDP rebuilds its buckets after the first iteration and
-    # the error feedback needs them stable, so compression starts at iteration 2 at the earliest.
+    # PowerSGD's error feedback needs DDP's buckets stable, which it rebuilds after the first iteration.
     "powersgd_rank": _int_at_least(1),
     "powersgd_start_iter": _int_at_least(2, " (DDP rebuilds its buckets after the first iteration)"),
     "seed": _seed,
@@ -205,11 +198,8 @@ class BatchPlan:
 @dataclass(frozen=True)
 class RunPlan:
     """What runs: resolved world, hardware, batch arithmetic, learning rate, loader workers and DDP options.
-
-    Built by :meth:`RunConfig.plan <ddp_recipes.config.run_config.RunConfig.plan>` (every field known) or by
-    :func:`~ddp_recipes.build_trainer` from its keywords (the batch and LR facts then stay None: the
-    trainer does not need them, and the diagnostics skip the checks that do).
-    """
+    From :func:`~ddp_recipes.build_trainer`'s keywords the batch and LR facts stay None (the checks that need
+    them are skipped)."""
 
     devices: int
     num_nodes: int

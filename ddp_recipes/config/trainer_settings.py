@@ -1,10 +1,8 @@
 """The Trainer settings a recipe does not own: ``--trainer KEY=VALUE``, a ``trainer:`` mapping in ``--config``,
 ``main(trainer_kwargs=...)``; and ``--callbacks`` / ``callbacks:`` as LightningCLI writes them.
 
-A setting is checked once, here, against ``lightning.Trainer``'s signature: an unknown name, a value of the
-wrong type, or a setting the pack owns (``devices``, ``max_steps``, ...) is a one-line error naming the
-flag to use. Values given as text (the command line) are read as the annotation asks: ``1.0`` stays a
-float (Lightning's "the whole set"), ``10`` an int (ten batches), ``null`` None, ``true`` a bool.
+A setting is checked once, here, against ``lightning.Trainer``'s signature (one line naming the flag to use);
+text values are read as the annotation asks: ``1.0`` stays a float (Lightning's "the whole set"), ``10`` an int.
 """
 
 from __future__ import annotations
@@ -38,9 +36,7 @@ PACK_OWNED: dict[str, str] = {
     "log_every_n_steps": "{log_every_n_steps} (the live throughput metrics follow it too)",
     # last.ckpt is what --resume and preemption run on; Lightning refuses it with enable_checkpointing=False.
     "enable_checkpointing": "{checkpoint_every_n_steps} (the recipe's last.ckpt is what {resume} reads)",
-    # Lightning re-creates the training loader with a SequentialSampler, which the resumable loader (the exact
-    # resume's order and position) cannot take: it is refused when the settings are checked, rather than left
-    # to fail as a TypeError at the first epoch.
+    # Lightning re-creates the training loader with a SequentialSampler, which the resumable loader cannot take.
     "overfit_batches": "{trainer} limit_train_batches=N (overfit_batches swaps the training loader's sampler, and "
                        "the recipe's resumable loader keeps its own order)",
     "barebones": "the recipe's flags (barebones turns off the logging, checkpoints and callbacks a recipe runs on)",
@@ -156,10 +152,8 @@ _MISSING = object()
 
 
 def probe_trainer(settings: dict[str, Any], source: str = "{trainer}") -> None:
-    """Lightning's own checks of ``settings``, before any process starts: a value ``lightning.Trainer`` refuses
-    when it is built (``max_time=abc``, ``val_check_interval=-1``, ...) is a one-line error naming ``source``
-    and the setting. One CPU Trainer is built and dropped; the process-wide switches a Trainer sets (torch's
-    deterministic mode, cuDNN benchmark, CUBLAS_WORKSPACE_CONFIG) and its log lines are left as they were."""
+    """Lightning's own checks of ``settings``, before any process starts (``max_time=abc``): one CPU Trainer is
+    built and dropped, the process-wide switches it sets put back as they were."""
     if not settings:
         return
     failed = _probe(settings)

@@ -11,10 +11,7 @@ from ddp_recipes.config.choices import ACCELERATORS, LIGHTNING_PRECISIONS, PRECI
 from ddp_recipes.errors import ConfigError
 
 if TYPE_CHECKING:
-    import torch
-
-# torch is imported where CUDA is asked about, not here: a recipe's --help and its flag errors are answered before
-# torch loads (seconds), and a CPU run's config never needs it.
+    import torch  # imported where CUDA is asked about: --help and flag errors come before torch loads
 
 # Launchers that give every process node 0's address and its own ranks (SLURM, LSF, MPI).
 SCHEDULER_VARS = ("SLURM_NTASKS", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -81,10 +78,8 @@ def launch_environment(env: Mapping[str, str] | None = None) -> str:
 
 
 def _check_operator_nodes(num_nodes: int | None, env: Mapping[str, str] | None = None) -> None:
-    """Refuse a pod that an operator told it is one of several nodes (Kubeflow Trainer's TrainJob, a PyTorchJob
-    with nprocPerNode: ``PET_NNODES``, for torchrun to read) when no launcher read it and the run would be one
-    node: every pod would train alone, as a world of its own, into the same output dir. Lightning's own
-    multi-node launch (``num_nodes`` > 1, or ``NODE_RANK`` from the environment) joins the others and is left be."""
+    """Refuse a pod that an operator told it is one of several nodes (``PET_NNODES``, for torchrun to read) when
+    no launcher read it: every pod would train alone into the same output dir."""
     env = os.environ if env is None else env
     nodes = env.get("PET_NNODES", "").strip()
     if (not nodes or nodes == "1" or launched_by_torchrun(env) or launched_per_pod(env)
@@ -191,13 +186,8 @@ def lightning_precision(precision: Any, accepted: tuple[str, ...] = LIGHTNING_PR
 
 
 def resolve_precision(precision: Any, accelerator: str) -> str:
-    """The precision Lightning will run, with the switch made explicit.
-
-    Any of Lightning's spellings (:func:`lightning_precision`). 16-mixed needs CUDA's fp16 kernels and a
-    GradScaler; on CPU we switch to bf16-mixed (same memory and speed intent, no loss scaling needed) and say so
-    once. Lightning's true-precision and transformer-engine ones run as given. Whether the GPU has bf16 is checked
-    in the rank (:func:`check_bf16_device`): asking here would initialise CUDA in the launching process.
-    """
+    """The precision Lightning will run: 16-mixed on CPU becomes bf16-mixed, said once. Whether the GPU has bf16
+    is checked in the rank (:func:`check_bf16_device`): asking here would initialise CUDA in the launcher."""
     precision = lightning_precision(precision)
     if precision == "16-mixed" and accelerator == "cpu":
         # Imported here: the doctor and the bench resolve accelerators without loading Lightning.
@@ -209,11 +199,8 @@ def resolve_precision(precision: Any, accelerator: str) -> str:
 
 
 def check_bf16_device(precision: str, device: torch.device) -> None:
-    """bf16-mixed on a CUDA device without bf16 units fails here, in the rank, naming the fix.
-
-    ``torch.cuda.is_bf16_supported()`` counts emulation as support (a V100 or T4 then runs bf16 slowly in
-    emulated kernels, or fails in one without); only compute capability 8.0+ has it in hardware.
-    """
+    """bf16-mixed on a CUDA device without bf16 units (``is_bf16_supported()`` counts emulation) fails here, in
+    the rank, naming the fix."""
     if not precision.startswith("bf16") or device.type != "cuda":
         return
     import torch
@@ -227,13 +214,9 @@ def check_bf16_device(precision: str, device: torch.device) -> None:
 
 
 def check_node_env(num_nodes: int, accelerator: str = "cpu") -> None:
-    """Several nodes, each started by hand: every node must know node 0's address and its own rank.
-
-    Without MASTER_ADDR Lightning uses 127.0.0.1, which no other node can reach, and node 0 waits the
-    whole timeout (30 minutes by default) for nodes that never arrive; fail now instead. One process per
-    pod (:func:`launched_per_pod`): RANK is the node rank, and a pod with several GPUs must not train on
-    one of them while the others idle.
-    """
+    """Several nodes, each started by hand: every node must know node 0's address and its own rank (without
+    MASTER_ADDR node 0 waits the whole 30-minute timeout). One process per pod: RANK is the node rank, and a pod
+    with several GPUs must not train on one of them while the others idle."""
     if launched_per_pod():
         _check_pod(accelerator)
         return
@@ -267,11 +250,8 @@ def _check_pod(accelerator: str) -> None:
 
 
 def default_num_workers(devices_per_node: int = 1) -> int:
-    """Loader workers per process: this process's share of the CPUs it may run on, minus its own, at most 8.
-
-    Every rank on a node starts its own workers, so the share divides by the devices per node; one core
-    stays with the training process itself. Beyond ~8 workers decoding rarely is the bottleneck.
-    """
+    """Loader workers per process: this process's share of the node's CPUs (every rank starts its own), minus
+    one for the training process, at most 8 (beyond, decoding rarely is the bottleneck)."""
     try:
         cpus = len(os.sched_getaffinity(0))  # honours taskset / cgroup cpusets, unlike os.cpu_count()
     except AttributeError:  # macOS, Windows

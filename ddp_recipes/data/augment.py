@@ -1,16 +1,8 @@
 """Training and evaluation transforms, and batch mixing, for the image recipes.
 
-The options are those of torchvision's classification reference (``references/classification/train.py``),
-so a recipe known from there can be repeated here flag for flag: ``auto_augment`` (``ra``, ``ta_wide``,
-``augmix``, ``imagenet``), ``ra_magnitude``, ``augmix_severity``, ``random_erase``, the crop and resize
-sizes, ``interpolation``, and ``mixup_alpha`` / ``cutmix_alpha``. With none of them given, no auto-augmentation,
-erasing or mixing runs and the pipelines are the plain ones: a random crop (``RandomResizedCrop``; CIFAR: a pad-4
-``RandomCrop``), a flip and normalization for training; resize, centre crop and normalization for evaluation
-(CIFAR: normalization only).
-
-Per-image transforms run in loader workers on PIL images (or uint8 tensors) and draw from torch's global
-RNG, which the resumable sampler seeds per sample. Batch mixing runs in the training process on a whole
-batch (see :func:`batch_mixer`).
+The options are those of torchvision's classification reference (``references/classification/train.py``), so a
+recipe known from there repeats here flag for flag. Per-image transforms run in loader workers and draw from torch's
+global RNG, which the resumable sampler seeds per sample; batch mixing runs in the training process.
 """
 
 from __future__ import annotations
@@ -20,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torchvision.transforms import v2
 
-from ddp_recipes.config.augment import AugmentArgs as AugmentArgs
+from ddp_recipes.config.augment import AugmentArgs as AugmentArgs  # torch-free there: checked before torch loads
 from ddp_recipes.config.choices import AUTO_AUGMENTS, INTERPOLATIONS, AutoAugment, Interpolation, check_choice
 from ddp_recipes.errors import ConfigError
 
@@ -35,9 +27,6 @@ AUGMIX_MAX_SEVERITY = 10
 SMALL_IMAGE_PADDING = 4
 
 Mixer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-# AugmentArgs lives in ddp_recipes.config.augment, torch-free: a recipe checks its flags before torch loads.
 
 
 def _check_int(param: str, value: object, low: int, high: int | None = None) -> None:
@@ -68,16 +57,10 @@ def auto_augment_policy(name: AutoAugment, *, interpolation: Interpolation = "bi
                         ra_magnitude: int = 9, augmix_severity: int = 3) -> v2.Transform:
     """The automatic augmentation ``name`` (one of :data:`~ddp_recipes.config.choices.AUTO_AUGMENTS`).
 
-    ``imagenet`` is AutoAugment's ImageNet policy whatever the images: the reference offers no other, and
-    on CIFAR it is what ``--auto-augment imagenet`` runs there too (torchvision also has a CIFAR-10 policy,
-    not exposed, so that the flag means the same as in the reference). Operations that resample (rotate,
-    shear, translate) use ``interpolation``, as in the reference.
-
-    torchvision rotates and shears *tensors* with ``nearest`` or ``bilinear`` only, and raises on
-    ``bicubic`` whenever such an operation is drawn, i.e. now and then, in a loader worker. AugMix turns
-    every image into a tensor, so ``augmix`` with ``bicubic`` is refused here (the reference would fail
-    mid-epoch); the other policies take ``bicubic`` on PIL images, which the DataModules feed, but not on
-    uint8 tensors.
+    ``imagenet`` is AutoAugment's ImageNet policy whatever the images, as in the reference. torchvision
+    resamples *tensors* with ``nearest`` or ``bilinear`` only and raises on ``bicubic`` when such an operation
+    is drawn, mid-epoch in a loader worker; AugMix turns every image into a tensor, so ``augmix`` with
+    ``bicubic`` is refused here.
     """
     check_choice("auto_augment", name, AUTO_AUGMENTS)
     mode = _interpolation_mode(interpolation)
@@ -113,14 +96,9 @@ def train_transform(crop_size: int, *, interpolation: Interpolation = "bilinear"
                     small_image: bool = False) -> v2.Compose:
     """The training pipeline: crop, flip, optional auto-augmentation, float + normalize, optional erasing.
 
-    ImageNet style (default): ``RandomResizedCrop(crop_size, scale=(min_crop_scale, 1))``. ``small_image``
-    is the CIFAR style instead: a pad-4 ``RandomCrop(crop_size)``, which keeps the whole (already small)
-    object in view; ``min_crop_scale`` is then unused. The auto-augmentation runs on the PIL image or uint8
-    tensor, before conversion, as its operations expect 0..255 pixels. Random erasing runs last, after
-    normalizing, as in the reference: erased pixels become 0, i.e. the dataset mean, not black.
-
-    Validation errors are :class:`~ddp_recipes.errors.ConfigError` naming the CLI parameter
-    (``crop_size`` is ``train_crop_size``).
+    ``small_image`` is the CIFAR style: a pad-4 ``RandomCrop``, which keeps the small object in view. The
+    auto-augmentation runs before conversion (its operations expect 0..255 pixels); random erasing runs after
+    normalizing, as in the reference, so erased pixels are the dataset mean, not black.
     """
     _check_int("train_crop_size", crop_size, 1)
     mode = _interpolation_mode(interpolation)
@@ -159,12 +137,8 @@ def default_resize_size(crop_size: int) -> int:
 def eval_transform(crop_size: int, *, resize_size: int | None = None,
                    interpolation: Interpolation = "bilinear",
                    mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> v2.Compose:
-    """The evaluation pipeline: resize the short side to ``resize_size`` (default
-    :func:`default_resize_size`), center-crop ``crop_size``, float + normalize. Deterministic.
-
-    Errors name ``val_crop_size`` / ``val_resize_size``. A crop larger than the resize is refused: it would
-    pad the image with black borders the model never saw in training.
-    """
+    """The evaluation pipeline: resize the short side to ``resize_size``, center-crop ``crop_size``, float +
+    normalize. A crop larger than the resize is refused: it would pad black borders training never saw."""
     _check_int("val_crop_size", crop_size, 1)
     resize = default_resize_size(crop_size) if resize_size is None else resize_size
     _check_int("val_resize_size", resize, 1)
@@ -177,21 +151,12 @@ def eval_transform(crop_size: int, *, resize_size: int | None = None,
 
 def batch_mixer(num_classes: int, mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0) -> Mixer | None:
     """MixUp and/or CutMix on a whole batch: ``images, targets = mixer(images, labels)``; None when both
-    alphas are 0 (the defaults).
+    alphas are 0. With both > 0, each batch gets one of the two at random, as in the reference.
 
-    ``alpha`` is that of the Beta distribution of the mixing weight. With both > 0, each batch gets one of
-    the two at random, as in the reference. ``labels`` are class indices ``[B]`` (int64) or already soft
-    ``[B, num_classes]``; ``targets`` are soft, float ``[B, num_classes]``, each row summing to 1. Each
-    image is mixed with its neighbour in the batch, so the batch must be shuffled (the training sampler
-    is), and ``images`` must be float (after normalization), not uint8.
-
-    Apply it in the training step only, on each rank's own batch: the mixing weight and the CutMix box come
-    from torch's global CPU RNG, which the pack seeds with ``seed + rank`` when training starts (and a
-    checkpoint saves with the other random streams), so ranks mix differently and reproducibly.
-
-    No special loss is needed: ``F.cross_entropy(logits, targets, label_smoothing=s)`` accepts probability
-    targets and smooths them too (to ``targets * (1 - s) + s / num_classes``). Training accuracy against
-    mixed targets should compare with ``targets.argmax(1)``.
+    Each image is mixed with its neighbour, so the batch must be shuffled and ``images`` float. Apply it in the
+    training step, on each rank's own batch: the draws come from torch's global CPU RNG, which the pack seeds with
+    ``seed + rank`` (and checkpoints), so ranks mix differently and reproducibly. ``F.cross_entropy`` takes the
+    soft ``targets`` as they are, label smoothing included.
     """
     _check_alpha("mixup_alpha", mixup_alpha)
     _check_alpha("cutmix_alpha", cutmix_alpha)

@@ -3,10 +3,8 @@
     python -m ddp_recipes.data.convert /data/imagenet /data/imagenet-stream
     python -m ddp_recipes.data.convert /data/imagenet s3://bucket/imagenet --workers 16
 
-Each split (``SRC/train``, and ``SRC/val`` when present) is written by ``litdata.optimize`` into a local
-staging folder, with litdata's checkpoints on, so a stopped conversion continues where it stopped; it is then
-published to DEST (chunks, then the index), and ``DEST/classes.json`` is written last. A rerun skips what
-is already converted. docs/streaming.md describes the format and why litdata.
+Each split is written by ``litdata.optimize`` into a local staging folder with its checkpoints on (a stopped
+conversion continues), then published to DEST; ``DEST/classes.json`` comes last. docs/streaming.md has the format.
 """
 
 from __future__ import annotations
@@ -178,9 +176,8 @@ def stage(split: Split, staging: Path, cfg: ConvertConfig, litdata: ModuleType) 
 
 @contextmanager
 def _litdata_env(cache: Path) -> Iterator[None]:
-    # optimize() empties its cache folders first, and by default they are the machine-wide $TMPDIR/chunks and
-    # $TMPDIR/data: another conversion's (or anyone's) files. It also sets DATA_OPTIMIZER_NUM_WORKERS. The
-    # process's environment is put back after.
+    # optimize() empties its cache folders first, by default the machine-wide $TMPDIR/chunks and $TMPDIR/data;
+    # it also sets DATA_OPTIMIZER_NUM_WORKERS. The process's environment is put back after.
     saved = dict(os.environ)
     os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(cache / "chunks")
     os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(cache / "data")

@@ -1,13 +1,9 @@
 """The converter's destination side: what DEST already holds, publishing a staged split, and ``classes.json``.
 
-DEST (a local folder or a bucket prefix, through :mod:`ddp_recipes.storage.store`) holds only what the
-converter writes: ``<split>/`` (litdata's ``chunk-*.bin`` files and ``index.json``), ``classes.json``, and
-for a local DEST the ``.staging`` folder of a conversion under way. Anything else means DEST is someone
-else's folder, and it is refused, never overwritten.
-
-Publishing order is what makes a stop anywhere safe: a split's chunks, then its ``index.json`` (a reader
-finds no dataset until the index names only chunks that are there), then ``classes.json`` last; a split
-counts as converted only when ``classes.json`` lists it and its index is there.
+DEST (local or a bucket prefix) holds only what the converter writes; anything else means DEST is someone else's
+folder, refused, never overwritten. Publishing order makes a stop anywhere safe: a split's chunks, then its
+``index.json``, then ``classes.json`` last; a split counts as converted only when ``classes.json`` lists it and its
+index is there.
 """
 
 from __future__ import annotations
@@ -45,11 +41,9 @@ class Dest:
 
 
 def inspect_dest(dest: str, source: Source, staging: Path | None = None) -> Dest:
-    """DEST checked before anything is written: its store reachable (a bucket exists and takes a write), and
-    nothing in it this converter did not write; a :class:`DataError` naming ``{dest}`` otherwise. A split
-    folder is this converter's when ``classes.json`` lists it, or when ``staging`` holds the fingerprint of its
-    conversion (a publish that stopped before ``classes.json``); any other, a litdata dataset included, is
-    someone else's. A listed split counts as converted only when every chunk its index names is there."""
+    """DEST checked before anything is written: its store reachable, and nothing in it this converter did not
+    write (a :class:`DataError` naming ``{dest}``). A split folder is ours when ``classes.json`` lists it or
+    ``staging`` holds its fingerprint (a publish that stopped before ``classes.json``)."""
     where = absolute(dest)
     if isinstance(where, Path):
         if where.exists() and not where.is_dir():
@@ -81,9 +75,8 @@ def inspect_dest(dest: str, source: Source, staging: Path | None = None) -> Dest
 
 
 def missing_chunks(split: Path | Url) -> list[str]:
-    """The chunks ``split/index.json`` names that ``split`` does not hold (one listing), and in a local split
-    the ones cut short (``"chunk-0-3.bin (100 of 3980510 bytes)"``): what a lifecycle rule, a partial sync or a
-    deleted file leaves, which a reader would only meet mid-epoch (a cut chunk as litdata's wait timeout)."""
+    """The chunks ``split/index.json`` names that ``split`` does not hold (one listing), and in a local split the
+    ones cut short (``"chunk-0-3.bin (100 of 3980510 bytes)"``), which a reader would only meet mid-epoch."""
     try:
         index = json.loads(read_bytes(split / "index.json"))
         named = {c["filename"]: int(c.get("chunk_bytes", -1)) for c in index["chunks"]}
@@ -108,10 +101,8 @@ def _read_record(where: Path | Url) -> dict[str, Any] | None:
 
 
 def publish(staged: Path, target: Path | Url) -> int:
-    """Put the staged split ``staged`` (litdata's output) at ``target``: chunks, then ``index.json``; returns
-    its sample count. On the same local file system a chunk is renamed into place (no second copy of the
-    dataset); anywhere else it is uploaded through the store. Rerun after a stop, it finishes the job: the
-    index names every chunk, and each is either still staged or already at ``target``."""
+    """Put the staged split ``staged`` at ``target``: chunks (renamed on the same file system, else uploaded),
+    then ``index.json``; returns its sample count. Rerun after a stop, it finishes the job."""
     index = json.loads((staged / "index.json").read_text("utf-8"))
     chunks = [c["filename"] for c in index["chunks"]]
     wanted = {*chunks, "index.json"}

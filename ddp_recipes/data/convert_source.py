@@ -1,13 +1,10 @@
 """The converter's source side: an ImageFolder's classes and files, read the way ``--data imagefolder`` reads
 them (torchvision's ``find_classes`` and ``make_dataset``), and the per-file work litdata's workers do.
 
-A sample is the file's encoded bytes as they are on disk (not decoded pixels: a JPEG stays a JPEG, so the
-stream is as small as the folder and decoding stays in the training loader), its class index and its path
-relative to SRC. A file is decoded in full once here (``Image.load``; ``verify`` misses a cut JPEG) so that a
-corrupt one is found now, named, and left out, not at epoch 37 of a training run; so is one the training loader
-would refuse for having no faithful 8-bit picture (a 32-bit image outside 16-bit values, a float one outside
-[0, 1]: :mod:`ddp_recipes.data.pixels`). The bytes stay as they are: the training loader reads a 16-bit PNG of the
-stream exactly as it reads the folder's file, scaled.
+A sample is the file's encoded bytes as on disk (the stream is as small as the folder; decoding stays in the
+training loader), its class index and its path relative to SRC. Each file is decoded in full once here, so a
+corrupt one (or one the loader would refuse, :mod:`ddp_recipes.data.pixels`) is named and left out now, not at
+epoch 37.
 """
 
 from __future__ import annotations
@@ -101,12 +98,9 @@ def _stat(path: str) -> tuple[int, int]:
 
 
 def encode(item: list[Any], corrupt_log: str) -> dict[str, Any] | None:
-    """litdata's per-file function (run in its workers): the sample, or None for a file no decoder reads.
-
-    A corrupt file is named on stderr as it is found and appended to this worker's log under ``corrupt_log``
-    (the parent reads them for its summary; they survive a kill, so a resumed run still reports the files
-    its first part found). Returning None, not raising: litdata stops the whole job at a raising file, and
-    leaves no hole in the index for a skipped one."""
+    """litdata's per-file function (run in its workers): the sample, or None for a file no decoder reads (a
+    raising file stops litdata's whole job). A corrupt file is named on stderr and logged under ``corrupt_log``,
+    which survives a kill, so a resumed conversion still reports it."""
     path, label, rel = item
     with open(path, "rb") as f:
         data = f.read()

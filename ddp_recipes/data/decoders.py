@@ -2,15 +2,10 @@
 ``decode`` extra), torchvision.io's where it is not (the lent GPU machine's stack: torchvision 0.26, no torchcodec).
 
 torchvision 0.29 deprecates its image decoders (every call warns) in favour of TorchCodec's, which take the same
-arguments (a list of files for one batched nvJPEG call on CUDA, decoded on the current stream and waited for on
-the host, as torchvision's) and decode a JPEG to the same pixels on the CPU (both use libjpeg-turbo:
-tests/data/test_decoders.py), but for one thing: TorchCodec always turns the image as its EXIF orientation
-says, torchvision.io's default and ``--decode cpu``'s PIL loader do not (and the crops are drawn on the stored
-size). The pack hands TorchCodec a JPEG's EXIF segments renamed (:func:`unrotated`), so that both decode what
-the file stores. Decided once per process; ``DDP_RECIPES_IMAGE_DECODER=torchvision`` forces
-torchvision.io (how the tests run a subprocess on both). Where torchvision deprecates its decoders and torchcodec
-is missing, the first decode says so once, naming the extra, and torchvision's per-call warning is silenced for
-the pack's own calls only.
+arguments and decode a JPEG to the same pixels, but for one thing: TorchCodec always applies the EXIF orientation,
+which ``--decode cpu``'s PIL loader does not (and the crops are drawn on the stored size), so the pack hands it a
+JPEG's EXIF segments renamed (:func:`unrotated`). Decided once per process; ``DDP_RECIPES_IMAGE_DECODER=torchvision``
+forces torchvision.io. Without torchcodec on torchvision 0.29, the first decode says so once, naming the extra.
 """
 
 from __future__ import annotations

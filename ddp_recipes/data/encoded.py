@@ -1,20 +1,10 @@
 """``--decode gpu``'s loader side: batches of encoded image bytes with each sample's drawn augmentation.
 
-With ``decode="gpu"`` the loader workers do only what has to stay per sample and seeded: read a file's bytes,
-read its size from the header (PIL parses the markers up to the frame header, no pixels), and draw the
-sample's augmentation parameters. Decoding and applying them happens on the training device, after Lightning
-has moved the batch there (:mod:`ddp_recipes.data.device_decode`).
-
-The parameters are drawn by the very transforms the CPU pipeline (:func:`ddp_recipes.data.augment.train_transform`)
-runs, in the same order and from the same random stream: ``RandomResizedCrop.make_params`` on the file's size,
-the flip's and the erasing's coin, ``RandomErasing.make_params``, and the auto-augmentation policy's own
-``forward`` with its image operation recorded instead of applied. The resumable loader seeds that stream per
-sample (:class:`~ddp_recipes.data.resumable.SeededDataset`), so a sample gets the same crop in both modes, in
-every worker, before and after a restart.
-
-A collated :class:`EncodedBatch` holds the bytes of its files in one uint8 buffer (one shared-memory transfer
-from a worker per batch, one pinned copy, instead of one per file) and hands them out as a list of uint8
-tensors, one view per file, which is what ``decode_jpeg`` takes (TorchCodec's and torchvision.io's).
+The loader workers read a file's bytes, its size from the header (no pixels), and draw the sample's augmentation
+with the very transforms the CPU pipeline runs, in the same order, from the same per-sample seeded stream: a
+sample gets the same crop in both modes, in every worker, before and after a restart. Decoding and applying the
+draws happens on the training device (:mod:`ddp_recipes.data.device_decode`). A batch's files travel in one uint8
+buffer: one shared-memory transfer and one pinned copy per batch instead of one per file.
 """
 
 from __future__ import annotations
@@ -36,9 +26,7 @@ from ddp_recipes.data import augment
 from ddp_recipes.data.unreadable import relative_name, unreadable
 from ddp_recipes.errors import ConfigError
 
-# Auto-augmentation policies whose random draws are separable from their image operation (one recorded
-# list of (operation, magnitude) per image). AugMix mixes several augmented copies with weights it draws
-# per image, on the image: it is refused with decode "gpu".
+# Policies whose draws are separable from their image operation; AugMix draws its mixing weights on the image.
 REPLAYABLE_POLICIES = (v2.AutoAugment, v2.RandAugment, v2.TrivialAugmentWide)
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 
@@ -154,11 +142,9 @@ def _eval_steps(pipeline: EvalPipeline) -> tuple[v2.Transform, v2.Transform]:
 
 
 class _PolicyRecorder:
-    """Runs an auto-augmentation policy's own ``forward`` on a stand-in of the image's shape, recording each
-    ``(operation, magnitude)`` it would apply instead of applying it: the same draws, in the same order, as the
-    CPU pipeline's policy makes (they depend on the image's size only). Replayed on the device with the
-    policy's ``_apply_image_or_video_transform``, the one method that applies an operation in
-    ``AutoAugment``, ``RandAugment`` and ``TrivialAugmentWide`` (torchvision 0.26 to 0.29, tested)."""
+    """Runs a policy's own ``forward`` on a stand-in of the image's shape, recording each ``(operation,
+    magnitude)`` instead of applying it: the CPU pipeline's draws depend on the size only. The device replays them
+    with ``_apply_image_or_video_transform``, the one method that applies an operation (torchvision 0.26 to 0.29)."""
 
     def __init__(self, pipeline: TrainPipeline) -> None:
         self.policy = augment.auto_augment_policy(pipeline.auto_augment,  # type: ignore[arg-type]
@@ -211,11 +197,8 @@ def image_size(data: bytes) -> tuple[int, int]:
 class EncodedBatch:
     """What a ``decode="gpu"`` loader yields: encoded files, labels, per-sample draws and the pipeline to apply.
 
-    Lightning moves it with :meth:`to` (labels to the device, bytes kept on the host: ``decode_jpeg`` reads
-    them there), the loader's pin-memory thread pins it with :meth:`pin_memory`; then the DataModule's
-    ``on_after_batch_transfer`` decodes it (:class:`~ddp_recipes.data.device_decode.DeviceDecoder`) into the
-    usual ``(images, labels)``. Not a sequence: Lightning's collection walks leave it whole.
-    """
+    :meth:`to` moves the labels only (``decode_jpeg`` reads the bytes on the host); the DataModule's
+    ``on_after_batch_transfer`` decodes it. Not a sequence: Lightning's collection walks leave it whole."""
 
     def __init__(self, buffer: torch.Tensor, lengths: list[int], labels: torch.Tensor, draws: list[Draws] | None,
                  pipeline: TrainPipeline | EvalPipeline, names: list[str], device: torch.device | None = None) -> None:
@@ -251,10 +234,7 @@ class EncodedBatch:
 
 class EncodedImageFolder(Dataset):
     """ImageFolder samples as ``(file bytes, label, draws)``; :meth:`collate` makes the :class:`EncodedBatch`.
-
-    ``pipeline``: a :class:`TrainPipeline` (draws per sample: wrap it in the resumable loader, which seeds
-    them) or an :class:`EvalPipeline` (no draws).
-    """
+    A :class:`TrainPipeline` draws per sample (the resumable loader seeds them); an :class:`EvalPipeline` none."""
 
     def __init__(self, samples: Sequence[tuple[str, int]], pipeline: TrainPipeline | EvalPipeline,
                  root: str | Path | None = None) -> None:

@@ -1,13 +1,8 @@
 """Image DataModules for the ResNet recipes: synthetic tensors, CIFAR-10, and an ImageNet-style folder.
 
-All three share one base (:class:`~ddp_recipes.data.base.SplitDataModule`): a resumable training loader
-(a ``DistributedSampler`` order built at every world size, seeded per-sample augmentation, a position that
-checkpoints save; Lightning keeps it and calls ``set_epoch``), exact unpadded evaluation loaders, and
-loader defaults fitted to the machine (:func:`default_num_workers`, pinned memory only with CUDA). Each
-exposes ``num_classes`` and ``image_size`` so a recipe can size the model and check the stem before
-training. The CIFAR-10 and folder modules take the augmentation options of torchvision's classification
-reference; the pipelines are built by :mod:`ddp_recipes.data.augment`, and with no option given they are
-the plain crop + flip ones described there.
+All three share :class:`~ddp_recipes.data.base.SplitDataModule` (resumable training loader, exact unpadded
+evaluation loaders) and expose ``num_classes`` and ``image_size``, so a recipe sizes the model and checks the stem
+before training. Pipelines come from :mod:`ddp_recipes.data.augment`.
 """
 
 from __future__ import annotations
@@ -79,9 +74,7 @@ class SyntheticImageDataModule(_ImageDataModule):
     """Random ``[3, H, W]`` float images with random labels: no I/O, no decode, for throughput runs.
 
     Built in ``setup`` from ``seed`` with a private generator, so every rank holds the identical dataset
-    whatever the global RNG state. Memory: ``(num_samples + val_samples) * 3 * H * W * 4`` bytes per rank.
-    ``val_samples=0`` disables validation (and test).
-    """
+    whatever the global RNG state. ``val_samples=0`` disables validation (and test)."""
 
     def __init__(self, num_samples: int = 512, image_size: int = 32, num_classes: int = 10,
                  batch_size: int = 32, seed: int = 0, num_workers: int = 0, val_samples: int = 0) -> None:
@@ -137,12 +130,8 @@ class SyntheticImageDataModule(_ImageDataModule):
 
 
 class CIFAR10DataModule(_ImageDataModule):
-    """CIFAR-10 through torchvision: pad-4 random crop + flip for training; validation is the test split.
-
-    ``auto_augment``, ``ra_magnitude``, ``augmix_severity``, ``random_erase`` and ``interpolation`` are
-    those of :func:`ddp_recipes.data.augment.train_transform` (``interpolation`` only matters to the
-    auto-augmentation here: the crop does not resample). Validation stays uncropped.
-    """
+    """CIFAR-10 through torchvision: pad-4 random crop + flip for training; validation is the test split,
+    uncropped. The augmentation options are :func:`ddp_recipes.data.augment.train_transform`'s."""
 
     def __init__(self, data_dir: str | Path = "data", batch_size: int = 128, num_workers: int | None = None,
                  pin_memory: bool | None = None, seed: int = 0, *, auto_augment: AutoAugment | None = None,
@@ -205,23 +194,15 @@ class CIFAR10DataModule(_ImageDataModule):
 class ImageFolderDataModule(_ImageDataModule):
     """An ImageNet-style tree ``<data_dir>/{train,val}/<class>/<image>``, decoded by PIL each epoch.
 
-    Training: RandomResizedCrop + flip; validation (and test): resize to ``image_size * 256/224`` and
-    center-crop, the standard ImageNet evaluation. ``val`` must hold the same class folders as ``train``.
-    ``min_crop_scale`` is the smallest crop area: 0.08 is the ImageNet (Inception) default; small images
-    and short runs train better with a milder one (an 8% crop of a 32 px digit is a stroke fragment).
-
-    The reference's options (:mod:`ddp_recipes.data.augment`): ``train_crop_size`` and ``val_crop_size``
-    default to ``image_size``, ``val_resize_size`` to the 256/224 ratio of the validation crop, e.g.
-    ``train_crop_size=176, val_resize_size=232, val_crop_size=224`` trains at a lower resolution than it
-    evaluates (FixRes). ``image_size`` stays the size the recipe checks the model's stem against.
-    ``mean``/``std`` normalise both pipelines (pretrained weights' own statistics); ``val_interpolation`` is the
-    evaluation resize's (default: ``interpolation``), e.g. the one the weights were evaluated with.
+    Training: RandomResizedCrop + flip; validation (and test): resize and center-crop, the standard ImageNet
+    evaluation; ``val`` must hold the same class folders as ``train``. ``min_crop_scale``: 0.08 is the ImageNet
+    default; small images and short runs train better with a milder one (an 8% crop of a 32 px digit is a stroke
+    fragment). The crop and resize sizes are the reference's; ``image_size`` stays the size the model's stem is
+    checked against.
 
     ``decode="gpu"``: the loader workers read each file's bytes and draw its augmentation only
-    (:mod:`ddp_recipes.data.encoded`); :meth:`on_after_batch_transfer` decodes the batch on the training
-    device and applies the same pipeline there (:mod:`ddp_recipes.data.device_decode`), ``channels_last``
-    giving the decoded batch NHWC memory format. Same draws as ``"cpu"`` for the same seed; ``augmix`` (and
-    ``bicubic`` with a policy) cannot run there and are refused. :attr:`decode_record` counts what was decoded.
+    (:mod:`ddp_recipes.data.encoded`); :meth:`on_after_batch_transfer` decodes the batch on the training device
+    with the same draws (:mod:`ddp_recipes.data.device_decode`).
     """
 
     def __init__(self, data_dir: str | Path, batch_size: int = 64, image_size: int = 224,
@@ -255,8 +236,7 @@ class ImageFolderDataModule(_ImageDataModule):
         self._classes: list[str] | None = None
         self._counts: dict[str, dict[str, int]] = {}  # image files per class folder, per split (listed once)
         self._record: dict = {"device": None, "images": 0, "cpu_fallbacks": 0} if decode == "gpu" else {}
-        # A bad option fails here, once, not in setup on every rank.
-        self.train_transform()
+        self.train_transform()  # a bad option fails here, once, not in setup on every rank
         self.val_transform()
         if decode == "gpu":
             self.train_pipeline().check_device()
@@ -269,8 +249,7 @@ class ImageFolderDataModule(_ImageDataModule):
 
     @property
     def train_size(self) -> int:
-        """Image files under ``train/`` (ImageFolder's own listing; known before ``setup``: the recipe checks the
-        batch against it before any rank starts)."""
+        """Image files under ``train/``, known before ``setup``: the recipe checks the batch against it."""
         if self.train_set is not None:
             return len(self.train_set)
         return sum(self._image_counts("train").values())
@@ -281,8 +260,7 @@ class ImageFolderDataModule(_ImageDataModule):
         return list(self._train_classes())
 
     def _image_counts(self, split: str) -> dict[str, int]:
-        """Image files per class folder of ``split``, counted as ImageFolder lists them (its extensions, links
-        followed); listed once."""
+        """Image files per class folder of ``split``, counted as ImageFolder lists them; listed once."""
         if split not in self._counts:
             classes = self._train_classes() if split == "train" else self._split_classes(split)
             counts = {}
@@ -320,10 +298,7 @@ class ImageFolderDataModule(_ImageDataModule):
     def _train_classes(self) -> list[str]:
         if self._classes is None:
             self.check_layout()
-            try:
-                self._classes, _ = datasets.folder.find_classes(os.fspath(self.data_dir / "train"))
-            except FileNotFoundError as err:  # torchvision: train/ holds no class folder
-                raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
+            self._classes = self._split_classes("train")
         return self._classes
 
     def check_layout(self) -> None:
@@ -341,7 +316,7 @@ class ImageFolderDataModule(_ImageDataModule):
     def _split_classes(self, split: str) -> list[str]:
         try:
             found, _ = datasets.folder.find_classes(os.fspath(self.data_dir / split))
-        except FileNotFoundError as err:
+        except FileNotFoundError as err:  # torchvision: the split holds no class folder
             raise MissingDataError(f"{{data_dir}} {lit(self.data_dir)}: {lit(err)}", "data_dir") from None
         return found
 
@@ -428,7 +403,5 @@ def warn_not_jpeg(train: EncodedImageFolder, val: EncodedImageFolder, where: obj
 
 
 def imagenet_train_transform(image_size: int, min_crop_scale: float = 0.08) -> v2.Transform:
-    """RandomResizedCrop + flip + float + ImageNet normalisation; takes PIL images and uint8 tensors alike
-    (``python -m ddp_recipes.bench loader`` times both). :func:`ddp_recipes.data.augment.train_transform`
-    with its defaults."""
+    """RandomResizedCrop + flip + float + ImageNet normalisation, for PIL images and uint8 tensors alike."""
     return augment.train_transform(image_size, min_crop_scale=min_crop_scale)

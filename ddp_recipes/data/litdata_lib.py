@@ -1,9 +1,5 @@
 """litdata (Lightning's streaming-dataset library), imported on first use: the one place that imports it, that
-names the ``stream`` extra when it is missing, and that lets it talk to an ``http://`` S3 endpoint.
-
-litdata is the pack's optional ``stream`` extra (:data:`STREAM_EXTRA`); the lent GPU machine has no registry and no
-litdata, so nothing imports it at module level.
-"""
+names the optional ``stream`` extra when it is missing, and that lets it talk to an ``http://`` S3 endpoint."""
 
 from __future__ import annotations
 
@@ -35,11 +31,9 @@ def import_litdata(needed_for: str = "converting to a streamable dataset") -> Mo
 def allow_http_endpoint() -> None:
     """Let litdata's obstore client reach a plain-http S3 endpoint (MinIO, moto, a cluster-local gateway).
 
-    Why here, and by a private name: litdata hands obstore explicit client options, so obstore's own switch
-    (``AWS_ALLOW_HTTP``) is never read, and obstore refuses ``http://`` ("builder error") for every chunk
-    upload and most downloads. The option dict is module state inherited by forked workers; a spawned worker
-    that imports litdata through :func:`import_litdata` sets it again. Only an ``http://`` AWS_ENDPOINT_URL
-    turns it on: real S3 over https is untouched. pyproject caps litdata below 0.3 because of this name.
+    By a private name: litdata hands obstore explicit client options, so obstore's own ``AWS_ALLOW_HTTP`` is never
+    read. Module state: a spawned worker sets it again through :func:`import_litdata`. Only an ``http://``
+    AWS_ENDPOINT_URL turns it on. pyproject caps litdata below 0.3 because of this name.
     """
     endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3") or ""
     if endpoint.startswith("http://"):
@@ -66,20 +60,14 @@ def _streaming_datasets(dataset: Any) -> list[Any]:
 def adopt_litdata_loader(loader: Any, world: int, rank: int, seed: int, gather: Callable[[Any], list[Any]]) -> None:
     """Take over a user's ``StreamingDataLoader`` as the training loader of rank ``rank`` of ``world``.
 
-    litdata splits the data by rank itself and Lightning saves and loads the loader's state (the position
-    of the batches handed to the loop) in the checkpoint, so the loader stays as it is. What the pack adds:
+    litdata splits the data by rank itself and Lightning checkpoints the loader's state. What the pack adds:
 
-    * a dataset that split the data for another world or rank is refused (``gather`` is a collective: every
-      rank says what its datasets were built for, so every rank fails with the same line). litdata reads the
-      world once, when the dataset is built: built before the process group is up (at a script's top level,
-      in ``__init__``), it records world size 1 (or ``WORLD_SIZE`` with rank 0 under torchrun) and the ranks
-      read the same samples;
-    * a state saved with another ``cache_dir`` (a new machine, a fresh temp folder) is loaded into this
-      process's cache: litdata refuses a state whose cache path differs ("The provided `input_dir` path state
-      doesn't match"), though an empty cache is re-downloaded anyway. Only the cache location is rewritten,
-      and only for the same URL; another dataset is still litdata's refusal;
-    * a loader without a ``generator`` gets one seeded with ``seed``, to keep training's random streams exact
-      over a resume (see the comment there); :func:`end_litdata_epoch` is the fourth, at each epoch's end.
+    * a dataset built before the process group was up (it read world size 1, so ranks read the same samples) is
+      refused on every rank (``gather`` is a collective);
+    * a state saved with another ``cache_dir`` (a new machine) is loaded into this process's cache, for the same
+      URL only: litdata refuses one whose cache path differs;
+    * a loader without a ``generator`` gets one seeded with ``seed`` (see the comment there);
+    * :func:`end_litdata_epoch`, at each epoch's end.
     """
     built = [(d.distributed_env.world_size, d.distributed_env.global_rank)
              for d in _streaming_datasets(loader.dataset)]
@@ -92,10 +80,8 @@ def adopt_litdata_loader(loader: Any, world: int, rank: int, seed: int, gather: 
                 "the same samples: it was built before the process group was up; build it inside "
                 "train_dataloader() or setup() (they run on every rank after the ranks connect)")
     if loader.generator is None:
-        # Each epoch's iterator draws its workers' base seed when its first batch is fetched: from the global
-        # stream that dropout uses, unless the loader has a generator. Resumed mid-epoch, that draw comes after
-        # the checkpoint's streams were put back (the uninterrupted run made it before they were saved), and
-        # every later random draw of training would shift by one.
+        # Each epoch's iterator draws its workers' base seed from the global stream dropout uses, unless the loader
+        # has a generator; resumed mid-epoch, that draw comes after the streams were put back, shifting them by one.
         import torch
 
         loader.generator = torch.Generator().manual_seed(seed)
@@ -129,11 +115,7 @@ class _LoadHere:
 
 
 def end_litdata_epoch(loader: object) -> None:
-    """The training epoch is over: a litdata loader resumed in it starts the next epoch afresh.
-
-    litdata keeps a loaded position (``restore``) until its iterator runs to exhaustion, and Lightning stops
-    fetching from a sized loader after its last batch without exhausting it: the epoch after a resumed one
-    would start from the loaded position again, at its end, and train no batch at all.
-    """
+    """The training epoch is over: a litdata loader resumed in it starts the next epoch afresh (litdata keeps a
+    loaded position until its iterator is exhausted, which Lightning never does: the next epoch would be empty)."""
     if is_litdata_loader(loader):
         loader.restore = False

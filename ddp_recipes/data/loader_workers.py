@@ -1,10 +1,5 @@
 """DataLoader worker processes: they leave preemption signals to their training process, end with it however it
-ends, and the ones a finished run leaves behind are killed at exit instead of hanging it.
-
-The workers ignore SIGTERM (:func:`ignore_preemption_signals`), so multiprocessing's exit handler, which
-sends its daemon children SIGTERM and joins them, would wait for them forever; :func:`kill_loader_workers_at_exit`
-registers the exit handler that finds those workers (their ``SigIgn`` mask in ``/proc``) and kills them first.
-"""
+ends, and the ones a finished run leaves behind are killed at exit instead of hanging it."""
 
 from __future__ import annotations
 
@@ -46,14 +41,9 @@ def die_with_rank() -> None:
     """Have the kernel SIGKILL this loader worker when the process that started it ends (Linux), and stop now if
     it has ended already.
 
-    torch's worker notices a dead rank only between two samples (its watchdog compares ``getppid()``); a worker
-    inside a sample's read, retrying a store that is down with backoff, outlived a SIGKILLed rank by minutes,
-    orphaned, still downloading and logging. SIGKILL because the worker ignores SIGTERM
-    (:func:`ignore_preemption_signals`). The parent is the rank under the fork and spawn start methods; under
-    forkserver it is the fork server, which exits when the rank does (its pipe from the rank closes), so the
-    signal follows. The kernel ties it to the thread that started the worker: torch starts workers from the
-    thread that iterates the loader, Lightning's main thread. Elsewhere (no prctl) the storage layer's retry loop
-    gives up once the parent is gone (:func:`~ddp_recipes.storage.retry.retrying`).
+    torch's worker notices a dead rank only between two samples; one retrying a store that is down outlived a
+    SIGKILLed rank by minutes. SIGKILL because the worker ignores SIGTERM. Under forkserver the parent is the fork
+    server, which exits with the rank. Elsewhere (no prctl) the storage retry loop gives up once the parent is gone.
     """
     if sys.platform.startswith("linux"):
         try:
@@ -68,11 +58,8 @@ def die_with_rank() -> None:
 
 
 def ignore_preemption_signals(worker_id: int) -> None:
-    """worker_init_fn: a worker leaves SIGTERM/SIGUSR1 to its training process, which saves and exits.
-
-    A signal sent to the whole process group would otherwise kill the workers first, and the training
-    process would fail on "DataLoader worker killed" instead of checkpointing.
-    """
+    """worker_init_fn: a worker leaves SIGTERM/SIGUSR1 to its training process, which saves and exits (a signal
+    to the whole process group would otherwise kill the workers first: "DataLoader worker killed")."""
     for signum in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
         if signum is not None:
             signal.signal(signum, signal.SIG_IGN)
@@ -93,13 +80,9 @@ def _ignores_sigterm(pid: int) -> bool:
 def _kill_workers_left_at_exit() -> None:
     """At interpreter exit, SIGKILL the DataLoader workers that ignore SIGTERM, before multiprocessing joins them.
 
-    A loader iterator still alive at exit (persistent workers held by a reference cycle, freed only by the
-    GC after the exit handlers) never shuts its workers down; multiprocessing's own exit handler then
-    sends its daemon children SIGTERM, which workers started with :func:`ignore_preemption_signals`
-    ignore, and joins them, which never returns: a finished run that hangs at exit. Such a worker can do
-    nothing with SIGTERM anyway and holds nothing to save, so it is killed outright. Only torch's loader
-    workers: any other child (a script's own uploader that ignores SIGTERM to finish its work) and workers
-    that honour SIGTERM are left to multiprocessing, which joins them.
+    A loader iterator alive at exit (held by a reference cycle) never shuts its workers down; multiprocessing's
+    exit handler then SIGTERMs its daemon children, which these ignore, and joins them forever. Such a worker holds
+    nothing to save. Any other child (a script's uploader that ignores SIGTERM) is left to multiprocessing.
     """
     stuck = [p for p in multiprocessing.active_children()
              if p.daemon and p.pid is not None and _ignores_sigterm(p.pid)]
@@ -130,11 +113,9 @@ _reaper = {"registered": False}
 
 
 def kill_loader_workers_at_exit() -> None:
-    """Register :func:`_kill_workers_left_at_exit` (once per process), when the pack makes a loader whose
-    workers ignore SIGTERM: not at import, so a process that only imports the pack keeps its exit as it was.
-    Exit handlers run last registered first: this one before multiprocessing's (imported above). A process that
-    multiprocessing started (a spawned rank) runs no exit handler before its own clean-up, which terminates and
-    joins its daemon children: there a multiprocessing finalizer of priority >= 0 runs first."""
+    """Register :func:`_kill_workers_left_at_exit` once per process, when a loader is made (not at import: a
+    process that only imports the pack keeps its exit). It runs before multiprocessing's handler (registered
+    earlier); in a spawned rank, which runs multiprocessing's clean-up first, the finalizer does."""
     if not _reaper["registered"]:
         _reaper["registered"] = True
         atexit.register(_kill_workers_left_at_exit)

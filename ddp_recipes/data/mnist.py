@@ -53,11 +53,8 @@ def _header(path: Path, magic: int, ndim: int) -> list[int]:
 
 
 def check_mnist(data_dir: str | Path) -> dict[str, int]:
-    """Sample counts per split, after checking that the four idx files exist and are whole.
-
-    Raises a one-line ``FileNotFoundError`` (missing files) or ``ValueError`` (corrupt files) that names
-    ``--data-dir``, so every rank of a failing run says the same actionable thing.
-    """
+    """Sample counts per split, after checking that the four idx files exist and are whole (else one line
+    naming ``--data-dir``: a ``FileNotFoundError`` or ``ValueError``)."""
     raw = _raw_dir(data_dir)
     paths = [p for split in _SPLITS for p in _files(data_dir, split)]
     missing = [p.name for p in paths if not p.is_file()]
@@ -96,11 +93,7 @@ def load_split(data_dir: str | Path, train: bool) -> tuple[torch.Tensor, torch.T
 
 
 class MNISTDataModule(SplitDataModule):
-    """MNIST train/val/test as ``TensorDataset``s; ``val_size`` images are held out of the train split.
-
-    ``pin_memory`` None (the default) pins the loaders' batches exactly when the trainer trains on CUDA, as the
-    image DataModules do (:attr:`~ddp_recipes.data.base.SplitDataModule.pin_memory`).
-    """
+    """MNIST train/val/test as ``TensorDataset``s; ``val_size`` images are held out of the train split."""
 
     num_classes = 10
     dims = (1, 28, 28)
@@ -171,9 +164,8 @@ class MNISTDataModule(SplitDataModule):
             self.test_set = TensorBatchDataset(*load_split(self.data_dir, train=False))
 
     def check_split(self, world_size: int) -> None:
-        """``val_size`` against the files and the ranks, before any process starts. Missing files are
-        downloaded here first (``prepare_data``, on the node's first process only: the others find them in
-        ``setup``), so a failed download is one line before any rank starts, not one per rank after."""
+        """``val_size`` against the files and the ranks, before any process starts. Missing files are downloaded
+        here first, on the node's first process, so a failed download is one line, not one per rank."""
         try:
             train = check_mnist(self.data_dir)["train"]
         except FileNotFoundError:

@@ -1,13 +1,9 @@
 """The node's cache of a bucket's stream: one folder per dataset, shared by every rank on the node and their loader
-workers (the order spans the whole dataset, so a folder per rank would download it once per rank; litdata's
-chunk writes and locks are safe to share), removed when the last process using it exits.
+workers (a folder per rank would download the dataset once per rank), removed when the last process using it exits.
 
-Users are recorded by leases: each joining process holds an exclusive ``flock`` on ``leases/<id>`` for its life;
-the kernel drops it when the process dies (SIGKILL too), so a lease that can be locked is a dead process's (no
-pids, no clocks). A folder whose leases can all be locked is removed by the last leaver and by every join, under
-the root's lock. A rank's lease covers its loader workers (its children; a forked worker shares the locked file).
-Where: ``$DDP_RECIPES_CACHE_DIR/stream`` (the node's local disk), else the temp folder's
-``ddp-recipes-stream-<uid>``; without ``flock`` (Windows) a folder per process. More: docs/streaming.md.
+Each joining process holds an exclusive ``flock`` on ``leases/<id>`` for its life; the kernel drops it when the
+process dies (SIGKILL too), so a lease that can be locked is a dead process's (no pids, no clocks). A folder whose
+leases can all be locked is removed by the last leaver and by every join. More: docs/streaming.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """An image file's pixels as the 8-bit RGB picture every image pipeline of the pack takes, whatever its bit depth.
 
 Pillow's ``convert("RGB")`` clips a high-bit-depth image at 255 (a 16-bit scan turns white, silently); here it
-is scaled by ``to_dtype(..., torch.uint8, scale=True)``'s rule, by the file's full range, never its own min/max:
-16-bit keeps the high byte; 32-bit integer is 16-bit, or 8-bit levels kept when within 0..255; float maps
-``[0, 1]`` with ``floor(v * 255.999)``, 8-bit levels kept. An image no rule fits is refused with a
-:class:`ValueError` naming its mode and range (the callers name the file); 8-bit modes go through
-``convert("RGB")`` unchanged. The rules and their reasons: docs/recipes.md.
+is scaled by ``to_dtype(..., torch.uint8, scale=True)``'s rule, by the file's full range, never its own min/max.
+An image no rule fits is refused with a :class:`ValueError` naming its mode and range. The rules: docs/recipes.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Exact evaluation under DDP: every sample is scored once, on exactly one rank.
 
-Lightning's auto-inserted ``DistributedSampler`` pads the evaluation set with duplicates so that every
-rank gets the same number of batches; the padded samples are scored twice and bias the reported metric
-(slightly, but enough to disagree with a 1-device run). Here each rank takes a strided shard with no
-padding, and the metrics (torchmetrics) sum their states across ranks at ``compute()``, so unequal
-shard sizes are fine.
-
-Why this class subclasses ``DistributedSampler`` (read from Lightning 2.6,
-``trainer/connectors/data_connector.py``): with ``use_distributed_sampler=True`` Lightning leaves a
-loader alone only if its sampler *is a* ``DistributedSampler``. A plain ``SequentialSampler`` or
-``RandomSampler`` is replaced by a padding ``DistributedSampler``, and *any other* sampler is wrapped in
-a ``DistributedSamplerWrapper``, which would shard (and pad) our already-sharded indices a second time.
+Lightning's auto-inserted ``DistributedSampler`` pads the evaluation set with duplicates, which bias the metric
+against a 1-device run. Here each rank takes a strided unpadded shard; torchmetrics sums its states across ranks,
+so unequal shards are fine. The sampler *is a* ``DistributedSampler`` because Lightning 2.6 leaves only those
+alone: any other sampler is wrapped in a ``DistributedSamplerWrapper``, which would shard (and pad) it again.
 """
 
 from __future__ import annotations
@@ -34,11 +27,8 @@ def _world() -> tuple[int, int]:
 
 
 class ExactDistributedSampler(DistributedSampler):
-    """Rank ``r`` of ``W`` yields indices ``r, r+W, r+2W, ...`` of ``range(len(dataset))``, unpadded.
-
-    Shard sizes differ by at most one; over all ranks every index appears exactly once. Order is fixed
-    (evaluation needs no shuffle), so ``set_epoch`` has no effect.
-    """
+    """Rank ``r`` of ``W`` yields indices ``r, r+W, r+2W, ...`` of ``range(len(dataset))``, unpadded, in a
+    fixed order (``set_epoch`` has no effect)."""
 
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None) -> None:
         world, own_rank = _world()
@@ -60,11 +50,8 @@ class ExactDistributedSampler(DistributedSampler):
 
 def exact_eval_loader(dataset: Dataset, batch_size: int, num_workers: int = 0,
                       pin_memory: bool = False) -> DataLoader:
-    """An evaluation DataLoader: sharded without padding under DDP (world > 1), sequential otherwise.
-
-    Call it when the process group is up (Lightning calls ``val_dataloader``/``test_dataloader`` after
-    setting it up), so the shard matches this rank.
-    """
+    """An evaluation DataLoader: sharded without padding under DDP (world > 1), sequential otherwise. Call it
+    when the process group is up, so the shard matches this rank."""
     world, _ = _world()
     sampler = ExactDistributedSampler(dataset) if world > 1 else None
     if num_workers > 0:
@@ -81,13 +68,10 @@ def resumable_train_loader(dataset: Dataset, batch_size: int, seed: int, num_wor
                            pin_memory: bool = False, **kwargs) -> DataLoader:
     """A shuffled training DataLoader that can stop at any batch and continue exactly.
 
-    Its order depends only on (seed, epoch) and its shards on (rank, world size): it is the
-    DistributedSampler Lightning would insert under DDP, used at every world size (a plain RandomSampler
-    draws from the global RNG). Lightning keeps a DistributedSampler as is and calls ``set_epoch``.
-    Augmentation is seeded per sample and the position is Lightning-``Stateful``
-    (:mod:`ddp_recipes.data.resumable`), so a run resumed mid-epoch, with loader workers, continues with
-    the very next batch and the same random crops. Build it when the process group is up (Lightning
-    calls ``train_dataloader`` after that).
+    Its order depends only on (seed, epoch) and its shards on (rank, world size): the DistributedSampler
+    Lightning would insert under DDP, used at every world size (a RandomSampler draws from the global RNG).
+    Augmentation is seeded per sample and the position is ``Stateful`` (:mod:`ddp_recipes.data.resumable`).
+    Build it when the process group is up.
     """
     world, rank = _world()
     return resumable_loader(dataset, batch_size, seed, num_replicas=world, rank=rank, num_workers=num_workers,
@@ -100,12 +84,8 @@ EPOCH_GATHER_MAX_BYTES = 1 << 30
 
 
 class TensorBatchDataset(TensorDataset):
-    """A TensorDataset that hands the DataLoader whole batches: one indexing op per tensor per batch.
-
-    The default path indexes sample by sample and stacks them again in ``collate``, which on MNIST costs
-    as much as the model's step. The DataLoader's fetcher calls ``__getitems__`` with the batch's indices;
-    :func:`keep_batch` then passes the ready batch through instead of collating it.
-    """
+    """A TensorDataset that hands the DataLoader whole batches (``__getitems__``, then :func:`keep_batch`): the
+    default per-sample indexing and re-stacking costs as much as the model's step on MNIST."""
 
     #: ``__getitems__`` takes a LongTensor of indices too (the resumable loader's in-process fast path).
     fetches_index_tensors = True
@@ -119,10 +99,8 @@ class TensorBatchDataset(TensorDataset):
                     and cls.__getitems__ is TensorBatchDataset.__getitems__)
 
     def gather_epoch(self, order: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """This rank's whole epoch, rows in ``order``, as one copy per tensor (the resumable loader's
-        in-process path then hands out each batch as a view of it: no copy per step). None where a batch
-        is not the plain row gather of :meth:`__getitems__` (a subclass's own fetch) or where the copy
-        would exceed :data:`EPOCH_GATHER_MAX_BYTES` (then every batch is gathered on its own)."""
+        """This rank's whole epoch, rows in ``order``, one copy per tensor, so each batch is a view of it. None
+        for a subclass's own fetch or a copy over :data:`EPOCH_GATHER_MAX_BYTES`."""
         if type(self).__getitems__ is not TensorBatchDataset.__getitems__ or self.draws_random_numbers:
             return None
         row_bytes = sum(t[0].numel() * t.element_size() for t in self.tensors if len(t))

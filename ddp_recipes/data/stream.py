@@ -1,12 +1,9 @@
 """``--data stream``: train from a dataset written by ``python -m ddp_recipes.data.convert``, local or in a bucket.
 
 litdata is storage only (``StreamingDataset(shuffle=False)[i]``), never the order: its shuffle and resume are
-exact at one world size only. The converter keeps ImageFolder's sample order, so index ``i`` is the same file as
-``--data imagefolder``'s and the resumable sampler, seeds and exact evaluation apply unchanged: same seed and
-flags, same batches and crops (docs/streaming.md). Each process (rank or loader worker) opens the stream on first
-use (an opened dataset holds threads and handles and never crosses a process: pickling drops it). A bucket's
-chunks are downloaded through the pack's storage layer (its retries, its one-line failure) into the node's
-cache (:mod:`ddp_recipes.data.node_cache`), once per node; a local stream is read in place.
+exact at one world size only. The converter keeps ImageFolder's sample order, so the resumable sampler, seeds and
+exact evaluation apply unchanged (docs/streaming.md). Each process opens the stream on first use (pickling drops an
+opened one). A bucket's chunks come through the pack's storage layer into the node's cache, once per node.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import errno
 import itertools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +68,7 @@ class StreamSplit:
 
     def fetch_index(self) -> None:
         """Bring a bucket split's ``index.json`` into the cache, in the rank, before its loader workers open the
-        split. litdata downloads it under a file lock it waits 1 s for, then reads the file whether or not it is
-        there: two workers opening the split at once, one slower than 1 s, failed with "doesn't contain any
-        index.json file". The dataset made here is dropped: each process still opens its own."""
+        split: litdata waits 1 s for its file lock, then reads the file whether or not it is there."""
         if self.cache is not None:
             self._new_dataset()
 
@@ -102,10 +98,9 @@ class StreamSplit:
             raise StreamUnavailable(f"reading {split} sample {int(index)} failed ({outage_reason(err)})") from None
 
     def _download_chunk(self, index: int, split: str) -> None:
-        """The sample's chunk into litdata's cache folder, unless it is there: through the pack's storage layer, so a
-        store that is down is retried as ``--output-dir``'s uploads are (backoff, 8 attempts, a line on rank 0) and
-        then ends in one line here, in this thread. Left to litdata, obstore gave up after 2 to 4 s of 503s and the
-        failure surfaced through litdata's download thread, which prints a traceback from every loader worker."""
+        """The sample's chunk into litdata's cache folder, unless it is there: through the pack's storage layer, so
+        a store that is down is retried and ends in one line here (litdata's obstore gave up after 2 to 4 s of 503s,
+        with a traceback from every loader worker)."""
         assert self._chunks is not None
         folder, firsts, names = self._chunks
         name = names[bisect.bisect_right(firsts, index) - 1]
@@ -143,14 +138,12 @@ _LOCAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 
 
 class StreamUnavailable(OSError):
-    """A sample the store did not deliver: the pack's download of its chunk failed for good (after the storage
-    layer's retries), or litdata's read of it failed. ``str()`` is one line; re-raised from a loader worker, the
-    message is the worker's traceback, ending with it."""
+    """A sample the store did not deliver (after the storage layer's retries). ``str()`` is one line; re-raised
+    from a loader worker, the worker's traceback ends with it."""
 
 
 class StreamCacheError(StreamUnavailable):
-    """The node's stream cache refused a chunk (full, read-only, not this user's): the line names the cache, not
-    the store."""
+    """The node's stream cache refused a chunk (full, read-only, not this user's): the line names the cache."""
 
 
 UNAVAILABLE_MARK = "StreamUnavailable: "
@@ -233,11 +226,10 @@ def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
         raise MissingDataError(no_dataset.replace("{what}", f"{CLASSES_FILE} is not the converter's, or lists no "
                                                               "train split"), "data_dir")
     for split in record["splits"]:
-        if _size(where / split / "index.json") is None:
+        if _checked(size, where / split / "index.json") is None:
             raise MissingDataError(no_dataset.replace("{what}", f"{split}/index.json is missing"), "data_dir")
-        # A chunk gone (a lifecycle rule, a partial sync) would otherwise surface mid-epoch as litdata's wait
-        # timeout on a cache path, minutes in.
-        missing = _missing(where / split)
+        # A chunk gone (a lifecycle rule, a partial sync) would otherwise surface mid-epoch as litdata's timeout.
+        missing = _checked(missing_chunks, where / split)
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             raise MissingDataError(f"{{data_dir}} {lit(where)}: {split}/index.json names {len(missing)} chunk(s) "
@@ -246,9 +238,10 @@ def read_record(data_dir: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
-def _missing(split: Path | Url) -> list[str]:
+def _checked(read: Callable[[Path | Url], Any], path: Path | Url) -> Any:
+    """``read(path)``, a store's failure one line naming ``{data_dir}``."""
     try:
-        return missing_chunks(split)
+        return read(path)
     except StorageError as err:
         raise MissingDataError(f"{{data_dir}}: {lit(reason(err))}", "data_dir") from None
 
@@ -286,13 +279,6 @@ def _bucket_exists(fs: Any, bucket: str) -> bool:
     return True
 
 
-def _size(path: Path | Url) -> int | None:
-    try:
-        return size(path)
-    except StorageError as err:
-        raise MissingDataError(f"{{data_dir}}: {lit(reason(err))}", "data_dir") from None
-
-
 def cached_chunks(cache: str | os.PathLike | None) -> tuple[int, int]:
     """(chunk files, bytes) in a stream's download cache (litdata keeps them in subfolders of it)."""
     chunks = list(Path(cache).rglob("chunk-*.bin")) if cache else []
@@ -302,12 +288,9 @@ def cached_chunks(cache: str | os.PathLike | None) -> tuple[int, int]:
 class StreamImageDataModule(ImageFolderDataModule):
     """:class:`ImageFolderDataModule` (its pipelines, ``--decode gpu``, its loaders) over a converted stream.
 
-    ``data_dir``: the converter's DEST, a local folder or a bucket URL holding ``classes.json`` and
-    ``train/`` (``val/`` when converted; without it there is no validation). Class names and sample counts
-    come from ``classes.json``, read (with ``train/index.json`` checked) by :meth:`check_layout` before any
-    rank starts. ``cache``: the folder a bucket's chunks are downloaded into (default: the node's folder for
-    the dataset, :mod:`ddp_recipes.data.node_cache`, shared and removed by the node's processes; a folder given is
-    the caller's to remove); a local stream is read in place.
+    ``data_dir``: the converter's DEST, local or a bucket URL; class names and sample counts come from its
+    ``classes.json``, checked before any rank starts. ``cache``: where a bucket's chunks go (default: the node's
+    folder, :mod:`ddp_recipes.data.node_cache`; a folder given is the caller's to remove).
     """
 
     def __init__(self, data_dir: str | os.PathLike, *args: Any, cache: str | os.PathLike | None = None,

@@ -1,12 +1,10 @@
 """Iterable training data under DDP: Lightning does not split an ``IterableDataset``, so unless its own
 ``__iter__`` splits by rank, every rank trains on the whole stream.
 
-At the take-over (:mod:`ddp_recipes.data.adopt`) every rank reads the stream's first samples under two fixed
-random states and the ranks compare them (two small collectives). The same everywhere: the order depends on
-neither, so :class:`RankShardedStream` splits it by position (rank r keeps every r-th of ``world``; a last
-partial group is dropped, as unequal batch counts hang DDP; workers seeded from (seed, epoch, worker id)). The
-same on every rank only: it shuffles from the global streams, so a warning names the loader and the fix.
-Different per rank: it splits itself and is left alone. The warnings' text: docs/strategy-and-trainer.md.
+At the take-over every rank reads the stream's first samples under two fixed random states and the ranks compare
+them. The same everywhere: :class:`RankShardedStream` splits it by position (a last partial group is dropped, as
+unequal batch counts hang DDP). The same on every rank only: it shuffles from the global streams, so a warning
+names the fix. Different per rank: it splits itself. docs/strategy-and-trainer.md has the warnings.
 """
 
 from __future__ import annotations

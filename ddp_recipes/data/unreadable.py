@@ -1,10 +1,7 @@
 """A file of an image dataset that no decoder reads is named, relative to the data folder, wherever it is found.
 
-A decode error bubbles up from a PIL loader, a ``decode="gpu"`` worker reading the file's header, or the
-device decoder in the training process; in a loader worker it crosses into the training process as text
-(torch re-raises ``ExceptionWrapper``'s message with the worker's traceback). :class:`UnreadableImage` is an
-``OSError`` whose message starts with the file's name, so the one line the recipe prints names it on every
-path: ``--data-dir DIR holds an image that cannot be decoded: train/c1/x.jpg (image file is truncated)``.
+From a loader worker the error crosses into the training process as text (the worker's traceback), so
+:class:`UnreadableImage`'s message starts with the file's name and the recipe's one line names it on every path.
 """
 
 from __future__ import annotations

@@ -9,9 +9,4 @@ exit 2. Every wait is bounded by --timeout-s, so it never hangs.
     python -m ddp_recipes.doctor --accelerator cpu --max-bytes 1M --json doctor.json
     python -m ddp_recipes.doctor --num-nodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500
     torchrun --nproc-per-node 4 -m ddp_recipes.doctor             # torchrun's processes are the ranks
-
-Modules: ``config`` (DoctorConfig: the flags, resolved against torchrun or for spawning), ``checks``
-(pre-flight checks and the diagnosis of a failure), ``sweep`` (the bandwidth sweep), ``ranks`` (what each
-rank checks; starting and waiting for this node's ranks), ``report`` (printing and the --json report),
-``cli`` (``main``); ``__main__`` is the entry point.
 """

@@ -1,8 +1,5 @@
-"""`python -m ddp_recipes.doctor`: the "run a minimal init script first" tip as a command.
-
-:func:`main` parses the flags, runs the pre-flight checks, then this node's ranks (spawned, or this
-process under torchrun), and prints the verdict; the package docstring lists the commands.
-"""
+"""`python -m ddp_recipes.doctor`: the "run a minimal init script first" tip as a command (the package
+docstring lists the commands)."""
 
 from __future__ import annotations
 

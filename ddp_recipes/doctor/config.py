@@ -23,8 +23,7 @@ from ddp_recipes.config.world import (
 from ddp_recipes.errors import ConfigError
 from ddp_recipes.storage import absolute
 
-# What torchrun exports and the doctor reads: launched_by_torchrun decides on the first two, then the
-# others say where this process sits.
+# What torchrun exports and the doctor reads.
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK",
                  "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN_FLAGS = {"devices": "--nproc-per-node", "num_nodes": "--nnodes", "node_rank": "--node-rank",

@@ -1,8 +1,5 @@
-"""The doctor's ranks: what each one checks, and how this node's ranks are started and waited for.
-
-Spawned ranks import this module by name (not ``__main__``), so ``python -m ddp_recipes.doctor`` can start
-them; under torchrun, torchrun's processes are the ranks and each calls :func:`run_rank` itself.
-"""
+"""The doctor's ranks: what each one checks, and how this node's ranks are started and waited for (spawned
+ranks import this module by name, not ``__main__``; under torchrun each process calls :func:`run_rank`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """The networks the ResNet recipe trains: any torchvision classification model by name, adapted to the recipe's
-flags (the CIFAR stem, dropout before the classifier, the builders' options), and pretrained weights fitted to
-it. :mod:`ddp_recipes.modules.preflight` checks a run's network against its data and checkpoint before launch;
-:class:`~ddp_recipes.modules.resnet.ResNetClassifier` builds its network here."""
+flags (the CIFAR stem, dropout before the classifier, the builders' options), and pretrained weights fitted to it."""
 
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ RESNET_FAMILY = tuple(a for a in ARCHS if a.startswith(("resnet", "resnext", "wi
 # init_weights=True is their random-weights default, said explicitly so torchvision does not warn about it.
 ARCH_KWARGS = {"inception_v3": {"aux_logits": False, "init_weights": True},
                "googlenet": {"aux_logits": False, "init_weights": True}}
-# What torchvision's builders change for pretrained weights: these two were trained on inputs normalised to
-# [-1, 1] and convert ImageNet-normalised ones (transform_input); their auxiliary heads are in the weights
-# file but not in the network built without them, so those keys are dropped before loading.
+# What torchvision's builders change for pretrained weights (trained on inputs in [-1, 1]); their auxiliary
+# heads are in the weights file but not in the network built without them, so those keys are dropped.
 PRETRAINED_KWARGS = {"inception_v3": {"transform_input": True}, "googlenet": {"transform_input": True}}
 AUX_HEAD_KEYS = {"inception_v3": ("AuxLogits.",), "googlenet": ("aux1.", "aux2.")}
 STAGES = ("layer1", "layer2", "layer3", "layer4")

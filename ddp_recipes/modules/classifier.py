@@ -1,11 +1,7 @@
 """The training, evaluation and optimizer code both recipe modules share, as small overridable hooks.
 
-A subclass changes one thing by overriding one method (``build_model``, ``loss``, ``param_groups``,
-``build_optimizer``, ``build_scheduler``, ``mix_batch``, ``build_metrics``, ``backbone_modules``: each one's
-default and what keeps working are docs/bring-your-own-model.md's table) and keeps everything the recipes add
-(LR scaling and schedule, DDP-exact metrics, checkpoints, resume). Fine-tuning the backbone
-(:class:`~ddp_recipes.modules.finetuning.BackboneFineTuning`) and the EMA network's evaluation
-(:class:`~ddp_recipes.modules.ema_evaluation.EMAEvaluation`) live in their own modules; the classifier inherits both.
+A subclass changes one thing by overriding one method (docs/bring-your-own-model.md's table) and keeps everything
+the recipes add (LR scaling and schedule, DDP-exact metrics, checkpoints, resume).
 """
 
 from __future__ import annotations
@@ -36,12 +32,8 @@ STAGES = ("val", "test")
 
 
 class ImageClassifier(BackboneFineTuning, EMAEvaluation, TrainLossLogging):
-    """An ``(x, y)`` classifier: cross-entropy, SGD, top-1 (and top-5) accuracy exact under DDP.
-
-    Concrete classes call ``save_hyperparameters()``, build ``self.model = self.build_model()`` and then
-    :meth:`init_metrics`. Hyper-parameters read here: ``lr``, ``momentum``, ``warmup_epochs``, ``cosine``,
-    ``num_classes`` and, when present, ``nesterov``, ``weight_decay``, ``label_smoothing``.
-    """
+    """An ``(x, y)`` classifier: cross-entropy, SGD, top-1 (and top-5) accuracy exact under DDP. Concrete classes
+    call ``save_hyperparameters()``, build ``self.model = self.build_model()`` and then :meth:`init_metrics`."""
 
     #: The logged metric ``best.ckpt`` keeps the maximum of (it must be one of ``build_metrics``' names).
     monitor: ClassVar[str] = "val_acc"
@@ -98,10 +90,8 @@ class ImageClassifier(BackboneFineTuning, EMAEvaluation, TrainLossLogging):
         return (x, y) if mixer is None else mixer(x, y)
 
     def build_metrics(self) -> dict[str, Metric]:
-        """Evaluation metrics by name, each updated with ``(logits, y)``; by default top-1 accuracy.
-
-        ``micro``: the fraction of samples right, as papers report it (torchmetrics' default averages classes).
-        """
+        """Evaluation metrics by name, each updated with ``(logits, y)``; by default top-1 accuracy, ``micro``:
+        the fraction of samples right, as papers report it (torchmetrics' default averages classes)."""
         return {"acc": MulticlassAccuracy(num_classes=int(self.hparams.num_classes), average="micro")}
 
     # ---- the shared steps --------------------------------------------------------------------------

@@ -1,11 +1,8 @@
 """Fine-tuning a classifier's backbone: frozen before the DDP wrap, unfrozen at an epoch, its own LR.
 
-Driven by the hyper-parameters ``freeze_backbone``, ``backbone_lr_mult`` and ``unfreeze_at_epoch`` (all
-optional; their checks: ``ddp_recipes.config.finetune``). A frozen backbone has ``requires_grad=False`` before
-DDP wraps the model (so it is in none of DDP's gradient buckets, and ``find_unused_parameters`` is not needed),
-its BatchNorm layers stay in eval mode (running statistics untouched, left out of SyncBatchNorm conversion), and
-at ``unfreeze_at_epoch`` it becomes trainable and the model is wrapped in DDP again
-(:func:`~ddp_recipes.ddp.rewrap.rewrap_ddp`).
+A frozen backbone has ``requires_grad=False`` before DDP wraps the model (in none of DDP's gradient buckets, no
+``find_unused_parameters`` needed) and its BatchNorm layers in eval mode; at ``unfreeze_at_epoch`` it becomes
+trainable and the model is wrapped in DDP again (:func:`~ddp_recipes.ddp.rewrap.rewrap_ddp`).
 """
 
 from __future__ import annotations
@@ -41,9 +38,7 @@ class BackboneFineTuning(LightningModule):
 
     def backbone_modules(self) -> list[nn.Module]:
         """The modules ``freeze_backbone`` freezes and ``backbone_lr_mult`` scales: the one hook for what to
-        freeze. By default every child of ``self.model`` but the last one with parameters, its classifier
-        (``fc`` of a ResNet, ``classifier`` of EfficientNet/ConvNeXt/VGG, ``heads`` of ViT, ``head`` of Swin).
-        Override it to keep more trainable (e.g. ``[m.conv1, m.bn1, m.layer1, m.layer2]``)."""
+        freeze. By default every child of ``self.model`` but the last one with parameters, its classifier."""
         return default_backbone(self.model)
 
     def _backbone_tensors(self) -> set[int]:
@@ -91,10 +86,8 @@ class BackboneFineTuning(LightningModule):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Resumed from a checkpoint saved at the last batch of the epoch before the switch (on_train_batch_end:
-        # a preemption, or the --checkpoint-every-n-steps cadence), Lightning starts the next epoch as a
-        # restart and calls no on_train_epoch_start for it: the switch is also checked before each batch.
-        # Every rank restored the same checkpoint, so all of them re-wrap at the same batch. One compare.
+        # Resumed from a checkpoint saved at the last batch of the epoch before the switch, Lightning starts the
+        # next epoch as a restart with no on_train_epoch_start: the switch is also checked before each batch.
         super().on_train_batch_start(batch, batch_idx)
         if self.backbone_frozen:
             self._unfreeze_if_due()
@@ -102,10 +95,8 @@ class BackboneFineTuning(LightningModule):
     def _unfreeze_if_due(self) -> None:
         epoch = self._unfreeze_epoch()
         if self.backbone_frozen and epoch is not None and self.current_epoch >= epoch:
-            # Re-wrapping, not "trainable with LR 0 while frozen": a zero LR would keep the frozen part in
-            # DDP's buckets (its gradients computed and all-reduced every step) and let momentum and Adam's
-            # moments collect its gradients, to be applied at the switch. Wrapped anew, every rank buckets
-            # the same parameters, and a run resumed after the switch wraps identically once.
+            # Re-wrapping, not "LR 0 while frozen": a zero LR would all-reduce the frozen part's gradients every
+            # step and let momentum collect them, to be applied at the switch.
             self.set_backbone_frozen(False)
             rewrapped = rewrap_ddp(self.trainer.strategy)
             if self.trainer.is_global_zero:
@@ -140,14 +131,9 @@ class BackboneFineTuning(LightningModule):
                 p.requires_grad_(False)
 
     def optimizer_groups(self) -> list[dict]:
-        """:meth:`param_groups`, split into backbone and head groups when fine-tuning (``freeze_backbone`` or
-        ``backbone_lr_mult``); otherwise exactly :meth:`param_groups`, the group layout that the optimizer state
-        of a run without fine-tuning is saved and loaded in.
-
-        A backbone frozen until ``unfreeze_at_epoch`` joins the optimizer from the start, so the groups (and the LR
-        schedule's per-group state) never change mid-run: while frozen its parameters have no gradient, and
-        torch's optimizers skip a parameter whose ``grad`` is None (no step, no weight decay, no state).
-        """
+        """:meth:`param_groups`, split into backbone and head groups when fine-tuning; otherwise exactly
+        :meth:`param_groups`. A backbone frozen until ``unfreeze_at_epoch`` joins the optimizer from the start, so
+        the groups never change mid-run (torch's optimizers skip a parameter whose ``grad`` is None)."""
         hp = self.hparams
         mult = float(hp.get("backbone_lr_mult", 1.0))
         if not hp.get("freeze_backbone") and mult == 1.0:

@@ -14,11 +14,9 @@ from ddp_recipes.lightning_seam.reach import logs_this_step
 class SyncFreeMean(MeanMetric):
     """A (weighted) ``MeanMetric`` whose ``update`` never reads the device from the host.
 
-    torchmetrics' default ``nan_strategy="warn"`` tests ``if nans.any()`` on every update: on CUDA a stream
-    stall per training step, before backward is queued. Its ``"disable"`` skips the test but also drops
-    the ``weight`` (torchmetrics 1.9 replaces it by ones), which would make a short last batch count as
-    much as a full one. Here NaNs are simply kept: a NaN loss makes the mean NaN, which is what it is.
-    A Python-number weight stays a kernel argument (no host-to-device copy either).
+    torchmetrics' default ``nan_strategy="warn"`` tests ``if nans.any()`` on every update: a CUDA stream stall per
+    step. Its ``"disable"`` also drops the ``weight`` (torchmetrics 1.9), so a short last batch would count as much
+    as a full one. Here NaNs are kept: a NaN loss makes the mean NaN.
     """
 
     def __init__(self, **kwargs) -> None:
@@ -40,11 +38,8 @@ class SyncFreeMean(MeanMetric):
 class TrainLossLogging(LightningModule):
     """Logs ``train_loss`` (this rank's step value) and ``train_loss_epoch`` (mean over all ranks' samples).
 
-    ``self.log`` costs about a millisecond of Python per call, as much as a whole MNIST-MLP step, so the
-    step value is logged every ``log_every_n_steps`` steps only (when the logger would write it anyway);
-    the epoch value is a :class:`SyncFreeMean` updated every step (on the device, no host read) and
-    computed once at epoch end, which is one all-reduce over every rank's samples instead of a collective
-    per step.
+    ``self.log`` costs about a millisecond per call, a whole MNIST-MLP step, so the step value is logged only
+    when the logger writes it; the epoch value is a :class:`SyncFreeMean` computed once at epoch end.
     """
 
     def __init__(self) -> None:
@@ -56,18 +51,16 @@ class TrainLossLogging(LightningModule):
         loss = loss.detach()
         self.train_loss_epoch.update(loss, weight=batch_size)
         trainer = self._trainer
-        # Lightning's own test for "the logger writes this step" (log_every_n_steps, counted in optimizer
-        # steps); logging on other steps would only be overwritten. Not prog_bar: Lightning would read a bar
-        # value from the device at every batch end; the pack's bar (train.progress) shows the logger's float.
+        # Lightning's own test for "the logger writes this step". Not prog_bar: Lightning would read a bar value
+        # from the device at every batch end; the pack's bar (train.progress) shows the logger's float.
         if logs_this_step(trainer):
             self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=False, batch_size=batch_size)
 
     @override
     def on_train_epoch_end(self) -> None:
         if self.train_loss_epoch.update_count:
-            # compute() is the mean over every rank's samples already. sync_dist with "max" (of equal values:
-            # exact) is one small all-reduce per epoch, and tells Lightning the value is synced: logged as
-            # unsynced it would warn "use sync_dist=True" on every distributed run.
+            # compute() is the mean over every rank's samples already; sync_dist with "max" (of equal values) keeps
+            # Lightning from warning "use sync_dist=True" on every distributed run.
             self.log("train_loss_epoch", self.train_loss_epoch.compute(), on_step=False, on_epoch=True,
                      sync_dist=True, reduce_fx="max")
         self.train_loss_epoch.reset()

@@ -1,10 +1,6 @@
-"""The write-up's MNIST classifier as a LightningModule, with metrics that stay exact under DDP.
-
-Logged metrics are torchmetrics objects: each rank accumulates sums (correct, count, loss*n) and
-Lightning calls ``compute()`` at epoch end, which all-reduces those sums. The result is the metric over
-the whole evaluation set, whatever the shard sizes, with no collective per step. The steps, the optimizer
-and the metrics come from :class:`~ddp_recipes.modules.classifier.ImageClassifier`, one hook each.
-"""
+"""The write-up's MNIST classifier as a LightningModule, with metrics that stay exact under DDP (torchmetrics
+sums all-reduced once at epoch end, whatever the shard sizes); the rest is
+:class:`~ddp_recipes.modules.classifier.ImageClassifier`'s."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What the ResNet recipe's network can take, checked before any process starts: the input sizes an
-architecture accepts and the fit of a local weights file, both on the meta device (no memory, milliseconds),
-the flags a user's subclass would ignore, and whether a checkpoint's weights and optimizer state fit the run's
-network and optimizer."""
+"""What the ResNet recipe's network can take, checked before any process starts (on the meta device: no memory,
+milliseconds): input sizes, a weights file, a checkpoint's state, the flags a user's subclass would ignore."""
 
 from __future__ import annotations
 
@@ -43,12 +41,8 @@ def check_weights_fit(arch: str, num_classes: int, cifar_stem: bool, dropout: fl
 
 def check_arch_input(arch: str, num_classes: int, image_size: int, cifar_stem: bool = False,
                      dropout: float = 0.0) -> None:
-    """Raise a ``ValueError`` naming the flags when ``arch`` cannot take ``image_size`` px images.
-
-    ResNets pad their way through any size (:meth:`ResNetClassifier.check_image_size` says which sizes
-    are useful); other models are traced once on the meta device, which checks every shape in
-    milliseconds without allocating weights. A model that cannot be built there is not checked.
-    """
+    """Raise a ``ValueError`` naming the flags when ``arch`` cannot take ``image_size`` px images: other models than
+    ResNets are traced once on the meta device (one that cannot be built there is not checked)."""
     if arch in RESNET_FAMILY:
         ResNetClassifier.check_image_size(image_size, cifar_stem)
         return
@@ -108,9 +102,8 @@ def check_optimizer_state(checkpoint: dict[str, Any], path: str, settings: Mappi
 
 
 def check_class_count(cls: type[ResNetClassifier], num_classes: int, datamodule: object, given: bool) -> None:
-    """A classifier needs 2 or more classes (the pack's accuracy, torchmetrics' ``MulticlassAccuracy``, refuses
-    fewer, on every rank after the launch): refuse fewer before any process starts, naming where the count came
-    from (``given``: ``--num-classes``; else the data). A subclass with its own ``build_metrics()`` decides."""
+    """Refuse fewer than 2 classes before any process starts (``MulticlassAccuracy`` would, on every rank),
+    naming where the count came from. A subclass with its own ``build_metrics()`` decides."""
     if num_classes >= 2 or cls.build_metrics is not ResNetClassifier.build_metrics:
         return
     if given:

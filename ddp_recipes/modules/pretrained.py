@@ -1,12 +1,9 @@
 """Pretrained weights for fine-tuning: resolve ``--weights``, fetch them into torch's hub cache, load them
 with every key and shape checked, and report what a run fine-tunes.
 
-``--weights`` is a torchvision weights name for the model (``IMAGENET1K_V2``, ``ResNet50_Weights.IMAGENET1K_V2``,
-``DEFAULT``) or a local state-dict file. Named weights live where torchvision keeps them,
-``$TORCH_HOME/hub/checkpoints/<the file name of the weights' URL>``: fetched once per node, on local rank 0 in
-``prepare_data`` (verified against the hash in the file name, as torch.hub does), then read on every rank
-with ``weights_only=True`` through torchvision's own ``WeightsEnum.get_state_dict``. A local file is read
-the same way: loading a state dict never runs code from the file.
+``--weights`` is a torchvision weights name for the model (``IMAGENET1K_V2``, ``DEFAULT``) or a local state-dict
+file. Named weights are fetched into torch's hub cache once per node (``prepare_data``, hash checked), then read
+on every rank with ``weights_only=True``, as a local file is: loading a state dict never runs code from the file.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from torchvision.models import WeightsEnum
 from typing_extensions import override
 
 from ddp_recipes.checkpointing.checkpoint import code_refused
-from ddp_recipes.config.finetune import FineTuning as FineTuning
+from ddp_recipes.config.finetune import FineTuning as FineTuning  # torch-free there: checked before torch loads
 from ddp_recipes.errors import ConfigError, lit
 
 # What a path looks like when it names no existing file (else the value is a weights name).
@@ -130,9 +127,8 @@ def _missing(weights: PretrainedWeights, why: str) -> str:
 
 
 def read_weights(weights: PretrainedWeights) -> dict[str, torch.Tensor]:
-    """The state dict of ``weights`` on CPU, read with ``weights_only=True`` (named weights through
-    torchvision's ``get_state_dict``, from the cache :func:`fetch_weights` filled; never downloaded here, by
-    every rank at once)."""
+    """The state dict of ``weights`` on CPU, read with ``weights_only=True`` (named weights from the cache
+    :func:`fetch_weights` filled: never downloaded here, by every rank at once)."""
     try:
         if weights.enum is not None:
             if not weights.cache_file.is_file():
@@ -216,13 +212,11 @@ class LoadReport:
 
 def load_pretrained(network: nn.Module, state: dict[str, torch.Tensor], head: set[str], name: str,
                     rename: dict[str, str] | None = None, copy: bool = True) -> LoadReport:
-    """Copy ``state`` into ``network``, every key and shape checked: a ``ConfigError`` naming each missing,
-    unexpected and mismatched key in one line, nothing loaded then.
+    """Copy ``state`` into ``network``, every key and shape checked (else one ``ConfigError`` line, nothing loaded).
 
-    ``head``: the state-dict keys of the classifier. Only there may a shape differ, in its first dimension
-    (the classes, ``--num-classes``): that layer keeps its fresh initialisation and is reported as replaced.
-    ``rename``: key prefixes of the file mapped to the network's (``fc.`` -> ``fc.1.`` when dropout wraps
-    the classifier). ``copy=False`` only checks (e.g. a network on the meta device, before any process starts).
+    Only in ``head`` (the classifier's keys) may a shape differ, in its first dimension (the classes): that layer
+    keeps its fresh initialisation. ``rename``: key prefixes of the file mapped to the network's. ``copy=False``
+    only checks (e.g. a network on the meta device, before any process starts).
     """
     for old, new in (rename or {}).items():
         state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
@@ -253,13 +247,9 @@ def load_pretrained(network: nn.Module, state: dict[str, torch.Tensor], head: se
     return LoadReport(loaded=len(own) - len(replaced), replaced=layers)
 
 
-# FineTuning lives in ddp_recipes.config.finetune, torch-free: a recipe checks its flags before torch loads.
-
-
 class FineTuningRecord(Callback):
-    """Fills :attr:`summary` when training starts: the optimizer's parameter groups (name, peak LR, weight
-    decay, tensors, trainable or frozen) and the module's ``fine_tuning`` record (weights, new head,
-    schedule). The recipe puts the same dict in ``summary.json``, which is written after the fit."""
+    """Fills :attr:`summary` (for ``summary.json``) when training starts: the optimizer's parameter groups and
+    the module's ``fine_tuning`` record (weights, new head, schedule)."""
 
     def __init__(self) -> None:
         self.summary: dict[str, Any] = {}

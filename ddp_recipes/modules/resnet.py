@@ -3,17 +3,9 @@
 What it adds over ``torchvision.models.resnet*``: a CIFAR stem for small images, gradient checkpointing
 per stage (``--grad-checkpointing``, the write-up's OOM remedy), channels-last memory format, SGD without
 weight decay on BatchNorm and bias parameters, and torchmetrics accuracy that stays exact under DDP.
-
-``arch`` is any torchvision classification model (``torchvision.models.get_model``). The ResNet family
-(resnet*, resnext*, wide_resnet*) gets every feature above; other models train with channels-last, the
-optimizer split and the metrics, but the CIFAR stem and grad checkpointing by stage need the ResNet layout
-(conv1/maxpool stem, layer1..layer4), and ``dropout`` goes to the model's own ``dropout`` option where it has
-one (before the classifier for EfficientNet, MobileNet, VGG...; inside every block for ViT and Swin).
-
-``weights`` fine-tunes from pretrained weights (:mod:`ddp_recipes.modules.pretrained`): fetched in
-``prepare_data``, loaded on every rank in ``setup`` with every key and shape checked, the classifier replaced
-when ``num_classes`` differs from the weights'. ``freeze_backbone``, ``backbone_lr_mult`` and
-``unfreeze_at_epoch`` are the fine-tuning controls of :class:`~ddp_recipes.modules.finetuning.BackboneFineTuning`.
+``arch`` is any torchvision classification model; the CIFAR stem and checkpointing by stage need the ResNet
+layout. ``weights`` fine-tunes from pretrained weights (:mod:`ddp_recipes.modules.pretrained`), fetched in
+``prepare_data`` and loaded on every rank in ``setup`` with every key and shape checked.
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from ddp_recipes.config.hparams import check_training_hparams
+from ddp_recipes.config.hparams import check_training_hparams  # torch-free there: checked before torch loads
 from ddp_recipes.config.schedule import ReferenceSchedule
 from ddp_recipes.data.augment import batch_mixer
 from ddp_recipes.errors import ConfigError
@@ -42,23 +34,13 @@ from ddp_recipes.modules.architectures import (
     fit_pretrained,
 )
 from ddp_recipes.modules.classifier import ImageClassifier
-from ddp_recipes.modules.pretrained import (
-    PretrainedWeights,
-    fetch_weights,
-    head_keys,
-    read_weights,
-    resolve_weights,
-)
+from ddp_recipes.modules.pretrained import PretrainedWeights, fetch_weights, head_keys, read_weights, resolve_weights
 from ddp_recipes.optim.optimizers import param_groups
 
 
 class _KeepBatchNormStats:
-    """Undo the BatchNorm running-stat updates of a checkpoint's recompute.
-
-    Non-reentrant checkpointing re-runs the stage's forward during backward, still in training mode, so
-    without this every BatchNorm would take two momentum steps per batch and its running statistics
-    would differ from a run without ``--grad-checkpointing``.
-    """
+    """Undo the BatchNorm running-stat updates of a checkpoint's recompute: re-run in training mode, every
+    BatchNorm would take two momentum steps per batch, unlike a run without ``--grad-checkpointing``."""
 
     def __init__(self, module: nn.Module) -> None:
         self.norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -85,16 +67,9 @@ def _keep_batchnorm_stats(stage: nn.Module) -> tuple[contextlib.nullcontext, _Ke
     return contextlib.nullcontext(), _KeepBatchNormStats(stage)
 
 
-# check_training_hparams lives in ddp_recipes.config.hparams, torch-free: the recipe checks its flags before torch
-# loads.
-
-
 class ResNetClassifier(ImageClassifier):
-    """A torchvision image classifier (ResNet family by default) trained with SGD; override
-    :meth:`build_model` for another network, or ``loss``/``param_groups``/``build_optimizer``/``build_metrics``.
-
-    ``lr`` is used as given: recipes pass the LR already scaled for the global batch (``scale_lr``).
-    """
+    """A torchvision image classifier (ResNet family by default) trained with SGD; override :meth:`build_model`
+    for another network. ``lr`` is used as given: recipes pass it already scaled for the global batch."""
 
     def __init__(self, arch: str = "resnet18", num_classes: int = 10, cifar_stem: bool = False,
                  lr: float = 0.1, momentum: float = 0.9, nesterov: bool = False, weight_decay: float = 5e-4,
@@ -155,12 +130,8 @@ class ResNetClassifier(ImageClassifier):
 
     @staticmethod
     def min_image_size(cifar_stem: bool) -> int:
-        """The smallest input side for which a ResNet's layer4 feature map covers >= 1x1 real pixels.
-
-        Padding keeps torchvision's ResNet from failing on smaller images (every stride rounds up), but
-        below this size the last stages convolve a 1x1 map made of zero padding: training runs, the
-        deep layers learn nothing useful.
-        """
+        """The smallest input side for which a ResNet's layer4 feature map covers >= 1x1 real pixels: below it
+        the last stages convolve zero padding, and training runs on, learning nothing there."""
         return STEM_STRIDE[bool(cifar_stem)] * STAGES_STRIDE
 
     @classmethod
@@ -229,21 +200,16 @@ class ResNetClassifier(ImageClassifier):
         return self.model(x)
 
     def _checkpointed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """torchvision's ``ResNet._forward_impl``, keeping only each stage's input for backward.
-
-        Activation memory of the four stages drops to their inputs, for one extra forward per stage in
-        backward. ``use_reentrant=False``: works under DDP without ``static_graph`` and with inputs that
-        do not require grad.
-        """
+        """torchvision's ``ResNet._forward_impl``, keeping only each stage's input for backward (one extra forward
+        per stage). ``use_reentrant=False``: works under DDP without ``static_graph``."""
         m = self.model
         x = m.maxpool(m.relu(m.bn1(m.conv1(x))))  # the stem is cheap in memory: run it normally
         compiling = torch.compiler.is_compiling()
         for name in STAGES:
             stage = getattr(m, name)
             if compiling:
-                # Under torch.compile the recompute is the partitioner's, on a functionalized graph: BatchNorm's
-                # running statistics are updated once, so there is nothing to undo. (dynamo also accepts only a
-                # context_fn returning two TorchDispatchModes, for selective checkpointing.)
+                # Under torch.compile the recompute is the partitioner's: BatchNorm's statistics are updated once,
+                # nothing to undo (and dynamo takes only a context_fn of two TorchDispatchModes).
                 x = checkpoint(stage, x, use_reentrant=False)
             else:
                 x = checkpoint(stage, x, use_reentrant=False,
@@ -252,11 +218,7 @@ class ResNetClassifier(ImageClassifier):
 
     @override
     def param_groups(self) -> list[dict]:
-        """Weight decay on conv/linear weights; ``norm_weight_decay`` (default 0) on normalization layers and
-        ``bias_weight_decay`` (default 0) on biases.
-
-        Decaying BN scales and biases only fights the normalization (Goyal et al. 2017, "no bias decay"), so
-        both default to 0, unlike torchvision's reference (which decays them unless told otherwise).
-        """
+        """Weight decay on conv/linear weights; ``norm_weight_decay`` and ``bias_weight_decay`` (default 0, unlike
+        torchvision's reference: decaying them only fights the normalization, Goyal et al. 2017)."""
         hp = self.hparams
         return param_groups(self, hp.weight_decay, hp.get("norm_weight_decay", 0.0), hp.get("bias_weight_decay", 0.0))

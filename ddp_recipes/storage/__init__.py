@@ -1,14 +1,8 @@
 """Where a run's files go: a local folder or a bucket (``s3://bucket/run``, ``gs://...``, any fsspec URL).
 
 Local paths stay :class:`pathlib.Path`; a URL becomes a :class:`Url`, a ``str`` that joins with ``/`` as a
-Path does, so code that writes ``out / "summary.json"`` serves both (``Path("s3://b/x")`` would collapse
-the double slash into a local folder named ``s3:``).
-
-Every file operation goes through one interface, :mod:`ddp_recipes.storage.store` (read, write whole or
-not at all, list, remove, download to the local cache, prove a folder writable), which serves both kinds
-of place; its bucket operations retry transient errors (:mod:`ddp_recipes.storage.retry`). A checkpoint on
-a store that cannot rename a file into place is an object plus a manifest
-(:mod:`ddp_recipes.checkpointing.files`).
+Path does, so ``out / "summary.json"`` serves both (``Path("s3://b/x")`` would collapse the double slash).
+Every file operation goes through :mod:`ddp_recipes.storage.store`.
 """
 
 from __future__ import annotations

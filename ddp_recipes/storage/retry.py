@@ -119,8 +119,7 @@ def retrying(what: str, call: Callable[[], T], *, param: str = "output_dir", att
 
 def _abandoned() -> bool:
     """Whether this is a multiprocessing child (a loader worker) whose parent has exited: nobody waits for what it
-    reads, so it stops retrying instead of downloading and logging for minutes as an orphan (Linux kills such a
-    worker anyway: :func:`~ddp_recipes.data.loader_workers.die_with_rank`)."""
+    reads, so it stops retrying instead of logging for minutes as an orphan."""
     import multiprocessing
 
     parent = multiprocessing.parent_process()
@@ -128,8 +127,7 @@ def _abandoned() -> bool:
 
 
 def _reporting_rank() -> bool:
-    """Whether this process reports retries: rank 0 only (every rank reads the store; one that gives up
-    still fails loudly). Lightning's rank once it is known, else the launcher's variables; read without
+    """Whether this process reports retries: rank 0 only (one that gives up still fails loudly); read without
     importing Lightning (the doctor resolves URLs without it)."""
     module = sys.modules.get("lightning_utilities.core.rank_zero")
     rank = getattr(getattr(module, "rank_zero_only", None), "rank", None)

@@ -1,16 +1,9 @@
 """The one interface a run's files go through, local folder or bucket alike: read, write whole or not at all,
 list, remove, upload, download, prove a folder usable.
 
-Each operation takes a local path or a URL and hands it to the store that serves it (:func:`store_of`):
-
-* a local folder (:class:`LocalStore`): plain file-system calls whose errors are the OS's; a whole-file
-  write is a temp file renamed over the target (:func:`ddp_recipes.atomic.replace_file`);
-* a bucket (:class:`BucketStore`, through fsspec): every operation under the retries of
-  :func:`~ddp_recipes.storage.retry.retrying`; a whole-file write is one upload request, which a reader sees
-  whole or not at all (an object store has no rename).
-
-Downloads land in a per-process local cache (``DDP_RECIPES_CACHE_DIR``, else a temp folder removed at
-exit): a new node starts with an empty one, so nothing is ever read from a previous node's disk.
+A local folder's whole-file write is a temp file renamed over the target; a bucket's (through fsspec, every call
+retried on transient errors) is one upload request, whole or absent. Downloads land in a per-process cache: a new
+node never reads a previous node's disk.
 """
 
 from __future__ import annotations
@@ -228,9 +221,8 @@ def remove(path: str | os.PathLike) -> None:
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], durable: bool = True) -> None:
-    """Call ``write`` with a binary file object; a reader sees the old file or the whole new one (one rename
-    on a local file system, one upload request on a bucket). ``durable=False``: whole, but not fsynced (a
-    power cut may bring back the old file; see :func:`ddp_recipes.atomic.replace_file`)."""
+    """Call ``write`` with a binary file object; a reader sees the old file or the whole new one.
+    ``durable=False``: whole, but not fsynced (a power cut may bring back the old file)."""
     store_of(path).write_atomic(os.fspath(path), write, durable)
 
 
@@ -286,9 +278,8 @@ def make_writable(path: str | os.PathLike, param: str) -> Path | Url:
 
 
 def check_bucket(url: str, param: str = "output_dir") -> Url:
-    """Prove that ``url`` can be written before anything runs: the bucket (or container) exists and a probe
-    object can be written and deleted. A missing bucket or a refused credential is one line naming
-    ``param``; transient errors are retried."""
+    """Prove that ``url`` can be written before anything runs (a probe object written and deleted); a missing
+    bucket or a refused credential is one line naming ``param``."""
     fs, path = filesystem(url, param)
     bucket = path.strip("/").split("/", 1)[0]
     fix = f"create it or pass another {{{param}}}"

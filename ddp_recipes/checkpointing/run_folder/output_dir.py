@@ -17,12 +17,10 @@ VERSION = "version_"  # the default output dir: <DEFAULT_OUTPUT_ROOT>/version_N,
 
 
 def settle_output_dir(cfg: RunConfig, create: bool = True) -> None:
-    """``cfg.output_dir`` when ``--output-dir`` was not given: ``<DEFAULT_OUTPUT_ROOT>/version_N`` (Lightning's
-    ``lightning_logs/version_N``), so two runs never share a folder. A new run takes the next N, claimed on
-    the process that will be rank 0 (an exclusive mkdir: two runs started at once get two N); the other
-    ranks take rank 0's folder once the process group is up. ``--resume auto`` continues the newest N that
-    holds a run, ``--resume PATH`` the N whose checkpoint PATH is. ``create`` False (a run that only reads,
-    ``--test-only``): a new N is named, not made (the run makes it when it writes there)."""
+    """``cfg.output_dir`` when ``--output-dir`` was not given: ``<DEFAULT_OUTPUT_ROOT>/version_N``, so two runs
+    never share a folder. A new run claims the next N on the process that will be rank 0 (an exclusive mkdir);
+    ``--resume auto`` continues the newest N that holds a run, ``--resume PATH`` PATH's N. ``create`` False
+    (``--test-only``): a new N is named, not made."""
     _MADE.clear()  # this run's folders only (absolute): an earlier run of this process keeps what it made
     if cfg.output_dir is not None:
         return

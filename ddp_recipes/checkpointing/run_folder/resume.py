@@ -97,14 +97,9 @@ class Continue(str):
 
 
 class RunCheckpointRoute:
-    """Lightning's ``ckpt_path``, with ``"last"`` decided on rank 0 (module docstring); installed on the Trainer's
-    checkpoint connector by the seam (:func:`~ddp_recipes.lightning_seam.connectors.install_checkpoint_route`).
-
-    ``ckpt_path="last"`` means the newest complete checkpoint of the folder's run (by its step, unreadable
-    files skipped) among :class:`LastCheckpoint`'s folder, Lightning's SLURM ``hpc_ckpt_N`` and every
-    ModelCheckpoint's last files; none yet is a fresh start, as Lightning does, so one script serves both
-    runs. Without a LastCheckpoint (``preemption=False``) it is resolved at once, by the same rule.
-    """
+    """Lightning's ``ckpt_path``, with ``"last"`` decided on rank 0 (module docstring): the newest complete
+    checkpoint of the folder's run among :class:`LastCheckpoint`'s folder, Lightning's SLURM ``hpc_ckpt_N`` and
+    every ModelCheckpoint's last files; none yet is a fresh start, as Lightning does."""
 
     def parse(self, trainer: L.Trainer, state_fn: TrainerFn, ckpt_path: Any, default: Callable[[Any], Any]) -> Any:
         """The path Lightning's ``_parse_ckpt_path`` would give, but ``"last"`` as above (``default``: Lightning's)."""
