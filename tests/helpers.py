@@ -230,8 +230,11 @@ def decode_pipelines() -> dict[str, object]:
 
 
 def comparison_jpegs(root: Path) -> list[str]:
-    """The JPEGs two decoders are compared on (tests/gpu/test_gpu_decode.py and its CPU stand-in)."""
-    return sorted(str(p) for p in write_jpeg_tree(root, per_class=8, side=40).rglob("*.jpg"))
+    """The JPEGs two decoders are compared on (tests/gpu/test_gpu_decode.py and its CPU stand-in): 4:4:4, since
+    the comparison is about the pipeline. On 4:2:0 JPEGs nvJPEG repeats each chroma sample where libjpeg-turbo
+    interpolates: 3.4 levels mean after the eval pipeline, 4.3 after train's (tests/gpucheck/standin.py), a
+    decoder's choice, not a pipeline's error."""
+    return sorted(str(p) for p in write_jpeg_tree(root, per_class=8, side=40, subsampling=0).rglob("*.jpg"))
 
 
 def decoded_batch(files: list[str], pipeline, device: str, jpeg_decoder=None):
