@@ -57,7 +57,6 @@ def sync_debug_on_cpu(tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow
 def test_sync_debug_watches_steady_state_steps_only_and_passes_on_the_stand_ins(tmp_path):
     """gpu-check's sync-debug command, its default window, counted by the stand-ins on a small ResNet: no host
     sync in a step that does not log, a log step reads what the logger wrote; the window starts after the

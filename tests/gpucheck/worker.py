@@ -1,12 +1,14 @@
 """gpu-check's in-process checks, each run in a fresh process by ``tests.gpucheck``.
 
-    python -m tests.gpucheck.worker sync-debug --out FILE [--steps 12] [--warmup-steps 3]
+    python -m tests.gpucheck.worker sync-debug --out FILE [--steps 12] [--warmup-steps 3] [--accelerator cpu]
     python -m tests.gpucheck.worker decode-gpu --out FILE [--steps 16] [--batch-size 128]
 
 ``sync-debug``: the pack's training path (``build_trainer``, the recipe's ResNet-50 LightningModule,
 bf16-mixed, channels-last, one GPU) with ``torch.cuda.set_sync_debug_mode("warn")`` switched on for the
-steady-state steps only (warm-up has one-off syncs: cuDNN set-up, the allocator), a CSV logger writing every 5
-steps so log steps fall inside the window. Every "synchronizing CUDA operation" warning is counted with the
+steady-state steps only: after the warm-up (one-off syncs: cuDNN set-up, the allocator) and after the first log
+step (one-off: Lightning's metric holders built and moved to the device), a CSV logger writing every 5 steps so
+later log steps fall inside the window. ``--accelerator cpu``: the same on the CPU, counted by
+:mod:`tests.gpucheck.standin` (how the CPU suite runs it). Every "synchronizing CUDA operation" warning is counted with the
 Python frames that caused it and the batch it came in; FILE gets :func:`sync_report`'s record: ``syncs`` in
 the steps that do not log (must be 0) and, per log step, the syncs against the values the logger wrote.
 bf16, not 16-mixed: a GradScaler reads found-inf on the host each step by design.
@@ -60,7 +62,7 @@ def sync_report(sites: list[tuple[int, str]], logged: dict[int, int], first: int
     plain = [(b, site) for b, site in sites if b not in logged]
     at_log = {b: sum(1 for s, _ in sites if s == b) for b in log_batches}
     over = {b: n for b, n in at_log.items() if n > logged[b]}
-    return {"syncs": len(plain), "steps": last - first + 1, "sites": sorted({site for _, site in plain})[:20],
+    return {"syncs": len(plain), "steps": last - first + 1, "first_batch": first, "last_batch": last, "sites": sorted({site for _, site in plain})[:20],
             "log_steps": log_batches, "log_step_syncs": at_log, "logged_values": {b: logged[b] for b in log_batches},
             "log_steps_over": over,
             "log_step_sites": sorted({site for b, site in sites if b in over})[:20]}
@@ -80,6 +82,9 @@ def sync_debug(steps: int, warmup: int, batch: int, out: Path, log_every: int = 
     from ddp_recipes.train.trainer import build_trainer
 
     on_cuda = accelerator == "cuda"
+    # The window opens after the first log step (batch log_every - 1): there Lightning builds its metric holders
+    # on the host and moves them to the device, and its logger connector starts its per-log work, once per run.
+    warmup = max(warmup, log_every)
     counter = SyncCounter()
     total = warmup + steps
     logged: dict[int, int] = {}
@@ -169,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tests.gpucheck.worker")
     p.add_argument("check", choices=["sync-debug", "decode-gpu"])
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=None, help="default: 12 (sync-debug: log steps 5 and 10 among "
-                   "them), 16 (decode-gpu)")
-    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="default: 12 (sync-debug: batches 5-16, log steps 9 "
+                   "and 14 among them), 16 (decode-gpu)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="sync-debug: at least to the first log step's end")
     p.add_argument("--batch-size", type=int, default=None, help="default: 32 (sync-debug), 128 (decode-gpu)")
     # The CPU tests run the same commands small, on the CPU (sync-debug: counted by the stand-ins).
     p.add_argument("--accelerator", default="cuda")
