@@ -26,7 +26,8 @@ import torch
 
 from tests.gpucheck import check as gc
 from tests.gpucheck import report, runner
-from tests.gpucheck.machine import Driver, Machine, compile_problem
+from tests.gpucheck import machine as machine_module
+from tests.gpucheck.machine import Driver, Machine, compile_blocker, compile_problem
 from tests.gpucheck.proctree import alive
 from tests.launch import ROOT, run, start
 
@@ -617,9 +618,22 @@ def test_the_gpu_tiers_compile_tests_skip_where_the_compiled_checks_have_no_verd
     bare = run(probe, env={"PATH": str(tmp_path), "CC": ""}, port=False, quiet=None, timeout=300)
     assert bare.returncode == 0 and "1 skipped" in bare.stdout, bare.stdout[-2000:]
     assert "torch.compile cannot build code here: no C compiler" in bare.stdout, bare.stdout[-2000:]
-    if compile_problem() is None:  # where the toolchain is whole, the mark lets the test run
+    if compile_blocker() is None:  # where the toolchain is whole, the mark lets the test run
         whole = run(probe, port=False, quiet=None, timeout=300)
         assert whole.returncode == 0 and "1 passed" in whole.stdout, whole.stdout[-2000:]
+
+
+def test_the_compiles_mark_and_the_compiled_checks_ask_one_probe(monkeypatch):
+    """A machine where Triton cannot find libcuda.so.1 (or write its cache) has no verdict for the compiled
+    checks: the gpu tier's compile tests must skip there for the same reason, not fail gpu-tests."""
+    from tests import marks
+
+    why = "Triton cannot find libcuda.so.1 (no ldconfig entry)"
+    monkeypatch.setattr(machine_module, "compile_problem", lambda include_dir=None: None)
+    monkeypatch.setattr(machine_module, "triton_runtime_problem", lambda: why)
+    assert marks.compile_problem.__wrapped__() == why
+    monkeypatch.setattr(machine_module, "compile_blocker", lambda: "the one probe")
+    assert marks.compile_problem.__wrapped__() == "the one probe"
 
 
 def test_compile_problem_names_a_missing_compiler_or_header(tmp_path, monkeypatch):
