@@ -161,13 +161,14 @@ def decode_judge(rc: int, work: Path, tail: str) -> Result:
     return verdict("pass", figures, **data)
 
 
-def decode_partial(work: Path, tail: str) -> str:
-    """The runs that finished before a cut."""
+def decode_partial(work: Path, tail: str) -> tuple[str, bool]:
+    """The runs that finished before a cut (figures, no verdict of their own)."""
     try:
         found = json.loads((work / "decode.json").read_text())
     except (OSError, ValueError):
-        return ""
-    return "; ".join(f"decode {d} ran: {found[d]['images_per_s']} images/s" for d in ("cpu", "gpu") if d in found)
+        return "", False
+    return "; ".join(f"decode {d} ran: {found[d]['images_per_s']} images/s" for d in ("cpu", "gpu")
+                     if d in found), False
 
 
 def pack_vs_raw(suffix: str) -> Derived:

@@ -221,8 +221,22 @@ def test_a_cut_pytest_run_says_what_it_had_shown(tmp_path):
                                          "tests/gpu/test_gpu.py::test_b SKIPPED (needs 2+ CUDA GPUs) [ 20%]\n"
                                          "tests/gpu/test_gpu.py::test_c FAILED [ 30%]\n"
                                          "tests/gpu/test_gpu.py::test_d \n")
-    assert runner.pytest_partial(tmp_path, "") == ("before the cut: 1 failed, 1 passed, 1 skipped; "
-                                                   "running: tests/gpu/test_gpu.py::test_d")
+    assert runner.pytest_partial(tmp_path, "") == ("before the cut: 1 failed, 1 passed, 1 skipped; running: "
+                                                   "tests/gpu/test_gpu.py::test_d; failed: "
+                                                   "tests/gpu/test_gpu.py::test_c", True)
+
+
+def test_a_cut_check_whose_output_already_shows_a_failure_fails(tmp_path, monkeypatch):
+    """The budget cut hides nothing when a test had already failed: fail, not incomplete; a cut run whose
+    output shows no failure stays incomplete."""
+    monkeypatch.setattr(runner, "MIN_START_S", 1.0)
+    code = ("import sys, time; print('tests/gpu/test_gpu.py::test_a {}', flush=True); time.sleep(60)")
+    checks = [fake(name, code.format(outcome), timeout_s=100, partial=runner.pytest_partial)
+              for name, outcome in (("failed", "FAILED"), ("passed", "PASSED"))]
+    done = [runner.run_checks([c], gpus=1, out_dir=tmp_path, budget_s=6, **QUIET)[0] for c in checks]
+    assert done[0]["verdict"] == "fail" and "already shows a failure" in done[0]["reason"], done[0]
+    assert "failed: tests/gpu/test_gpu.py::test_a" in done[0]["reason"]
+    assert done[1]["verdict"] == "incomplete", done[1]
 
 
 def test_gpu_pytest_collects_the_gpu_tier_files_only():
@@ -380,8 +394,8 @@ def test_decode_gpu_reports_both_rates_and_waits_and_fails_off_cuda_or_on_a_fall
     # A cut during the second run still says what the first measured; the report's row carries the figures.
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "decode.json").write_text(json.dumps({"cpu": decode_run(1450.0, 0.4)}))
-    assert check.partial(tmp_path / "cut", "") == "decode cpu ran: 1450.0 images/s"
-    assert check.partial(tmp_path / "nothing", "") == ""
+    assert check.partial(tmp_path / "cut", "") == ("decode cpu ran: 1450.0 images/s", False)
+    assert check.partial(tmp_path / "nothing", "") == ("", False)
     built = report.build_report([{"name": "decode-gpu", "what": check.what, "seconds": 31.0, **ok}],
                                 a_gpu_machine().to_dict(), 420, 31.0, [], [], {"batch_size": 128}, None, True)
     assert f"| decode-gpu | pass | 31.0 | {ok['reason']} |" in report.markdown(built)
