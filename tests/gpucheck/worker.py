@@ -8,9 +8,10 @@ bf16-mixed, channels-last, one GPU) with ``torch.cuda.set_sync_debug_mode("warn"
 steady-state steps only: after the warm-up (one-off syncs: cuDNN set-up, the allocator) and after the first log
 step (one-off: Lightning's metric holders built and moved to the device), a CSV logger writing every 5 steps so
 later log steps fall inside the window. ``--accelerator cpu``: the same on the CPU, counted by
-:mod:`tests.gpucheck.standin` (how the CPU suite runs it). Every "synchronizing CUDA operation" warning is counted with the
-Python frames that caused it and the batch it came in; FILE gets :func:`sync_report`'s record: ``syncs`` in
-the steps that do not log (must be 0) and, per log step, the syncs against the values the logger wrote.
+:mod:`tests.gpucheck.standin` (how the CPU suite runs it). Every "synchronizing CUDA operation" warning is
+counted with the Python frames that caused it and the batch it came in; FILE gets :func:`sync_report`'s
+record: ``syncs`` in the steps that do not log (must be 0) and, per log step, the syncs against the values the
+logger wrote.
 bf16, not 16-mixed: a GradScaler reads found-inf on the host each step by design.
 
 ``decode-gpu``: the ResNet-50 recipe (``python -m recipes.resnet``, bf16-mixed, channels-last, one device, the
@@ -62,7 +63,8 @@ def sync_report(sites: list[tuple[int, str]], logged: dict[int, int], first: int
     plain = [(b, site) for b, site in sites if b not in logged]
     at_log = {b: sum(1 for s, _ in sites if s == b) for b in log_batches}
     over = {b: n for b, n in at_log.items() if n > logged[b]}
-    return {"syncs": len(plain), "steps": last - first + 1, "first_batch": first, "last_batch": last, "sites": sorted({site for _, site in plain})[:20],
+    return {"syncs": len(plain), "steps": last - first + 1, "first_batch": first, "last_batch": last,
+            "sites": sorted({site for _, site in plain})[:20],
             "log_steps": log_batches, "log_step_syncs": at_log, "logged_values": {b: logged[b] for b in log_batches},
             "log_steps_over": over,
             "log_step_sites": sorted({site for b, site in sites if b in over})[:20]}
