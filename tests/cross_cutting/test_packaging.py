@@ -80,7 +80,6 @@ def test_every_other_floor_is_met_by_what_this_environment_runs():
     suite runs in (`make install`'s newest) must still meet each one it installs, or the floor promises a
     release no one runs."""
     import importlib.metadata
-
     import platform
 
     pins, checked = stack_pins(), []
