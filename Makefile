@@ -43,8 +43,8 @@ $(STACK_VENV)/.installed: .ci/gpu-stack.txt
 	$(STACK_VENV)/bin/pip install --no-input -r .ci/gpu-stack.txt
 	touch $@
 
-gpu-check:  ## the GPU slot's one command (7 min, no install needed): sync-debug, ResNet-50 pack vs raw with MFU, gpu tier, CUDA kill+resume, compiled runs, 2+ GPUs: bench -> bench-results/gpu-report.{json,md}; exit 0 pass, 1 fail, 3 incomplete, 4 no verdict
-	$(RUN_PY) -m tests.gpucheck
+gpu-check:  ## the GPU slot's checks (~5 of 7 min, no install): sync-debug, ResNet-50 pack vs raw with MFU, gpu tier, CUDA kill+resume -> report + log bundle in GPU_CHECK_OUT (default: a temp dir); exit 0 pass, 1 fail, 3 incomplete, 4 no verdict
+	$(RUN_PY) -m tests.gpucheck $(if $(GPU_CHECK_OUT),--out-dir $(GPU_CHECK_OUT)) $(GPU_CHECK_ARGS)
 
 bench:  ## single- vs multi-device speedup with a raw-PyTorch DDP baseline (writes bench-results/)
 	$(BIN)/python -m ddp_recipes.bench $(BENCH_ARGS)

@@ -29,7 +29,9 @@ def extra_requirements(extra: str) -> tuple[str, ...]:
     specs: list[str] = []
     for line in listed:
         req = Requirement(line)
-        if req.marker is None or not req.marker.evaluate({"extra": extra}):
+        # An extra's own line holds only with the extra named: a runtime one with a marker of its own (numpy's
+        # per-Python floor) holds without it too.
+        if req.marker is None or not req.marker.evaluate({"extra": extra}) or req.marker.evaluate({"extra": ""}):
             continue
         if req.name.replace("_", "-") == DIST:  # e.g. tracking = ddp-recipes[tensorboard,mlflow,wandb]
             specs += [s for inner in sorted(req.extras) for s in extra_requirements(inner) if s not in specs]

@@ -136,10 +136,11 @@ def raises_cli(exc: type[BaseException], match: str | None = None) -> Iterator[A
 
 
 def write_jpeg_tree(root: Path, per_class: int, val_per_class: int = 0, side: int = 24, classes: int = 2,
-                    seed: int = 0) -> Path:
+                    seed: int = 0, subsampling: int = -1) -> Path:
     """An ImageFolder tree of small JPEGs of different sizes (``side`` to 1.5 x ``side`` px each way): smooth
     colour fields, so that JPEG's own noise stays small. ``root/train/<class>`` (and ``root/val`` when
-    ``val_per_class``); made here, so it travels with the working tree's tests."""
+    ``val_per_class``); made here, so it travels with the working tree's tests. ``subsampling``: Pillow's
+    (-1: its default, 4:2:0 chroma, as most photographs; 0: 4:4:4)."""
     import numpy as np
     from PIL import Image
 
@@ -151,7 +152,8 @@ def write_jpeg_tree(root: Path, per_class: int, val_per_class: int = 0, side: in
             for i in range(n):
                 h, w = (side + int(rng.integers(0, side // 2 + 1)) for _ in range(2))
                 field = rng.integers(0, 256, (h // 6 + 2, w // 6 + 2, 3), dtype=np.uint8)
-                Image.fromarray(field).resize((w, h), Image.BICUBIC).save(folder / f"{i}.jpg", quality=92)
+                Image.fromarray(field).resize((w, h), Image.BICUBIC).save(folder / f"{i}.jpg", quality=92,
+                                                                            subsampling=subsampling)
     return root
 
 
@@ -225,6 +227,14 @@ def decode_pipelines() -> dict[str, object]:
     from ddp_recipes.data.encoded import EvalPipeline, TrainPipeline
 
     return {"train": TrainPipeline(32, random_erase=0.5), "eval": EvalPipeline(32)}
+
+
+def comparison_jpegs(root: Path) -> list[str]:
+    """The JPEGs two decoders are compared on (tests/gpu/test_gpu_decode.py and its CPU stand-in): 4:4:4, since
+    the comparison is about the pipeline. On 4:2:0 JPEGs nvJPEG repeats each chroma sample where libjpeg-turbo
+    interpolates: 3.4 levels mean after the eval pipeline, 4.3 after train's (tests/gpucheck/standin.py), a
+    decoder's choice, not a pipeline's error."""
+    return sorted(str(p) for p in write_jpeg_tree(root, per_class=8, side=40, subsampling=0).rglob("*.jpg"))
 
 
 def decoded_batch(files: list[str], pipeline, device: str, jpeg_decoder=None):

@@ -3,8 +3,9 @@ this module alone with ``pytest -p tests.marks``, without the torch import that 
 ``needs_mnist``.
 
 ``@pytest.mark.compiles``: the test ``torch.compile``s on CUDA. It skips, with gpu-check's own reason, where
-gpu-check's compiled checks are 'no verdict' (Triton cannot build its C helper: no C compiler or no
-``Python.h``), so that the gpu tier does not fail where those checks have no verdict.
+gpu-check's compiled checks are 'no verdict' (one probe for both, ``tests.gpucheck.machine.compile_blocker``:
+no C compiler or no ``Python.h``, no Triton, Triton not finding ``libcuda.so.1``, its caches not writable), so
+that the gpu tier does not fail where those checks have no verdict.
 
 ``@needs_litdata``: the test needs the ``stream`` extra; it skips naming it.
 
@@ -30,8 +31,8 @@ needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None,
 
 @functools.cache
 def compile_problem() -> str | None:
-    """gpu-check's test of the C toolchain Triton needs, asked once per session."""
-    from tests.gpucheck.machine import compile_problem as probe
+    """gpu-check's own probe (its compiled checks ask the same), asked once per session."""
+    from tests.gpucheck.machine import compile_blocker as probe
 
     return probe()
 

@@ -30,6 +30,16 @@ def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
     return image.pin_memory().to(device, non_blocking=True)
 
 
+def out_of_memory(err: torch.OutOfMemoryError, files: int, device: torch.device) -> torch.OutOfMemoryError:
+    """The device ran out of memory decoding ``files`` at once: said as such, with the fix (a file nvJPEG
+    refuses is another matter, decoded on the CPU instead)."""
+    first = (str(err).strip().splitlines() or ["out of memory"])[0]
+    return torch.OutOfMemoryError(
+        f"out of memory on {device} decoding {files} JPEG(s) at once (--decode gpu decodes each batch's files "
+        f"together, their decoded images and the decoder's work space at the same time): lower --batch-size, the "
+        f"files decoded at once per device, or use --decode cpu; {first}")
+
+
 def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: JpegDecoder | None = None,
                name: str | None = None) -> tuple[torch.Tensor, bool]:
     """One file's bytes as an RGB uint8 ``[3, H, W]`` image on ``device``, and whether it needed the CPU fallback:
@@ -40,6 +50,8 @@ def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: Jpe
     device = torch.device(device)
     try:
         return (jpeg_decoder or image_decoders().decode_jpeg)(data, device=device, mode="RGB"), False
+    except torch.OutOfMemoryError as err:
+        raise out_of_memory(err, 1, device) from err
     except (RuntimeError, ValueError):  # libjpeg's "Not a JPEG file", nvJPEG's unsupported layouts (both libraries)
         pass
     image = to_tensor(open_rgb(data.numpy().tobytes(), name or "(unnamed)"))
@@ -58,6 +70,8 @@ def decode_images(datas: Sequence[torch.Tensor], device: str | torch.device, jpe
     try:
         # RGB: ImageNet holds grayscale and CMYK JPEGs, which would otherwise decode to 1 or 4 channels.
         return list(decoder(list(datas), device=device, mode="RGB")), 0
+    except torch.OutOfMemoryError as err:  # a RuntimeError too: never a file's refusal, never a CPU fallback
+        raise out_of_memory(err, len(datas), device) from err
     except (RuntimeError, ValueError):
         pass
     images, fallbacks = [], 0

@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -119,6 +120,26 @@ def test_the_fallback_decodes_a_cmyk_jpeg_and_a_png_named_jpeg(tree, tmp_path, i
                                       strict=True):
             assert (x - x_cpu).abs().max() <= TOLERANCE
     assert gpu.decoder.fallbacks == 2 and gpu.decode_record["cpu_fallbacks"] == 2  # the PNG, once per split
+
+
+def test_out_of_memory_in_the_batched_decode_is_named_an_out_of_memory(tree):
+    """A decoder that runs out of device memory (a stand-in raising torch's OutOfMemoryError, a RuntimeError
+    too) is neither a file it refuses nor a reason to decode the batch on the CPU: the error says out of memory,
+    how many files were decoded at once, and the fix."""
+    calls: list[int] = []
+
+    def out_of_memory(data, device, mode):
+        calls.append(len(data) if isinstance(data, list) else 1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    files = _files(tree)[:6]
+    decoder = DeviceDecoder(jpeg_decoder=out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        decoder.decode([torch.from_numpy(np.fromfile(f, dtype=np.uint8)) for f in files], torch.device("cpu"))
+    assert calls == [6] and decoder.fallbacks == 0  # one batched call, no file-by-file retry, no CPU fallback
+    text = str(err.value)
+    assert text.startswith("out of memory on cpu decoding 6 JPEG(s) at once") and "lower --batch-size" in text
+    assert text.endswith("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
 def test_a_file_no_decoder_reads_is_one_line_naming_it(tmp_path, capsys, image_library):

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from ddp_recipes.data.encoded import EvalPipeline
-from tests.helpers import decode_pipelines, decoded_batch, decoders_agree, write_jpeg_tree, write_odd_images
+from tests.helpers import (
+    comparison_jpegs,
+    decode_pipelines,
+    decoded_batch,
+    decoders_agree,
+    write_jpeg_tree,
+    write_odd_images,
+)
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -25,8 +32,7 @@ def test_nvjpeg_gives_the_cpu_decoders_batch_for_the_same_draws(tmp_path, name, 
     """Same files, same draws: CUDA against the CPU device, through pipelines without threshold operations (see
     tests.helpers.decode_pipelines; the CPU twin holds the bound with a decoder that adds +-1 level noise)."""
     pipeline = decode_pipelines()[name]
-    root = write_jpeg_tree(tmp_path, per_class=8, side=40)
-    files = sorted(str(p) for p in root.rglob("*.jpg"))
+    files = comparison_jpegs(tmp_path)
     on_cpu, _, _ = decoded_batch(files, pipeline, "cpu")
     x, y, decoder = decoded_batch(files, pipeline, "cuda")
     torch.cuda.synchronize()

@@ -1,30 +1,37 @@
 """``make gpu-check``: all the GPU verification that fits one short slot, with a verdict per check.
 
-    python3 -m tests.gpucheck [--budget-s 420] [--only NAME,...] [--out-dir bench-results]
+    python3 -m tests.gpucheck --out-dir DIR [--budget-s 420] [--only NAME,...] [--compile] [--decode-gpu] [--bench]
 
-Runs from the checkout as it is (no install, nothing fetched). In order of value, each check a command
-with its own timeout (a hang is a failure and cannot eat the slot), all inside one budget (what the budget
-cuts is ``incomplete``, never ``fail``):
+A slot's one command is ``python3 -m tests.gpucheck --out-dir "$OUT"`` (docs/gpu.md). Runs from the checkout as
+it is (no install, nothing fetched). In order of value, each check a command with its own timeout (a hang is a
+failure and cannot eat the slot), all inside one budget (what the budget cuts is ``incomplete``, unless its
+output already shows a failure). The defaults are what a slot should run: on one H100 or H200 they add up to
+about 5 minutes by :data:`ESTIMATE_S` (cold start included), inside the 7-minute budget:
 
-1. ``sync-debug``: pack training steps under ``torch.cuda.set_sync_debug_mode("warn")``, log steps among
-   them; any host sync in a steady-state step that does not log fails it, and so does a log step that reads
-   more than the values the logger writes (``tests.gpucheck.worker``).
+1. ``sync-debug``: pack training steps under ``torch.cuda.set_sync_debug_mode("warn")``, after the warm-up
+   and the first log step, later log steps among them; any host sync in a step that does not log fails it,
+   and so does a log step that reads more than the values the logger writes (``tests.gpucheck.worker``).
 2. ``resnet50-pack``, ``resnet50-raw``, then ``pack-vs-raw`` (derived): ResNet-50, 224 px, bf16-mixed,
    channels-last, synthetic data, eager, the pack and the raw PyTorch loop, with MFU; the pack's images/s
    at least ``PACK_VS_RAW_MIN`` of the raw loop's. The headline figure.
-3. ``gpu-tests``: the ``gpu`` pytest tier (``GPU_TEST_FILES`` only) but its kill-and-resume test; 2+-GPU
-   (NCCL) tests skip below 2 GPUs inside it.
+3. ``gpu-tests``: the ``gpu`` pytest tier (``GPU_TEST_FILES`` only) but its kill-and-resume test and its
+   ``compiles`` tests; 2+-GPU (NCCL) tests skip below 2 GPUs inside it.
 4. ``cuda-kill-resume``: that test alone: SIGKILL a CUDA run mid-training, ``--resume auto``, bit-identical.
-5. ``decode-gpu``: the ResNet-50 recipe on one folder of real-size synthetic JPEGs with ``--decode cpu`` and
-   with ``--decode gpu`` (nvJPEG): images/s and input-wait fraction of each; it fails where the gpu run did
-   not decode on CUDA or needed the CPU fallback for any of these plain baseline JPEGs. No speed threshold:
-   the figures are what it is for.
-6. ``resnet50-{pack,raw}-compiled``, ``pack-vs-raw-compiled``: the same, ``torch.compile``d; ``no verdict``
-   with the reason where Triton cannot build its C helper (no C compiler or no ``Python.h``).
-7. ``bench-multi-gpu`` (2+ GPUs): ``python -m ddp_recipes.bench`` at 1, 2 and N GPUs.
 
-Writes ``<out-dir>/gpu-report.json`` and ``gpu-report.md`` after every check (a slot that ends mid-run
-still leaves a report) and per check ``<out-dir>/gpu-check/<name>/output.log``. Exit codes and verdicts:
+Behind flags (each a few minutes more; ``--only`` also picks any of them):
+
+* ``--decode-gpu``: ``decode-gpu``, the ResNet-50 recipe on one folder of real-size synthetic JPEGs with
+  ``--decode cpu`` and with ``--decode gpu`` (nvJPEG): images/s and input-wait fraction of each; it fails where
+  the gpu run did not decode on CUDA or needed the CPU fallback for any of these plain baseline JPEGs. (The
+  nvJPEG path itself runs in ``gpu-tests``.)
+* ``--compile``: ``resnet50-{pack,raw}-compiled``, ``pack-vs-raw-compiled`` (``torch.compile``d; ``no
+  verdict`` with the reason where :func:`tests.gpucheck.machine.compile_blocker` says it cannot build code
+  here), and the gpu tier's ``compiles`` tests.
+* ``--bench`` (2+ GPUs): ``bench-multi-gpu``, ``python -m ddp_recipes.bench`` at 1, 2 and N GPUs.
+
+``--out-dir`` (default: :data:`DEFAULT_OUT_DIR`, outside the checkout) gets the report and one log bundle,
+rewritten after every check (a slot that ends mid-run still leaves them), and nothing else
+(:mod:`tests.gpucheck.bundle`); the checks work in a scratch folder that is removed. Exit codes and verdicts:
 :mod:`tests.gpucheck.report` (0 pass, 1 fail, 2 bad flag, 3 incomplete, 4 no verdict).
 """
 
@@ -33,13 +40,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS
 from ddp_recipes.config.cli import FlagParser, fail
+from tests.gpucheck.bundle import FILES, write_logs
 from tests.gpucheck.machine import Machine, inspect_machine
 from tests.gpucheck.report import (
     EXIT_CODES,
@@ -72,6 +83,16 @@ RESUME_TEST = "kill_and_resume"  # the -k expression of tests/gpu/test_gpu.py's 
 # gpu-tests: the tier but the kill-and-resume test (its own check) and the 5-step raw bench run (the
 # resnet50-raw check runs that worker at full size): the slot has no seconds for the same thing twice.
 GPU_TESTS_EXPRESSION = f"not {RESUME_TEST} and not bench_raw_path_on_one_gpu"
+DEFAULT_OUT_DIR = Path(tempfile.gettempdir()) / "gpu-check"  # never the working tree
+# Seconds each check takes on one H100 or H200 by estimate, from its code, a cold process each: ~15 s to import
+# torch + Lightning and start CUDA and cuDNN, then its work. sync-debug: 17 ResNet-50 steps at batch 32. The
+# ResNet-50 runs: 40 steps at batch 128 (~50 ms each at ~2,500 images/s) and cuDNN's first-step search.
+# gpu-tests: ~20 one-GPU tests of tiny models, 2-5 s each, the doctor's NCCL run ~15 s. cuda-kill-resume:
+# three recipe processes (straight, killed, resumed). decode-gpu: 2,304 JPEGs written (~7 s), two recipe
+# runs of 16 steps with loader workers. Compiled: inductor compiling ResNet-50's step cold, 1-2 minutes.
+ESTIMATE_S = {"sync-debug": 30, "resnet50-pack": 35, "resnet50-raw": 30, "gpu-tests": 120, "cuda-kill-resume": 90,
+              "decode-gpu": 100, "resnet50-pack-compiled": 150, "resnet50-raw-compiled": 120,
+              "bench-multi-gpu": 200}
 PER_TEST_TIMEOUT_S = 150  # pytest-timeout's limit per gpu test, where it is installed: one hang, one failure
 # Sized from its work, with room for a cold start: the folder of 2,304 JPEGs (6.6 s on 2 CPU cores), then two
 # recipe processes, each importing torch, Lightning and torchvision (8.7 s measured in one of them, 4.9 s for
@@ -79,11 +100,13 @@ PER_TEST_TIMEOUT_S = 150  # pytest-timeout's limit per gpu test, where it is ins
 # 128 and the test pass: about 45 s each cold. 2 x 45 + 10 = 100 s, and half again for a slow disk or a cold
 # page cache. The overall budget still bounds the slot: what it cuts is "incomplete", never "fail".
 DECODE_TIMEOUT_S = 150
-COMPILED_WARMUP, COMPILED_STEPS = 4, 12  # the compiled runs' steps (see plan_checks)
+# The compiled runs' steps (see plan_checks); their warm-up reaches past the first log step (batch
+# LOG_EVERY_N_STEPS - 1), where the compiled step takes a new branch (and may recompile): never timed.
+COMPILED_WARMUP, COMPILED_STEPS = LOG_EVERY_N_STEPS, 12
 
 
-def pytest_cmd(expression: str) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "-k", expression,
+def pytest_cmd(expression: str, marks: str = "gpu") -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", marks, "-p", "no:cacheprovider", "-k", expression,
            "--junitxml={work}/junit.xml"]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd += ["--timeout", str(PER_TEST_TIMEOUT_S)]
@@ -91,8 +114,9 @@ def pytest_cmd(expression: str) -> list[str]:
 
 
 def bench_settings(args: argparse.Namespace) -> dict[str, Any]:
+    # The warm-up reaches past the first log step (the harness logs every LOG_EVERY_N_STEPS): one-off work there.
     return {"recipe": "resnet", "arch": "resnet50", "image_size": 224, "batch_size": args.batch_size,
-            "steps": args.steps, "warmup_steps": args.warmup_steps, "precision": "bf16-mixed",
+            "steps": args.steps, "warmup_steps": max(args.warmup_steps, LOG_EVERY_N_STEPS), "precision": "bf16-mixed",
             "accelerator": "cuda", "threads": 0, "seed": 0, "data_dir": "", "channels_last": 1}
 
 
@@ -161,13 +185,14 @@ def decode_judge(rc: int, work: Path, tail: str) -> Result:
     return verdict("pass", figures, **data)
 
 
-def decode_partial(work: Path, tail: str) -> str:
-    """The runs that finished before a cut."""
+def decode_partial(work: Path, tail: str) -> tuple[str, bool]:
+    """The runs that finished before a cut (figures, no verdict of their own)."""
     try:
         found = json.loads((work / "decode.json").read_text())
     except (OSError, ValueError):
-        return ""
-    return "; ".join(f"decode {d} ran: {found[d]['images_per_s']} images/s" for d in ("cpu", "gpu") if d in found)
+        return "", False
+    return "; ".join(f"decode {d} ran: {found[d]['images_per_s']} images/s" for d in ("cpu", "gpu")
+                     if d in found), False
 
 
 def pack_vs_raw(suffix: str) -> Derived:
@@ -199,8 +224,8 @@ def plan_checks(args: argparse.Namespace, gpus: int) -> list[Check | Derived]:
         compiled = impl.endswith("compiled")
         # A compiled run's time is its compilation (the first step, tens of seconds cold): once compiled the
         # step is steady, so fewer steps measure it as well and keep the compiled pair inside the budget.
-        run = {**settings, **({"warmup_steps": min(args.warmup_steps, COMPILED_WARMUP),
-                               "steps": min(args.steps, COMPILED_STEPS)} if compiled else {})}
+        run = {**settings, **({"warmup_steps": COMPILED_WARMUP, "steps": min(args.steps, COMPILED_STEPS)}
+                              if compiled else {})}
         return Check(f"resnet50-{impl}", f"ResNet-50 224 px bf16 channels-last, {impl}, batch {args.batch_size}, "
                      f"{run['warmup_steps']}+{run['steps']} steps", worker_cmd(impl, run), timeout_s=timeout_s,
                      compiled=compiled, judge=throughput_judge)
@@ -210,7 +235,9 @@ def plan_checks(args: argparse.Namespace, gpus: int) -> list[Check | Derived]:
               [sys.executable, "-m", "tests.gpucheck.worker", "sync-debug", "--out", "{work}/sync.json"],
               timeout_s=150, judge=sync_judge),
         resnet("pack", 150), resnet("raw", 120), pack_vs_raw(""),
-        Check("gpu-tests", "the gpu pytest tier (NCCL tests skip below 2 GPUs)", pytest_cmd(GPU_TESTS_EXPRESSION),
+        Check("gpu-tests", "the gpu pytest tier (NCCL tests skip below 2 GPUs)" + ("" if args.compile else
+              ", its compiles tests left to --compile"), pytest_cmd(GPU_TESTS_EXPRESSION, "gpu" if args.compile
+                                                                  else "gpu and not compiles"),
               timeout_s=300, judge=pytest_judge, partial=pytest_partial),
         Check("cuda-kill-resume", "SIGKILL a CUDA run mid-training, --resume auto: bit-identical weights",
               pytest_cmd(RESUME_TEST), timeout_s=180, judge=pytest_judge, partial=pytest_partial),
@@ -218,19 +245,22 @@ def plan_checks(args: argparse.Namespace, gpus: int) -> list[Check | Derived]:
               [sys.executable, "-m", "tests.gpucheck.worker", "decode-gpu", "--out", "{work}/decode.json"],
               timeout_s=DECODE_TIMEOUT_S, judge=decode_judge, partial=decode_partial),
     ]
-    if args.compile:
-        checks += [resnet("pack-compiled", 300), resnet("raw-compiled", 240), pack_vs_raw("-compiled")]
     n = max(gpus, 2)
-    checks.append(Check("bench-multi-gpu", f"python -m ddp_recipes.bench at 1/2/{n} GPUs (make bench)",
-                        [sys.executable, "-m", "ddp_recipes.bench", "--devices", ",".join(map(str, sorted({1, 2, n}))),
-                         "--repeats", "1", "--steps", "20", "--out", "{work}/bench"], timeout_s=300, min_gpus=2))
-    if args.only:
-        wanted = set(args.only.split(","))
-        unknown = wanted - {c.name for c in checks}
-        if unknown:
-            fail(f"--only: no check named {', '.join(sorted(unknown))}; choose from "
-                 f"{', '.join(c.name for c in checks)}", PROG)
-        checks = [c for c in checks if c.name in wanted or (isinstance(c, Derived) and set(c.inputs) <= wanted)]
+    flagged = {"decode-gpu": args.decode_gpu, "resnet50-pack-compiled": args.compile,
+               "resnet50-raw-compiled": args.compile, "pack-vs-raw-compiled": args.compile,
+               "bench-multi-gpu": args.bench}
+    checks += [resnet("pack-compiled", 300), resnet("raw-compiled", 240), pack_vs_raw("-compiled"),
+               Check("bench-multi-gpu", f"python -m ddp_recipes.bench at 1/2/{n} GPUs (make bench)",
+                     [sys.executable, "-m", "ddp_recipes.bench", "--devices", ",".join(map(str, sorted({1, 2, n}))),
+                      "--repeats", "1", "--steps", "20", "--out", "{work}/bench"], timeout_s=300, min_gpus=2)]
+    if not args.only:
+        return [c for c in checks if flagged.get(c.name, True)]
+    wanted = set(args.only.split(","))
+    unknown = wanted - {c.name for c in checks}
+    if unknown:
+        fail(f"--only: no check named {', '.join(sorted(unknown))}; choose from "
+             f"{', '.join(c.name for c in checks)}", PROG)
+    checks = [c for c in checks if c.name in wanted or (isinstance(c, Derived) and set(c.inputs) <= wanted)]
     return checks
 
 
@@ -251,8 +281,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=128, help="ResNet-50 per-GPU batch (NVIDIA's is 256)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per ResNet-50 run")
     p.add_argument("--warmup-steps", type=int, default=10, help="steps before timing (compilation included)")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="eager ResNet-50 runs only")
-    p.add_argument("--out-dir", default="bench-results", help="where gpu-report.json/.md and the logs go")
+    p.add_argument("--compile", action="store_true", help="also the torch.compile'd ResNet-50 pair and the gpu "
+                   "tier's compiles tests (~5 minutes more, cold)")
+    p.add_argument("--decode-gpu", action="store_true", help="also decode-gpu: --decode cpu vs gpu figures (~2 min)")
+    p.add_argument("--bench", action="store_true", help="also bench-multi-gpu on 2+ GPUs (~3-4 min)")
+    p.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR), help="where the report (gpu-report.json/.md) and "
+                   "the log bundle (gpu-check-logs.txt) go, nothing else; a slot's $OUT (default: %(default)s)")
     return p
 
 
@@ -272,8 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.batch_size < 1 or args.steps < 2 or args.warmup_steps < 1 or args.budget_s <= 0:
         fail("--batch-size must be >= 1, --steps >= 2, --warmup-steps >= 1 and --budget-s > 0", PROG)
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir).resolve()
     checks = plan_checks(args, 0)  # --only is refused before the machine is inspected; planned again below
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-work-"))  # JPEGs, checkpoints, CSV logs: never brought back
+    try:
+        return _run(args, checks, started, out_dir, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, checks: list[Check | Derived], started: float, out_dir: Path,
+         scratch: Path) -> int:
     machine: Machine | None = None
     problem: tuple[str, str] | None = None
     flops: list[int | None] = []
@@ -286,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         built = build_report(results, machine.to_dict() if machine else {}, args.budget_s, time.monotonic() - started,
                              rows, reference_rows("bf16-mixed", peak, gpu), bench_settings(args), problem, finished,
                              only=args.only)
+        write_logs(results, scratch, out_dir)
         write_report(built, out_dir)
         return built
 
@@ -294,13 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
     results: list[Result] = []
     try:
-        machine = inspect_machine(check_compile=args.compile)
+        machine = inspect_machine(check_compile=args.compile or "compiled" in args.only)
         checks = plan_checks(args, machine.gpus)
         problem = machine.problem()
         if problem is not None:
             results = _not_run(checks, problem, machine)
         else:
-            run_checks(checks, machine.gpus, out_dir, args.budget_s, machine.compile_problem, started,
+            run_checks(checks, machine.gpus, scratch, args.budget_s, machine.compile_problem, started,
                        after_each=lambda done: report(done, False), into=results)
     except Interrupted as stop:
         if machine is None:
@@ -316,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
     final = report(results, True)
     print(markdown(final))
-    print(f"gpu-check: {final['verdict']} (exit {final['exit_code']}): {final['meaning']}; wrote "
-          f"{out_dir / 'gpu-report.json'} and {out_dir / 'gpu-report.md'}", flush=True)
+    written = [out_dir / name for name in FILES]
+    print(f"gpu-check: {final['verdict']} (exit {final['exit_code']}): {final['meaning']}; wrote {out_dir}: "
+          + ", ".join(f"{p.name} ({p.stat().st_size} bytes)" for p in written), flush=True)
     return EXIT_CODES[final["verdict"]]
 
 

@@ -188,6 +188,13 @@ def triton_runtime_problem() -> str | None:
     return None
 
 
+def compile_blocker() -> str | None:
+    """Why ``torch.compile`` cannot build and run code here, or None: THE probe, for gpu-check's compiled checks
+    and the ``compiles`` pytest mark alike (a C compiler with ``Python.h``, Triton, Triton finding
+    ``libcuda.so.1``, its caches writable)."""
+    return compile_problem() or triton_runtime_problem()
+
+
 def _version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -224,5 +231,4 @@ def inspect_machine(check_compile: bool = True) -> Machine:
                    cudnn=torch.backends.cudnn.version() if gpus else None, torch_error=torch_error,
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"), driver=read_driver(),
                    versions=versions, python=platform.python_version(),
-                   compile_problem=(compile_problem() or triton_runtime_problem()) if check_compile and gpus
-                   else None)
+                   compile_problem=compile_blocker() if check_compile and gpus else None)

@@ -4,7 +4,8 @@ ending as one of four verdicts.
 * ``pass``: it ran and showed what it names.
 * ``fail``: it ran and did not, or it hung (past its *own* timeout), or its output could not be read.
 * ``incomplete``: the *budget* ran out: cut while running (it would have had more time on its own), or
-  not started because too little budget was left. Never a failure: nothing was shown either way.
+  not started because too little budget was left; nothing was shown either way. A check cut by the budget
+  whose output so far already shows a failure (a failed test) is ``fail``: the cut hides nothing.
 * ``no verdict``: it cannot run on this machine (fewer GPUs than it needs, no toolchain for
   ``torch.compile``, no CUDA at all), with the reason.
 
@@ -50,7 +51,8 @@ class Check:
     min_gpus: int = 1
     compiled: bool = False  # needs torch.compile to build code on this machine
     judge: Judge | None = None
-    partial: Callable[[Path, str], str] | None = None  # what it showed before a cut, for the reason
+    # What it showed before a cut, for the reason, and whether that already holds a failure.
+    partial: Callable[[Path, str], tuple[str, bool]] | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -119,15 +121,18 @@ def run_one(check: Check, timeout_s: float, work: Path, budget_cut: bool) -> Res
     stray = kill_tree(None, tag)  # anything still carrying the tag escaped the shepherd: never left running
     tail = log.read_text(errors="replace")[-4000:]
     if rc is None:
-        got = check.partial(work, tail) if check.partial else ""
+        got, failed = check.partial(work, tail) if check.partial else ("", False)
         where = f"; {got}" if got else ""
         n = len(killed | stray)
-        if budget_cut:
+        if budget_cut and failed:
+            result = verdict("fail", f"the budget ran out {seconds:.0f} s into it, and its output so far already "
+                             f"shows a failure{where}; {n} process(es) killed")
+        elif budget_cut:
             result = verdict("incomplete", f"the budget ran out {seconds:.0f} s into it (its own limit is "
                              f"{check.timeout_s:.0f} s); {n} process(es) killed{where}")
         else:
             result = verdict("fail", f"timed out after {seconds:.0f} s, its own limit (hung, or far slower than "
-                             f"expected); {n} process(es) killed{where}; log: {log}")
+                             f"expected); {n} process(es) killed{where}; its output: the log bundle")
     else:
         try:
             result = (check.judge or exit_code_judge)(rc, work, tail)
@@ -213,8 +218,9 @@ def run_checks(checks: list[Check | Derived], gpus: int, out_dir: Path, budget_s
 _OUTCOME = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
 
 
-def pytest_partial(work: Path, tail: str) -> str:
-    """What a cut pytest run (``-v``) showed before the cut: its outcomes so far and the test it was in."""
+def pytest_partial(work: Path, tail: str) -> tuple[str, bool]:
+    """What a cut pytest run (``-v``) showed before the cut: its outcomes so far and the test it was in, and
+    whether a test had failed (or errored) by then."""
     text = (work / "output.log").read_text(errors="replace") if (work / "output.log").exists() else tail
     outcomes = _OUTCOME.findall(text)
     counts: dict[str, int] = {}
@@ -222,7 +228,9 @@ def pytest_partial(work: Path, tail: str) -> str:
         counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
     running = [line.split()[0] for line in text.splitlines() if "::" in line and not _OUTCOME.match(line)]
     done = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no test finished"
-    return f"before the cut: {done}" + (f"; running: {running[-1]}" if running else "")
+    failed = [name for name, outcome in outcomes if outcome in ("FAILED", "ERROR")]
+    return (f"before the cut: {done}" + (f"; running: {running[-1]}" if running else "")
+            + (f"; failed: {failed[0]}" if failed else ""), bool(failed))
 
 
 def pytest_judge(rc: int, work: Path, tail: str) -> Result:

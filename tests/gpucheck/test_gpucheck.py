@@ -15,6 +15,7 @@ import re
 import signal
 import stat
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -25,8 +26,9 @@ import pytest
 import torch
 
 from tests.gpucheck import check as gc
+from tests.gpucheck import machine as machine_module
 from tests.gpucheck import report, runner
-from tests.gpucheck.machine import Driver, Machine, compile_problem
+from tests.gpucheck.machine import Driver, Machine, compile_blocker, compile_problem
 from tests.gpucheck.proctree import alive
 from tests.launch import ROOT, run, start
 
@@ -220,8 +222,22 @@ def test_a_cut_pytest_run_says_what_it_had_shown(tmp_path):
                                          "tests/gpu/test_gpu.py::test_b SKIPPED (needs 2+ CUDA GPUs) [ 20%]\n"
                                          "tests/gpu/test_gpu.py::test_c FAILED [ 30%]\n"
                                          "tests/gpu/test_gpu.py::test_d \n")
-    assert runner.pytest_partial(tmp_path, "") == ("before the cut: 1 failed, 1 passed, 1 skipped; "
-                                                   "running: tests/gpu/test_gpu.py::test_d")
+    assert runner.pytest_partial(tmp_path, "") == ("before the cut: 1 failed, 1 passed, 1 skipped; running: "
+                                                   "tests/gpu/test_gpu.py::test_d; failed: "
+                                                   "tests/gpu/test_gpu.py::test_c", True)
+
+
+def test_a_cut_check_whose_output_already_shows_a_failure_fails(tmp_path, monkeypatch):
+    """The budget cut hides nothing when a test had already failed: fail, not incomplete; a cut run whose
+    output shows no failure stays incomplete."""
+    monkeypatch.setattr(runner, "MIN_START_S", 1.0)
+    code = ("import sys, time; print('tests/gpu/test_gpu.py::test_a {}', flush=True); time.sleep(60)")
+    checks = [fake(name, code.format(outcome), timeout_s=100, partial=runner.pytest_partial)
+              for name, outcome in (("failed", "FAILED"), ("passed", "PASSED"))]
+    done = [runner.run_checks([c], gpus=1, out_dir=tmp_path, budget_s=6, **QUIET)[0] for c in checks]
+    assert done[0]["verdict"] == "fail" and "already shows a failure" in done[0]["reason"], done[0]
+    assert "failed: tests/gpu/test_gpu.py::test_a" in done[0]["reason"]
+    assert done[1]["verdict"] == "incomplete", done[1]
 
 
 def test_gpu_pytest_collects_the_gpu_tier_files_only():
@@ -257,27 +273,36 @@ def plan_args(*argv: str) -> argparse.Namespace:
     return gc._parser().parse_args(list(argv))
 
 
-def test_checks_run_in_order_of_value():
-    names = [c.name for c in gc.plan_checks(plan_args(), gpus=1)]
-    assert names == ["sync-debug", "resnet50-pack", "resnet50-raw", "pack-vs-raw", "gpu-tests", "cuda-kill-resume",
-                     "decode-gpu", "resnet50-pack-compiled", "resnet50-raw-compiled", "pack-vs-raw-compiled",
-                     "bench-multi-gpu"]
-    assert [c.name for c in gc.plan_checks(plan_args("--no-compile"), gpus=1)] == [
-        "sync-debug", "resnet50-pack", "resnet50-raw", "pack-vs-raw", "gpu-tests", "cuda-kill-resume",
-        "decode-gpu", "bench-multi-gpu"]
-    compiled = {c.name: c for c in gc.plan_checks(plan_args(), gpus=1)}
+DEFAULTS = ["sync-debug", "resnet50-pack", "resnet50-raw", "pack-vs-raw", "gpu-tests", "cuda-kill-resume"]
+
+
+def test_checks_run_in_order_of_value_and_the_defaults_are_what_a_slot_runs():
+    assert [c.name for c in gc.plan_checks(plan_args(), gpus=1)] == DEFAULTS
+    everything = [c.name for c in gc.plan_checks(plan_args("--compile", "--decode-gpu", "--bench"), gpus=1)]
+    assert everything == [*DEFAULTS, "decode-gpu", "resnet50-pack-compiled", "resnet50-raw-compiled",
+                          "pack-vs-raw-compiled", "bench-multi-gpu"]
+    assert [c.name for c in gc.plan_checks(plan_args("--decode-gpu"), gpus=1)] == [*DEFAULTS, "decode-gpu"]
+    compiled = {c.name: c for c in gc.plan_checks(plan_args("--compile"), gpus=1)}
     assert compiled["resnet50-pack-compiled"].compiled and not compiled["resnet50-pack"].compiled
     only = [c.name for c in gc.plan_checks(plan_args("--only", "resnet50-raw,resnet50-pack"), gpus=1)]
     assert only == ["resnet50-pack", "resnet50-raw", "pack-vs-raw"]  # the derived check comes with its inputs
+    assert [c.name for c in gc.plan_checks(plan_args("--only", "resnet50-pack-compiled"), gpus=1)] == [
+        "resnet50-pack-compiled"]  # --only reaches what the flags add
 
 
-def test_the_default_budget_is_seven_minutes_and_each_timeout_fits_in_it():
+def test_the_defaults_end_well_inside_the_budget_and_each_timeout_fits_in_it():
+    """The default checks' estimated seconds on one H100/H200 (cold) fill at most three quarters of the 7-minute
+    budget, so that a sound pack ends 'pass', not 'incomplete', well within 8 minutes."""
     assert gc.TOTAL_BUDGET_S == 420
-    checks = [c for c in gc.plan_checks(plan_args(), gpus=8) if isinstance(c, runner.Check)]
-    assert all(c.timeout_s <= gc.TOTAL_BUDGET_S for c in checks)
+    every = [c for c in gc.plan_checks(plan_args("--compile", "--decode-gpu", "--bench"), gpus=8)
+             if isinstance(c, runner.Check)]
+    assert {c.name for c in every} == set(gc.ESTIMATE_S)
+    assert all(gc.ESTIMATE_S[c.name] < c.timeout_s <= gc.TOTAL_BUDGET_S for c in every)
+    defaults = [c for c in gc.plan_checks(plan_args(), gpus=8) if isinstance(c, runner.Check)]
+    assert sum(gc.ESTIMATE_S[c.name] for c in defaults) <= 0.75 * gc.TOTAL_BUDGET_S
     # decode-gpu: a JPEG folder and two cold recipe processes (~45 s each, gpucheck's comment): a 60 s limit cut
     # a sound run and called it a failure (issue #39.4)
-    assert next(c for c in checks if c.name == "decode-gpu").timeout_s >= 100
+    assert next(c for c in every if c.name == "decode-gpu").timeout_s >= 100
 
 
 def test_unknown_only_name_is_refused(capsys):
@@ -379,8 +404,8 @@ def test_decode_gpu_reports_both_rates_and_waits_and_fails_off_cuda_or_on_a_fall
     # A cut during the second run still says what the first measured; the report's row carries the figures.
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / "decode.json").write_text(json.dumps({"cpu": decode_run(1450.0, 0.4)}))
-    assert check.partial(tmp_path / "cut", "") == "decode cpu ran: 1450.0 images/s"
-    assert check.partial(tmp_path / "nothing", "") == ""
+    assert check.partial(tmp_path / "cut", "") == ("decode cpu ran: 1450.0 images/s", False)
+    assert check.partial(tmp_path / "nothing", "") == ("", False)
     built = report.build_report([{"name": "decode-gpu", "what": check.what, "seconds": 31.0, **ok}],
                                 a_gpu_machine().to_dict(), 420, 31.0, [], [], {"batch_size": 128}, None, True)
     assert f"| decode-gpu | pass | 31.0 | {ok['reason']} |" in report.markdown(built)
@@ -460,6 +485,30 @@ def test_main_exits_3_when_the_budget_ran_out(tmp_path, monkeypatch):
     assert gc.main(["--out-dir", str(tmp_path), "--budget-s", "6"]) == 3
     saved = json.loads((tmp_path / "gpu-report.json").read_text())
     assert saved["verdict"] == "incomplete" and [c["verdict"] for c in saved["checks"]] == ["pass", "incomplete"]
+
+
+def test_the_out_dir_gets_the_report_and_one_log_bundle_within_a_slots_limits(tmp_path, monkeypatch):
+    """Checks that leave a JPEG, a checkpoint and a 27 MB log each in their work dir: the out dir gets the
+    report and the log bundle only (at most 8 files, 16 MiB each, 64 MiB in all: what a slot brings back), the
+    logs' heads and tails kept; the scratch folder is removed; the default out dir is outside the checkout."""
+    from tests.gpucheck.bundle import FILES, LOGS, bundle_problems
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the scratch folder goes, to watch it
+    (tmp_path / "tmp").mkdir()
+    code = ("import sys, pathlib; w = pathlib.Path(sys.argv[1]); (w / 'x.jpg').write_bytes(bytes(10)); "
+            "(w / 'last.ckpt').write_bytes(bytes(2**20)); print('first line'); sys.stdout.write('line\\n' * 5_400_000)")
+    checks = [runner.Check(name, "writes", [PY, "-c", code, "{work}"], timeout_s=120) for name in ("a", "b")]
+    monkeypatch.setattr(gc, "inspect_machine", lambda check_compile: a_gpu_machine())
+    monkeypatch.setattr(gc, "plan_checks", lambda args, gpus: checks)
+    out = tmp_path / "out"
+    assert gc.main(["--out-dir", str(out)]) == 0
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == sorted(FILES)
+    assert bundle_problems(out) == []
+    logs = (out / LOGS).read_text()
+    assert logs.count("first line") == 2 and "===== b: pass" in logs and "bytes left out" in logs
+    assert list((tmp_path / "tmp").iterdir()) == []  # scratch removed
+    default = Path(gc._parser().parse_args([]).out_dir)
+    assert default.is_absolute() and ROOT not in default.parents
 
 
 INTERRUPTIBLE = textwrap.dedent("""
@@ -578,6 +627,10 @@ def test_no_cuda_device_is_no_verdict_with_its_own_exit_code(tmp_path):
     assert names[1:4] == ["sync-debug", "resnet50-pack", "resnet50-raw"]
     assert (tmp_path / "out" / "gpu-report.md").read_text().startswith("# gpu-check: NO VERDICT (exit 4)")
     assert "gpu-check: no verdict (exit 4)" in output and "pass" not in saved["meaning"]
+    from tests.gpucheck.bundle import FILES, bundle_problems
+
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == sorted(FILES)  # where told, nothing else
+    assert bundle_problems(tmp_path / "out") == []
 
 
 @no_real_gpu
@@ -617,9 +670,22 @@ def test_the_gpu_tiers_compile_tests_skip_where_the_compiled_checks_have_no_verd
     bare = run(probe, env={"PATH": str(tmp_path), "CC": ""}, port=False, quiet=None, timeout=300)
     assert bare.returncode == 0 and "1 skipped" in bare.stdout, bare.stdout[-2000:]
     assert "torch.compile cannot build code here: no C compiler" in bare.stdout, bare.stdout[-2000:]
-    if compile_problem() is None:  # where the toolchain is whole, the mark lets the test run
+    if compile_blocker() is None:  # where the toolchain is whole, the mark lets the test run
         whole = run(probe, port=False, quiet=None, timeout=300)
         assert whole.returncode == 0 and "1 passed" in whole.stdout, whole.stdout[-2000:]
+
+
+def test_the_compiles_mark_and_the_compiled_checks_ask_one_probe(monkeypatch):
+    """A machine where Triton cannot find libcuda.so.1 (or write its cache) has no verdict for the compiled
+    checks: the gpu tier's compile tests must skip there for the same reason, not fail gpu-tests."""
+    from tests import marks
+
+    why = "Triton cannot find libcuda.so.1 (no ldconfig entry)"
+    monkeypatch.setattr(machine_module, "compile_problem", lambda include_dir=None: None)
+    monkeypatch.setattr(machine_module, "triton_runtime_problem", lambda: why)
+    assert marks.compile_problem.__wrapped__() == why
+    monkeypatch.setattr(machine_module, "compile_blocker", lambda: "the one probe")
+    assert marks.compile_problem.__wrapped__() == "the one probe"
 
 
 def test_compile_problem_names_a_missing_compiler_or_header(tmp_path, monkeypatch):
@@ -642,11 +708,14 @@ def test_compile_problem_names_a_missing_compiler_or_header(tmp_path, monkeypatc
 def test_the_slot_runs_nothing_twice_and_compiled_runs_are_short():
     """The budget (7 minutes on a cold H200) has no room for a test that repeats a dedicated check, and a
     compiled run's time is its compilation: its steady steps are fewer than the eager runs'."""
-    args = gc._parser().parse_args([])
+    args = gc._parser().parse_args(["--compile"])
     checks = {c.name: c for c in gc.plan_checks(args, 1)}
     tier = checks["gpu-tests"].cmd
     expression = tier[tier.index("-k") + 1]
     assert "not kill_and_resume" in expression and "not bench_raw_path_on_one_gpu" in expression
+    assert tier[tier.index("-m", 2) + 1] == "gpu"  # --compile: the compiles tests too
+    default_tier = next(c for c in gc.plan_checks(plan_args(), 1) if c.name == "gpu-tests").cmd
+    assert default_tier[default_tier.index("-m", 2) + 1] == "gpu and not compiles"
     assert checks["cuda-kill-resume"].cmd[checks["cuda-kill-resume"].cmd.index("-k") + 1] == gc.RESUME_TEST
     from tests.gpu import test_gpu
 
@@ -660,6 +729,15 @@ def test_the_slot_runs_nothing_twice_and_compiled_runs_are_short():
     assert steps("resnet50-pack") == (args.warmup_steps, args.steps)
     assert steps("resnet50-pack-compiled") == steps("resnet50-raw-compiled") == (gc.COMPILED_WARMUP, gc.COMPILED_STEPS)
     assert sum(steps("resnet50-pack-compiled")) < sum(steps("resnet50-pack"))
+    # No timed step is the first log step (batch LOG_EVERY_N_STEPS - 1: a new branch, maybe a recompile), even
+    # with a shorter --warmup-steps.
+    from ddp_recipes.bench.harness.components import LOG_EVERY_N_STEPS
+
+    assert gc.COMPILED_WARMUP >= LOG_EVERY_N_STEPS
+    short = {c.name: c for c in gc.plan_checks(plan_args("--warmup-steps", "3", "--compile"), 1)}
+    for name in ("resnet50-pack", "resnet50-raw", "resnet50-pack-compiled"):
+        cmd = short[name].cmd
+        assert int(cmd[cmd.index("--warmup-steps") + 1]) >= LOG_EVERY_N_STEPS, name
 
 
 # ---- sync-debug spans log steps (issue #39.4) -----------------------------------------------------------------
