@@ -42,6 +42,7 @@ from ddp_recipes.data.loader_workers import kill_loader_workers_at_exit, loader_
 from ddp_recipes.data.resumable import ResumableDataLoader, ResumableSampler, SeededDataset
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from ddp_recipes.data.streams import RankShardedStream, StreamLoader, classify
+from ddp_recipes.lightning_seam import reach
 from ddp_recipes.lightning_seam.connectors import install_loader_hook
 from ddp_recipes.lightning_seam.reach import is_distributed, update_dataloader, uses_distributed_sampler
 
@@ -75,6 +76,8 @@ class _LoaderAdopter:
         else:
             adopted = None
         prepared = adopted if adopted is not None else default(dataloader, shuffle, mode)
+        if adopted is not None and isinstance(dataloader, DataLoader):
+            adopted.pin_memory = pin_memory_for(dataloader, self.trainer.strategy.root_device.type)
         if mode in _EVAL and isinstance(prepared, DataLoader) and prepared.generator is None:
             # Each evaluation iterator draws its base seed from the global torch RNG that training's dropout
             # uses, and Lightning's mid-epoch restart creates one for a validation it skips (sometimes one
@@ -238,6 +241,14 @@ def _rebuilt(loader: DataLoader, dataset: Any, seed: int, cls: type[DataLoader] 
                     persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
                     in_order=loader.in_order)
     return cls(dataset, **{**settings, **kwargs})
+
+
+def pin_memory_for(loader: DataLoader, device_type: str) -> bool:
+    """``pin_memory`` of the pack's rebuild of ``loader`` when training on ``device_type``: the user's when they
+    passed it (Lightning records the arguments of a loader made in a ``*_dataloader`` hook), else True on CUDA,
+    where a batch copied from pageable memory blocks the host."""
+    chosen = "pin_memory" in (reach.loader_args_given(loader) or ())
+    return loader.pin_memory if chosen else loader.pin_memory or device_type == "cuda"
 
 
 def adopt_user_loaders(trainer: L.Trainer) -> None:
