@@ -108,29 +108,21 @@ def ceiling_range(ceiling: dict[str, Any]) -> tuple[float, float]:
     return min(probes), max(probes)
 
 
-def ceiling_reach(ceiling: dict[str, Any]) -> str:
-    """"1.54x", or "1.54-1.93x (2 probes)" when the probes differ."""
-    low, high = ceiling_range(ceiling)
-    return f"{low:.2f}x" if high - low < 0.005 else f"{low:.2f}-{high:.2f}x ({len(ceiling['probes'])} probes)"
-
-
 def ceiling_words(ceiling: dict[str, Any], measured: float | None = None) -> str:
-    """The probed ceiling in words, as a range when re-probed. A probe runs while other work may share the host: a
-    measured speedup above it shows the probe was disturbed by that load, never that the speedup is impossible."""
-    words = f"{ceiling['workers']} concurrent single-thread workers reach {ceiling_reach(ceiling)} one alone's compute"
-    if measured is not None and measured > ceiling_range(ceiling)[1]:
-        return (f"{words}, below the measured {measured:.2f}x: other load on the host disturbed the probe, so it "
-                "bounds nothing here")
-    return f"{words}: a CPU speedup near that is the host's limit, not DDP's"
+    """The probed ceiling in words (a range when re-probed). The probe shares the host with other work: a measured
+    speedup above it means that load disturbed the probe, never that the speedup is impossible."""
+    low, high = ceiling_range(ceiling)
+    words = f"{ceiling['workers']} single-thread workers reach {low:.2f}x" + (f"-{high:.2f}x" if high > low else "")
+    if measured is not None and measured > high:
+        return f"{words} one alone's rate, below the measured {measured:.2f}x: other load disturbed the probe"
+    return f"{words} one alone's rate: a CPU speedup near that is the host's limit, not DDP's"
 
 
 def parallel_warning(devices: int, ceiling: dict[str, Any] | None, threshold: float = 0.8,
                      measured: float | None = None) -> str | None:
-    """A warning when the host could not run ``devices`` single-thread workers at ``threshold`` of full speed.
-
-    Uses the probed ``ceiling`` (:func:`ceiling_words`, given the ``measured`` speedup) when it was probed with
-    ``devices`` workers, else the usable CPU count.
-    """
+    """A warning when the host could not run ``devices`` single-thread workers at ``threshold`` of full speed: the
+    probed ``ceiling`` (:func:`ceiling_words`, beside the ``measured`` speedup) when it had ``devices`` workers, else
+    the usable CPU count."""
     if devices <= 1:
         return None
     if ceiling and ceiling.get("workers") == devices:

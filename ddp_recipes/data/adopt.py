@@ -10,18 +10,16 @@ and knows what it is for, so the pack takes over there:
   ``PL_GLOBAL_SEED``), a position Lightning saves and restores mid-epoch, and augmentation seeded per
   sample, so loader workers draw the same crops after a restart (any ``num_workers``). Loaders it cannot
   rebuild (DataLoader subclasses, custom samplers or batch samplers) keep Lightning's handling and get one
-  warning naming the loader and what a resume will not reproduce. litdata's ``StreamingDataLoader`` splits by
-  rank and keeps its own position (in the checkpoint): it is kept, after checking that its dataset was built
-  for this rank (:func:`~ddp_recipes.data.litdata_lib.adopt_litdata_loader`). Any other iterable dataset,
-  which Lightning does not split at all, is split by position where that is safe, or named with the fix
-  (:mod:`ddp_recipes.data.streams`).
+  warning naming the loader and what a resume will not reproduce. litdata's loader (split by rank, its position
+  in the checkpoint) is kept once checked for this rank; other iterable datasets are split by position where that
+  is safe, or named with the fix (:mod:`ddp_recipes.data.streams`).
 * **evaluation**: a non-shuffled or shuffled sampler becomes an unpadded
   :class:`~ddp_recipes.data.samplers.ExactDistributedSampler` shard; a user's own padding sampler is
   kept, with a warning that says how many samples are scored twice. (Prediction is Lightning's already
   unpadded ``UnrepeatedDistributedSamplerWrapper``.)
 
 The dataset the training loader holds is then a :class:`~ddp_recipes.data.resumable.SeededDataset`
-wrapping the user's (``.dataset`` of it is theirs).
+wrapping the user's (``.dataset`` of it is theirs). A rebuilt loader pins memory on CUDA (:func:`pin_memory_for`).
 """
 
 from __future__ import annotations

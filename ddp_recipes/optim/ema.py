@@ -38,16 +38,10 @@ def adjusted_decay(decay: float, world_size: int, per_device_batch: int, update_
 
     An EMA of decay ``d`` forgets with a time constant of ``1 / (1 - d)`` *updates*. The reference (after
     pycls) wants that constant to be a fixed share of the run, whatever its shape. A run makes
-    ``dataset / (world_size * per_device_batch * update_every)`` updates per epoch, so with the dataset size
-    left out::
-
-        adjust = world_size * per_device_batch * update_every / epochs
-        alpha  = min(1, (1 - decay) * adjust)
-        return 1 - alpha
-
-    ``decay`` is then the value tuned for one sample per update over one epoch: 0.99998 with 8 devices x 128
-    images, every 32 steps, over 600 epochs gives 1 - 2e-5 * 54.61 = 0.998908. Updates are counted in
-    optimizer steps, so with gradient accumulation pass the batch of one optimizer step on one device
+    ``dataset / (world_size * per_device_batch * update_every)`` updates per epoch, hence the ``adjust`` below
+    (the dataset size left out). ``decay`` is then the value tuned for one sample per update over one epoch:
+    0.99998 with 8 devices x 128 images, every 32 steps, over 600 epochs gives 1 - 2e-5 * 54.61 = 0.998908.
+    Updates count optimizer steps: with gradient accumulation pass one optimizer step's batch on one device
     (per-device batch x accumulation); the reference has no accumulation.
     """
     EMAArgs(decay, update_every)  # checks them
@@ -101,8 +95,7 @@ class ModelEMA(Callback):
 
     The average lives here, not in the LightningModule, so DDP neither broadcasts it nor waits for its
     gradients; it has the network's device and dtypes and no gradients. :attr:`network` is the averaged
-    network (None before the fit, validation or test starts). The update count is a host int: torch's
-    ``AveragedModel`` keeps it in a CPU tensor and copies it to the device at every update (a blocking copy on CUDA).
+    network (None before the fit, validation or test starts).
     """
 
     def __init__(self, decay: float = EMAArgs.decay, update_every: int = EMAArgs.update_every,
@@ -112,7 +105,8 @@ class ModelEMA(Callback):
         self.update_every = int(update_every)
         self.warmup_epochs = float(warmup_epochs)
         self._ema: nn.Module | None = None
-        self._count = 0  # updates averaged since the last copy
+        # Updates since the last copy, a host int: AveragedModel's CPU tensor is copied to the device per update.
+        self._count = 0
         self._source: weakref.ref[nn.Module] | None = None  # the network the copy was made from
         self._pending: dict[str, Any] | None = None
         self._warmup_steps = 0

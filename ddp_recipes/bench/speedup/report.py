@@ -5,7 +5,7 @@ turns the integer keys of ``overhead_ratio`` into strings). Every top-level key 
 
 ``host``         :func:`ddp_recipes.bench.hostinfo.host_facts` (cpu_count, usable_cpus, torch, ...).
 ``config``       the run's settings: model, per-device batch, steps, precision, accelerator, threads, ...
-``ceiling``      :func:`ddp_recipes.bench.hostinfo.parallel_ceiling` (CPU runs): ``ceiling``, ``relative``.
+``ceiling``      :func:`ddp_recipes.bench.hostinfo.parallel_ceiling` (CPU runs), ``probes`` when re-probed.
 ``runs``         one dict per measured (impl, devices):
                    ``impl``                      "pack" (this library), "raw" (plain torch DDP), "dp", ...
                    ``devices``                   N, the world size
@@ -40,9 +40,10 @@ import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
+from textwrap import fill
 from typing import Any
 
-from ddp_recipes.bench.hostinfo import ceiling_range, ceiling_reach, ceiling_words
+from ddp_recipes.bench.hostinfo import ceiling_range, ceiling_words
 from ddp_recipes.extras import install_hint
 
 PLOT_DEVICES = (1, 2, 4, 8, 16)
@@ -65,11 +66,8 @@ def compute_speedups(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def best_speedups(runs: Iterable[dict[str, Any]]) -> dict[int, float]:
     """{N: the highest speedup any impl measured at N}."""
-    best: dict[int, float] = {}
-    for r in compute_speedups(runs):
-        if r["speedup"] is not None:
-            best[r["devices"]] = max(best.get(r["devices"], 0.0), r["speedup"])
-    return best
+    speedups = sorted((r["speedup"], r["devices"]) for r in compute_speedups(runs) if r["speedup"] is not None)
+    return {n: speedup for speedup, n in speedups}  # ascending: the highest is the one kept
 
 
 def overhead_ratios(runs: Iterable[dict[str, Any]], impl: str = "pack", baseline: str = "raw") -> dict[int, float]:
@@ -308,9 +306,7 @@ def speedup_figure(results: dict[str, Any]):
                 linewidth=1.2, label="predicted: " + ", ".join(group["links"]))
     if ceiling:
         w = ceiling["workers"]
-        label = f"host parallel ceiling: {w} workers reach {ceiling_reach(ceiling)}"
-        if best_speedups(runs).get(w, 0.0) > ceiling_range(ceiling)[1]:
-            label += "\n(below the measured speedup: probe disturbed by other load)"
+        label = fill("host parallel ceiling: " + ceiling_words(ceiling, best_speedups(runs).get(w)), 64)
         for i, probe in enumerate(ceiling.get("probes") or [ceiling["ceiling"]]):  # a short bar per probe
             ax.plot([w / 1.12, w * 1.12], [100 * probe / w] * 2, color="dimgray", linewidth=3,
                     label=None if i else label)

@@ -132,7 +132,7 @@ def test_a_probe_below_a_measured_speedup_is_called_disturbed_never_an_impossibi
     for text in (md, warned):
         assert "disturbed" in text and "1.80x" in text
     reprobed = {**low, "probes": [0.9, 1.2]}
-    assert "0.90-1.20x (2 probes)" in parallel_warning(2, reprobed, measured=1.8)
+    assert "0.90x-1.20x" in parallel_warning(2, reprobed, measured=1.8)
     assert parallel_warning(2, {**low, "probes": [0.9, 1.85]}, measured=1.8) is None  # the re-probe found the cores
     assert "disturbed" not in parallel_warning(2, low, measured=0.85)  # a speedup at or below it: the host's limit
     for text in (md, warned, parallel_warning(2, low), parallel_warning(10_000, None)):
@@ -189,8 +189,7 @@ def test_plot_draws_efficiency_with_one_line_per_distinct_prediction(tmp_path):
         assert len(set(curves)) == len(curves)
         assert {"measured pack", "measured raw", "ideal (100%)"} <= set(labels)
         ceiling = [lb for lb in labels if lb.startswith("host parallel ceiling")]
-        assert ceiling == ["host parallel ceiling: 2 workers reach 0.90x\n"
-                           "(below the measured speedup: probe disturbed by other load)"]  # 1.8x measured
+        assert len(ceiling) == 1 and "reach 0.90x" in ceiling[0] and "disturbed" in ceiling[0]  # 1.8x measured
         pack = next(line for line in ax.get_lines() if line.get_label() == "measured pack")
         assert list(pack.get_ydata()) == pytest.approx([100.0, 90.0])  # 180/100 = 1.8x on 2 = 90%
         assert any(t.get_text() == "1.80x" for t in ax.texts)  # the speedup beside its point
