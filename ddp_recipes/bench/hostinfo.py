@@ -102,25 +102,38 @@ def parallel_ceiling(n: int, seconds: float = DEFAULT_SECONDS, size: int = DEFAU
     }
 
 
-def parallel_warning(devices: int, ceiling: dict[str, Any] | None, threshold: float = 0.8) -> str | None:
-    """A warning when the host cannot run ``devices`` single-thread workers at ``threshold`` of full speed.
+def ceiling_range(ceiling: dict[str, Any]) -> tuple[float, float]:
+    """The lowest and highest of the ceiling's probes (``probes``: the re-probes, when taken)."""
+    probes = ceiling.get("probes") or [ceiling["ceiling"]]
+    return min(probes), max(probes)
 
-    Uses the measured ``ceiling`` when it was measured with ``devices`` workers, else the usable CPU count.
-    """
+
+def ceiling_words(ceiling: dict[str, Any], measured: float | None = None) -> str:
+    """The probed ceiling in words (a range when re-probed). The probe shares the host with other work: a measured
+    speedup above it means that load disturbed the probe, never that the speedup is impossible."""
+    low, high = ceiling_range(ceiling)
+    words = f"{ceiling['workers']} single-thread workers reach {low:.2f}x" + (f"-{high:.2f}x" if high > low else "")
+    if measured is not None and measured > high:
+        return f"{words} one alone's rate, below the measured {measured:.2f}x: other load disturbed the probe"
+    return f"{words} one alone's rate: a CPU speedup near that is the host's limit, not DDP's"
+
+
+def parallel_warning(devices: int, ceiling: dict[str, Any] | None, threshold: float = 0.8,
+                     measured: float | None = None) -> str | None:
+    """A warning when the host could not run ``devices`` single-thread workers at ``threshold`` of full speed: the
+    probed ``ceiling`` (:func:`ceiling_words`, beside the ``measured`` speedup) when it had ``devices`` workers, else
+    the usable CPU count."""
     if devices <= 1:
         return None
     if ceiling and ceiling.get("workers") == devices:
-        value = ceiling["ceiling"]
-        if value >= threshold * devices:
+        if ceiling_range(ceiling)[1] >= threshold * devices:
             return None
-        return (f"{devices} concurrent single-thread workers get only ~{value:.2f} workers' worth of compute on "
-                f"this host (each ~{ceiling['relative_mean']:.0%} of a lone one; {ceiling['usable_cpus']} usable "
-                f"CPUs): a CPU speedup above ~{value:.2f}x is impossible here and says nothing about DDP")
+        return f"host parallel ceiling: {ceiling_words(ceiling, measured)} ({ceiling['usable_cpus']} usable CPUs)"
     cpus = usable_cpus()
     if devices <= cpus:
         return None
-    return (f"{devices} workers on {cpus} usable CPUs: they time-share, so a CPU speedup above {cpus}x is "
-            f"impossible here and says nothing about DDP")
+    return (f"{devices} workers on {cpus} usable CPUs: they time-share, so a CPU speedup near {cpus}x is the "
+            f"host's limit, not DDP's")
 
 
 def _version(package: str) -> str | None:

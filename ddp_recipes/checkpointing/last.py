@@ -7,23 +7,18 @@ Lightning's ``ModelCheckpoint(save_last=True)`` refreshes ``last.ckpt`` only whe
 from __future__ import annotations
 
 import os
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from ddp_recipes.checkpointing import kept
 from ddp_recipes.checkpointing.checkpoint import RUN_KEY
-from ddp_recipes.checkpointing.preemption import Preempted, requeue_slurm_job, skip_sigterm_broadcast
+from ddp_recipes.checkpointing.preemption import AgreedStop
 from ddp_recipes.checkpointing.run_folder import ownership
-from ddp_recipes.checkpointing.vote import StopVote
 from ddp_recipes.lightning_seam import reach
-from ddp_recipes.lightning_seam.connectors import FlagSignalConnector, install_flag_signals
 from ddp_recipes.storage import Url, location
 
 LAST = "last.ckpt"
@@ -32,15 +27,17 @@ RECIPE_RESUME = "rerun with --resume auto"
 LIBRARY_RESUME = 'run the script again with trainer.fit(..., ckpt_path="last") to continue from it'
 
 
-class LastCheckpoint(Checkpoint):
-    """``<dirpath>/last.ckpt`` at every epoch end and every ``every_n_steps`` steps; saves and exits on SIGTERM
-    (and SLURM's requeue signal), on rank 0. A fit that stops inside its epoch saves at that batch's end, as a
-    preemption does: a save from the epoch-end hooks would say the epoch is over and a continued run would skip its
-    rest. A ``Checkpoint``, so its epoch-end hook runs after the LightningModule's; ``fast_dev_run`` writes nothing.
+class LastCheckpoint(Checkpoint, AgreedStop):
+    """``<dirpath>/last.ckpt`` at every epoch end, every ``every_n_steps`` steps and where the ranks agree to stop on
+    a signal (:class:`~ddp_recipes.checkpointing.preemption.AgreedStop`), on rank 0. A fit that stops inside its
+    epoch saves at that batch's end, as a preemption does: a save from the epoch-end hooks would say the epoch is
+    over and a continued run would skip its rest. A ``Checkpoint``, so its epoch-end hook runs after the
+    LightningModule's; ``fast_dev_run`` writes nothing.
     """
 
     def __init__(self, dirpath: str | os.PathLike | None, every_n_steps: int = 0,
                  resume_hint: str | None = None, words: ownership.Words | None = None) -> None:
+        super().__init__()
         if every_n_steps < 0:
             raise ValueError(f"--checkpoint-every-n-steps must be >= 0 (got {every_n_steps})")
         # None: set before fit (build_trainer puts it under the Trainer's default_root_dir). A URL stays one:
@@ -53,20 +50,11 @@ class LastCheckpoint(Checkpoint):
         # the preemption message's last words: how to continue
         self.resume_hint = resume_hint or (LIBRARY_RESUME if words is ownership.LIBRARY else RECIPE_RESUME)
         self.run_id: str | None = None
-        self._seen_step = -1
         self._saved_step = -1
-        self._signals: FlagSignalConnector | None = None
-        self._vote: StopVote | None = None
 
     @property
     def path(self) -> Path | Url:
         return self.dirpath / LAST
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == TrainerFn.FITTING:
-            self._signals = install_flag_signals(trainer)
-            skip_sigterm_broadcast(trainer)
 
     # ---- the cadence -----------------------------------------------------------------------------------
 
@@ -74,11 +62,11 @@ class LastCheckpoint(Checkpoint):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The step this process starts at is a boundary already passed (and saved, when resuming): the
         # first micro-batch of an accumulation window must not look like a new optimizer step.
-        self._seen_step = self._saved_step = trainer.global_step
+        super().on_train_start(trainer, pl_module)
+        self._saved_step = trainer.global_step
         resumed = trainer.ckpt_path
         kept.started(resumed, trainer.global_step,
                      own=resumed is not None and str(resumed).startswith(str(self.dirpath).rstrip("/") + "/"))
-        self._vote = StopVote.open(trainer)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -87,13 +75,12 @@ class LastCheckpoint(Checkpoint):
         if step == self._seen_step:
             return  # an accumulation micro-batch: no optimizer step, no boundary
         self._seen_step = step
-        signum = self._agreed_signal(trainer, step=step)
+        signum = self._agreed_signal(trainer)
         last_of_epoch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         due = self.every_n_steps > 0 and step % self.every_n_steps == 0 and not last_of_epoch
         if signum or due or (not last_of_epoch and _stops_after_this_batch(trainer, step)):
             self.save(trainer)
-        if signum:
-            self._exit(trainer, signum)
+        self._exit(trainer, signum)
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -103,34 +90,17 @@ class LastCheckpoint(Checkpoint):
     @override
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.save(trainer)
-        signum = self._agreed_signal(trainer, now=True)  # a signal during epoch-end validation lands here
-        if signum:
-            self._exit(trainer, signum)
-
-    @override
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        signum = self._agreed_signal(trainer, now=True)
-        self._close_vote()
-        if signum:  # training is over and saved; do not start testing inside the grace period
-            self.save(trainer)
-            self._exit(trainer, signum)
+        self._exit(trainer, self._agreed_signal(trainer, now=True))  # a signal during epoch-end validation lands here
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, Preempted) and self._vote is not None:  # Preempted: closed already
-            self._vote.abandon()  # a failing rank must not wait for peers that may be gone
-            self._vote = None
+        super().on_exception(trainer, pl_module, exception)
         self.teardown(trainer, pl_module, "fit")
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.is_global_zero and self.run_id and not trainer.fast_dev_run:
             ownership.release(self.dirpath, self.run_id)  # the fit is over: it holds the folder no more
-
-    def _close_vote(self) -> None:
-        if self._vote is not None:
-            self._vote.close()
-            self._vote = None
 
     def save(self, trainer: L.Trainer) -> None:
         """Write last.ckpt (every rank calls; rank 0 writes), once per step."""
@@ -142,26 +112,8 @@ class LastCheckpoint(Checkpoint):
 
     # ---- preemption ----------------------------------------------------------------------------------
 
-    def _agreed_signal(self, trainer: L.Trainer, *, now: bool = False, step: int | None = None) -> int:
-        """The signal every rank acts on here (0 if none). At a step boundary: the stop agreed for this
-        boundary (a signal seen at one boundary stops every rank at the next); with ``now``, a vote that
-        waits for every rank (epoch end, train end)."""
-        local = int(self._signals.signum or 0) if self._signals is not None else 0
-        if self._vote is None:
-            return local
-        if now:
-            return self._vote.now(local)
-        return self._vote.at_boundary(trainer.global_step if step is None else step, local)
-
-    def _exit(self, trainer: L.Trainer, signum: int) -> None:
-        requeued = requeue_slurm_job(trainer, signum)
-        name = signal.Signals(signum).name
-        message = (f"preempted by {name} at step {trainer.global_step} (epoch {trainer.current_epoch}): checkpoint "
-                   f"saved to {self.path}{requeued}; {self.resume_hint}")
-        if trainer.is_global_zero:
-            print(message, file=sys.stderr, flush=True)
-        self._close_vote()
-        raise Preempted(signum, message)
+    def _kept(self, requeued: str) -> str:
+        return f"checkpoint saved to {self.path}{requeued}; {self.resume_hint}"
 
 
 def _stops_after_this_batch(trainer: L.Trainer, step: int) -> bool:

@@ -17,8 +17,13 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
+from ddp_recipes.checkpointing.vote import StopVote
 from ddp_recipes.lightning_seam import reach
+from ddp_recipes.lightning_seam.connectors import FlagSignalConnector, install_flag_signals
 
 LAUNCHER_PID_VAR = "DDP_RECIPES_LAUNCHER_PID"  # in the environment of the ranks Lightning launched, only
 
@@ -72,17 +77,87 @@ class Preempted(SystemExit):
 
 
 def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
-    """Take out Lightning's per-step SIGTERM broadcast (a collective and a device-to-host read before every
-    batch at 2+ ranks): under the pack's ``FlagSignalConnector`` its flag stays False (the stop is agreed through
-    the rendezvous store, :mod:`~ddp_recipes.checkpointing.vote`), so it can only ever say "go on"."""
+    """Take out Lightning's per-step SIGTERM broadcast (a collective and a device-to-host read before every batch at
+    2+ ranks): under the pack's ``FlagSignalConnector`` its flag stays False, the stop being agreed through the store
+    (:class:`AgreedStop`), so it can only ever say "go on"."""
     reach.replace_sigterm_broadcast(trainer, _agreed_elsewhere)
 
 
 SIGTERM_BROADCAST = reach.SIGTERM_BROADCAST  # the tests' name for it
 
 
-def _agreed_elsewhere() -> None:
-    """The stop is agreed at step boundaries by the pack's vote: nothing to broadcast."""
+def _agreed_elsewhere() -> None:  # the vote agrees the stop: nothing to broadcast (a function: it pickles)
+    return None
+
+
+class AgreedStop(Callback):
+    """The ranks' agreement on a signal (module docstring), which replaces Lightning's broadcast before every step.
+    Alone (build_trainer's at 2+ ranks without ``last.ckpt``) every rank exits at the agreed step, saving nothing;
+    :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` saves there first."""
+
+    def __init__(self) -> None:
+        self._signals: FlagSignalConnector | None = None
+        self._vote: StopVote | None = None
+        self._seen_step = -1
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == TrainerFn.FITTING:
+            self._signals = install_flag_signals(trainer)
+            skip_sigterm_broadcast(trainer)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._seen_step = trainer.global_step
+        self._vote = StopVote.open(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step != self._seen_step:  # an optimizer step's boundary, not an accumulation batch
+            self._seen_step = trainer.global_step
+            self._exit(trainer, self._agreed_signal(trainer))
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        signum = self._agreed_signal(trainer, now=True)
+        self._close_vote()
+        self._exit(trainer, signum)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, Preempted) and self._vote is not None:  # Preempted: closed already
+            self._vote.abandon()  # a failing rank must not wait for peers that may be gone
+            self._vote = None
+
+    def _agreed_signal(self, trainer: L.Trainer, *, now: bool = False) -> int:
+        """The signal every rank acts on at this step boundary (0: none), or with ``now`` (one blocking vote)."""
+        local = int(self._signals.signum or 0) if self._signals is not None else 0
+        if self._vote is None:
+            return local
+        return self._vote.now(local) if now else self._vote.at_boundary(trainer.global_step, local)
+
+    def _close_vote(self) -> None:
+        if self._vote is not None:
+            self._vote.close()
+            self._vote = None
+
+    def _kept(self, requeued: str) -> str:  # the message's end: what was saved, how to continue
+        return f"nothing saved (this run has no last.ckpt){requeued}"
+
+    def _exit(self, trainer: L.Trainer, signum: int) -> None:
+        if not signum:
+            return
+        self.save(trainer)  # at most once per step
+        message = (f"preempted by {signal.Signals(signum).name} at step {trainer.global_step} (epoch "
+                   f"{trainer.current_epoch}): {self._kept(requeue_slurm_job(trainer, signum))}")
+        if trainer.is_global_zero:
+            print(message, file=sys.stderr, flush=True)
+        self._close_vote()
+        raise Preempted(signum, message)
+
+    def save(self, trainer: L.Trainer) -> None:
+        """Where :class:`~ddp_recipes.checkpointing.last.LastCheckpoint` writes ``last.ckpt``: nothing to save alone."""
 
 
 def requeue_slurm_job(trainer: L.Trainer, signum: int) -> str:

@@ -10,18 +10,16 @@ and knows what it is for, so the pack takes over there:
   ``PL_GLOBAL_SEED``), a position Lightning saves and restores mid-epoch, and augmentation seeded per
   sample, so loader workers draw the same crops after a restart (any ``num_workers``). Loaders it cannot
   rebuild (DataLoader subclasses, custom samplers or batch samplers) keep Lightning's handling and get one
-  warning naming the loader and what a resume will not reproduce. litdata's ``StreamingDataLoader`` splits by
-  rank and keeps its own position (in the checkpoint): it is kept, after checking that its dataset was built
-  for this rank (:func:`~ddp_recipes.data.litdata_lib.adopt_litdata_loader`). Any other iterable dataset,
-  which Lightning does not split at all, is split by position where that is safe, or named with the fix
-  (:mod:`ddp_recipes.data.streams`).
+  warning naming the loader and what a resume will not reproduce. litdata's loader (split by rank, its position
+  in the checkpoint) is kept once checked for this rank; other iterable datasets are split by position where that
+  is safe, or named with the fix (:mod:`ddp_recipes.data.streams`).
 * **evaluation**: a non-shuffled or shuffled sampler becomes an unpadded
   :class:`~ddp_recipes.data.samplers.ExactDistributedSampler` shard; a user's own padding sampler is
   kept, with a warning that says how many samples are scored twice. (Prediction is Lightning's already
   unpadded ``UnrepeatedDistributedSamplerWrapper``.)
 
 The dataset the training loader holds is then a :class:`~ddp_recipes.data.resumable.SeededDataset`
-wrapping the user's (``.dataset`` of it is theirs).
+wrapping the user's (``.dataset`` of it is theirs). A rebuilt loader pins memory on CUDA (:func:`pin_memory_for`).
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ from ddp_recipes.data.loader_workers import kill_loader_workers_at_exit, loader_
 from ddp_recipes.data.resumable import ResumableDataLoader, ResumableSampler, SeededDataset
 from ddp_recipes.data.samplers import ExactDistributedSampler
 from ddp_recipes.data.streams import RankShardedStream, StreamLoader, classify
+from ddp_recipes.lightning_seam import reach
 from ddp_recipes.lightning_seam.connectors import install_loader_hook
 from ddp_recipes.lightning_seam.reach import is_distributed, update_dataloader, uses_distributed_sampler
 
@@ -75,6 +74,8 @@ class _LoaderAdopter:
         else:
             adopted = None
         prepared = adopted if adopted is not None else default(dataloader, shuffle, mode)
+        if adopted is not None and isinstance(dataloader, DataLoader):
+            adopted.pin_memory = pin_memory_for(dataloader, self.trainer.strategy.root_device.type)
         if mode in _EVAL and isinstance(prepared, DataLoader) and prepared.generator is None:
             # Each evaluation iterator draws its base seed from the global torch RNG that training's dropout
             # uses, and Lightning's mid-epoch restart creates one for a validation it skips (sometimes one
@@ -238,6 +239,14 @@ def _rebuilt(loader: DataLoader, dataset: Any, seed: int, cls: type[DataLoader] 
                     persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device,
                     in_order=loader.in_order)
     return cls(dataset, **{**settings, **kwargs})
+
+
+def pin_memory_for(loader: DataLoader, device_type: str) -> bool:
+    """``pin_memory`` of the pack's rebuild of ``loader`` when training on ``device_type``: the user's when they
+    passed it (Lightning records the arguments of a loader made in a ``*_dataloader`` hook), else True on CUDA,
+    where a batch copied from pageable memory blocks the host."""
+    chosen = "pin_memory" in (reach.loader_args_given(loader) or ())
+    return loader.pin_memory if chosen else loader.pin_memory or device_type == "cuda"
 
 
 def adopt_user_loaders(trainer: L.Trainer) -> None:

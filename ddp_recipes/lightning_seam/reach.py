@@ -159,6 +159,13 @@ def update_dataloader(loader: Any, sampler: Any, mode: Any) -> Any:
     return private("lightning.pytorch.utilities.data", "_update_dataloader")(loader, sampler, mode=mode)
 
 
+def loader_args_given(loader: Any) -> set[str] | None:
+    """The constructor arguments a loader made inside a ``*_dataloader`` hook was given, by name or position, as
+    Lightning records them for its rebuild; None for a loader made elsewhere (a default is then no choice)."""
+    names = getattr(loader, "__pl_saved_arg_names", None)
+    return None if names is None else {*names, *getattr(loader, "__pl_saved_kwargs", {})}
+
+
 def last_checkpoints_of(callback: Any, trainer: Any) -> set[str]:
     """A ModelCheckpoint's ``last`` files, for the survey of a run's checkpoints."""
     return callback._find_last_checkpoints(trainer)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
+from copy import deepcopy
 from typing import Any
 
 import lightning as L
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from typing_extensions import override
 
 from ddp_recipes.config.ema import EMAArgs
@@ -37,16 +38,10 @@ def adjusted_decay(decay: float, world_size: int, per_device_batch: int, update_
 
     An EMA of decay ``d`` forgets with a time constant of ``1 / (1 - d)`` *updates*. The reference (after
     pycls) wants that constant to be a fixed share of the run, whatever its shape. A run makes
-    ``dataset / (world_size * per_device_batch * update_every)`` updates per epoch, so with the dataset size
-    left out::
-
-        adjust = world_size * per_device_batch * update_every / epochs
-        alpha  = min(1, (1 - decay) * adjust)
-        return 1 - alpha
-
-    ``decay`` is then the value tuned for one sample per update over one epoch: 0.99998 with 8 devices x 128
-    images, every 32 steps, over 600 epochs gives 1 - 2e-5 * 54.61 = 0.998908. Updates are counted in
-    optimizer steps, so with gradient accumulation pass the batch of one optimizer step on one device
+    ``dataset / (world_size * per_device_batch * update_every)`` updates per epoch, hence the ``adjust`` below
+    (the dataset size left out). ``decay`` is then the value tuned for one sample per update over one epoch:
+    0.99998 with 8 devices x 128 images, every 32 steps, over 600 epochs gives 1 - 2e-5 * 54.61 = 0.998908.
+    Updates count optimizer steps: with gradient accumulation pass one optimizer step's batch on one device
     (per-device batch x accumulation); the reference has no accumulation.
     """
     EMAArgs(decay, update_every)  # checks them
@@ -109,7 +104,9 @@ class ModelEMA(Callback):
         self.decay = float(decay)
         self.update_every = int(update_every)
         self.warmup_epochs = float(warmup_epochs)
-        self._ema: AveragedModel | None = None
+        self._ema: nn.Module | None = None
+        # Updates since the last copy, a host int: AveragedModel's CPU tensor is copied to the device per update.
+        self._count = 0
         self._source: weakref.ref[nn.Module] | None = None  # the network the copy was made from
         self._pending: dict[str, Any] | None = None
         self._warmup_steps = 0
@@ -118,12 +115,12 @@ class ModelEMA(Callback):
     @property
     def network(self) -> nn.Module | None:
         """The averaged network (same class, keys and device as ``pl_module.model``), or None before it exists."""
-        return None if self._ema is None else self._ema.module
+        return self._ema
 
     @property
     def n_averaged(self) -> int:
         """Updates averaged since the last copy (0: the next update copies the weights)."""
-        return 0 if self._ema is None else int(self._ema.n_averaged)
+        return self._count
 
     # ---- building the copy, once the network sits on its device with its restored weights -------------
 
@@ -134,10 +131,8 @@ class ModelEMA(Callback):
     def _build(self, pl_module: L.LightningModule) -> None:
         network = network_of(pl_module)
         if self._ema is None or self._source is None or self._source() is not network:
-            ema = AveragedModel(network, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
-            ema.requires_grad_(False)
-            ema.module.eval()  # only ever evaluated
-            self._ema, self._source = ema, weakref.ref(network)
+            ema = deepcopy(network).requires_grad_(False).eval()  # only ever evaluated
+            self._ema, self._source, self._count = ema, weakref.ref(network), 0
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._apply(pending)
@@ -171,10 +166,20 @@ class ModelEMA(Callback):
         """One EMA update from ``pl_module.model`` now; ``copy``: a warm-up update (the next one copies)."""
         self._build(pl_module)
         assert self._ema is not None
-        self._ema.update_parameters(network_of(pl_module))
-        if copy:
-            # The reference's warm-up: keep copying, so the average starts from the warmed-up weights.
-            self._ema.n_averaged.fill_(0)
+        network, groups = network_of(pl_module), {}
+        # AveragedModel.update_parameters(use_buffers=True)'s arithmetic, torch's EMA per (device, dtype) group
+        for mine, theirs in zip((*self._ema.parameters(), *self._ema.buffers()),
+                                (*network.parameters(), *network.buffers()), strict=True):
+            if self._count == 0:
+                mine.copy_(theirs)
+            else:
+                group = groups.setdefault((mine.device, mine.dtype), ([], []))
+                group[0].append(mine)
+                group[1].append(theirs.detach())
+        for mine, theirs in groups.values():
+            get_ema_multi_avg_fn(self.decay)(mine, theirs, None)
+        # The reference's warm-up: keep copying, so the average starts from the warmed-up weights.
+        self._count = 0 if copy else self._count + 1
 
     # ---- rank agreement, where the ranks meet anyway ---------------------------------------------------
 
@@ -198,7 +203,7 @@ class ModelEMA(Callback):
         if self._ema is None or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
             return
         by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for buffer in self._ema.module.buffers():
+        for buffer in self._ema.buffers():
             by_dtype.setdefault((buffer.device, buffer.dtype), []).append(buffer)
         for buffers in by_dtype.values():
             flat = torch.cat([b.reshape(-1) for b in buffers])
@@ -214,7 +219,7 @@ class ModelEMA(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None or self._ema is None:
             return dict(self._pending or {})
-        return {"network": self._ema.module.state_dict(), "n_averaged": int(self._ema.n_averaged),
+        return {"network": self._ema.state_dict(), "n_averaged": self._count,
                 "decay": self.decay, "update_every": self.update_every}
 
     @override
@@ -226,8 +231,8 @@ class ModelEMA(Callback):
     @torch.no_grad()
     def _apply(self, state: Mapping[str, Any]) -> None:
         assert self._ema is not None
-        self._ema.module.load_state_dict(state["network"])
-        self._ema.n_averaged.fill_(int(state["n_averaged"]))
+        self._ema.load_state_dict(state["network"])
+        self._count = int(state["n_averaged"])
 
 
 def ema_state_dict(checkpoint: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:

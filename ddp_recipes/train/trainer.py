@@ -24,6 +24,7 @@ from ddp_recipes.checkpointing.exact_continuation import PREBUILT, ResumeState
 from ddp_recipes.checkpointing.files import see_published
 from ddp_recipes.checkpointing.last import LastCheckpoint
 from ddp_recipes.checkpointing.position import RunPosition
+from ddp_recipes.checkpointing.preemption import AgreedStop
 from ddp_recipes.checkpointing.run_folder import ownership
 from ddp_recipes.checkpointing.run_folder.resume import check_checkpoint_names, find_last_checkpoint
 from ddp_recipes.config.plan import DDPOptions, RunPlan
@@ -107,9 +108,11 @@ def build_trainer(
     ``checkpoint_every_n_steps`` steps; SIGTERM (and SLURM's requeue signal) only set a flag, every rank
     saves at the next step boundary and exits with 128 + signal; ``trainer.fit(..., ckpt_path="last")``
     continues from the newest complete checkpoint (starting fresh when there is none). ``preemption=False``
-    leaves signals and ``last.ckpt`` to the caller (Lightning's own handlers run). Without a checkpoint callback
-    of the caller's, Lightning's default ``ModelCheckpoint()`` is added as Lightning adds it (in ``last.ckpt``'s
-    folder): ``trainer.checkpoint_callback`` and ``ckpt_path="best"`` mean what they mean to Lightning.
+    leaves ``last.ckpt`` and signals to the caller (Lightning's own handlers run); ``enable_checkpointing=False`` at
+    2+ ranks keeps the pack's agreement: a signal stops every rank together, saving nothing.
+    Without a checkpoint callback of the caller's, Lightning's default ``ModelCheckpoint()`` is added as Lightning
+    adds it (in ``last.ckpt``'s folder): ``trainer.checkpoint_callback`` and ``ckpt_path="best"`` mean what they
+    mean to Lightning.
     Training loaders Lightning re-creates get the pack's resumable order and per-sample augmentation
     seeding; evaluation loaders an unpadded shard (:mod:`ddp_recipes.data.adopt`).
     """
@@ -184,6 +187,11 @@ def trainer_for(plan: RunPlan, *, lifecycle: Lifecycle | None = None, global_bat
         # copy of their state, so a resumed run knows the files they wrote.
         callbacks.remove(last)
         callbacks.append(last)
+    if plan.distributed and (lifecycle is None or lifecycle.preemption) and not any(isinstance(c, AgreedStop)
+                                                                                   for c in callbacks):
+        # No last.ckpt (enable_checkpointing=False): still no SIGTERM broadcast and read before every step.
+        # preemption=False is the caller's promise to handle signals with Lightning's own handlers: left to them.
+        callbacks.append(AgreedStop())
     if plan.accelerator == "cuda":
         callbacks.append(TF32Setting(plan.tf32))  # again in each rank: spawned ranks do not inherit it
         if not plan.distributed:

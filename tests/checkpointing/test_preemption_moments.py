@@ -63,6 +63,17 @@ def test_every_rank_stops_at_the_agreed_step(plan, accumulate, stop, code, tmp_p
     _check(tmp_path, done.stderr, stop, code)
 
 
+def test_without_last_ckpt_every_rank_still_stops_at_the_agreed_step_and_saves_nothing(tmp_path):
+    # enable_checkpointing=False: the agreement replaces Lightning's per-step broadcast here too
+    # (tests/cross_cutting/test_step_collectives.py counts it), so it must still stop every rank together.
+    done = start([SCENARIO, tmp_path, "1:3:backward", 1, "no-checkpointing"]).finish(timeout=300)
+    assert done.returncode == TERM, done.stderr[-3000:]
+    assert [r["step"] for r in _outcome(tmp_path)] == [4, 4] and [r["code"] for r in _outcome(tmp_path)] == [TERM] * 2
+    lines = [line for line in done.stderr.splitlines() if line.startswith("preempted by")]
+    assert lines == ["preempted by SIGTERM at step 4 (epoch 0): nothing saved (this run has no last.ckpt)"], done.stderr
+    assert not list(tmp_path.rglob("*.ckpt")) and "Traceback" not in done.stderr
+
+
 @pytest.mark.slow  # two more ranks' start-up; the fast set has one SLURM task in tests/checkpointing/test_resume.py
 def test_slurm_requeue_signal_to_one_task_stops_both_and_requeues_once(tmp_path):
     """Two srun tasks (one process each, as SLURM starts them); SIGUSR1 reaches task 1 only."""

@@ -81,6 +81,19 @@ def test_a_pack_step_issues_only_ddps_collectives_and_no_host_read(plain, tmp_pa
         assert at_epoch_end and all(a > b for a, b in at_epoch_end), at_epoch_end
 
 
+def test_without_last_ckpt_the_stop_agreement_still_replaces_lightnings_per_step_broadcast(plain, tmp_path):
+    # build_trainer(enable_checkpointing=False): no LastCheckpoint, the agreement alone (preemption=False is Lightning's).
+    alone = _counts(tmp_path, "pack-no-checkpointing")
+    for rank in range(2):
+        ours, theirs = steady(alone[rank]), steady(plain[rank])
+        assert len(ours) == len(theirs) >= 12
+        python = [(row["step"], row["python"]) for row in ours if lightnings(row)]
+        assert not python, f"rank {rank}: (step, collectives called from Python): {python}"
+        reads = [(row["step"], row["reads"]) for row in ours if row["reads"] and not row["logs"]]
+        assert not reads, f"rank {rank}: (step, host reads) in steps that do not log: {reads}"
+        assert [b["issued"] - a["issued"] for a, b in zip(ours, theirs, strict=True)] == [1] * len(ours)
+
+
 @pytest.mark.slow  # a third 2-rank fit, only to show the count sees what it must catch
 def test_the_count_sees_a_per_step_vote_on_a_group_of_its_own(plain, tmp_path):
     voted = _counts(tmp_path, "pack-per-step-vote")

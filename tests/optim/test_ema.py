@@ -256,3 +256,29 @@ def test_two_ranks_agree_and_log_exact_ema_metrics(tmp_path):
         assert r["metrics"]["val_acc_ema"] == pytest.approx(acc, abs=1e-7)
         assert r["metrics"]["val_loss_ema"] == pytest.approx(loss, rel=1e-5)
         assert "val_acc" in r["metrics"]
+
+
+def test_an_update_touches_only_the_networks_device():
+    """torch's AveragedModel keeps its step counter in a CPU tensor and copies it to the network's device at every
+    update: a blocking host-to-device copy per update on CUDA. Stand-in: the network on the meta device, where
+    any tensor on another device in an update's ops is such a copy (or a host read)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Devices(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[tuple[str, str]] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            leaves = [*torch.utils._pytree.tree_leaves(args), *torch.utils._pytree.tree_leaves(kwargs or {})]
+            self.seen |= {(func._schema.name, str(t.device)) for t in leaves if isinstance(t, torch.Tensor)}
+            return func(*args, **(kwargs or {}))
+
+    lit = module()
+    lit.model.to("meta")
+    ema = ModelEMA(decay=0.9, update_every=1)
+    with Devices() as mode:
+        for copy in (False, False, True, False):
+            ema.update(lit, copy=copy)
+    assert {device for _, device in mode.seen} == {"meta"}, sorted(mode.seen)
+    assert ema.n_averaged == 1 and {p.device.type for p in ema.network.parameters()} == {"meta"}

@@ -118,7 +118,8 @@ def _arm_saves(chaos: Chaos, trainer) -> None:
         exit_after_save = last.LastCheckpoint._exit
 
         def exit_killed(self, trainer, signum):
-            kill_job(f"agreed stop saved at step {trainer.global_step}")
+            if signum:  # called at every boundary; 0: no stop agreed there
+                kill_job(f"agreed stop saved at step {trainer.global_step}")
             exit_after_save(self, trainer, signum)
 
         last.LastCheckpoint._exit = exit_killed

@@ -8,6 +8,8 @@ CPU ranks, with
   callbacks, logger and progress bar);
 * ``plain``: ``L.Trainer(strategy="ddp")`` on the same module and tensors, with the same logger cadence,
   progress bar and a ModelCheckpoint;
+* ``pack-no-checkpointing``: ``build_trainer(enable_checkpointing=False)`` on the same module and loaders: no
+  ``last.ckpt`` callback, so the stop agreement stands alone;
 * ``pack-per-step-vote``: the pack plus a callback that does what the pack's preemption vote used to do
   (an asynchronous all-reduce of a flag on a gloo group of its own at every step): the count must see it.
 
@@ -92,6 +94,17 @@ def main(out: Path, mode: str) -> None:
                             enable_model_summary=False, num_sanity_val_steps=0)
         from ddp_recipes.data.samplers import keep_batch
 
+        trainer.fit(MNISTClassifier(arch="cnn"),
+                    DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=keep_batch),
+                    DataLoader(val, batch_size=BATCH, collate_fn=keep_batch))
+        return
+    if mode == "pack-no-checkpointing":
+        from ddp_recipes import build_trainer
+        from ddp_recipes.data.samplers import keep_batch
+
+        trainer = build_trainer(accelerator="cpu", devices=2, seed=0, max_epochs=EPOCHS, default_root_dir=out / mode,
+                                logger=CSVLogger(out / mode, name="logs"), log_every_n_steps=10,
+                                enable_checkpointing=False, callbacks=[counter], num_sanity_val_steps=0)
         trainer.fit(MNISTClassifier(arch="cnn"),
                     DataLoader(train, batch_size=BATCH, shuffle=True, collate_fn=keep_batch),
                     DataLoader(val, batch_size=BATCH, collate_fn=keep_batch))

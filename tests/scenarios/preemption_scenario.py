@@ -12,7 +12,8 @@ steps on 2 CPU ranks with ``build_trainer`` (validation twice per epoch). ``PLAN
   boundary (the latest moment of a step);
 * ``validation``: in the first ``validation_step`` after step STEP.
 
-With ``ACCUMULATE`` > 1 the moment is in the window's first micro-batch. Launched by Lightning
+With ``ACCUMULATE`` > 1 the moment is in the window's first micro-batch; a fourth argument ``no-checkpointing``
+fits with ``enable_checkpointing=False`` (no ``last.ckpt``: the stop agreement alone). Launched by Lightning
 (``--devices 2``), or one process per rank when SLURM's variables say so (a stand-in ``srun``). Each rank
 writes ``OUT/rank<r>.json``: the step it stopped at and its exit code.
 """
@@ -87,7 +88,7 @@ def parse_plan(text: str) -> list[tuple[int, int, str, int]]:
     return plan
 
 
-def main(out: Path, plan_text: str, accumulate: int) -> None:
+def main(out: Path, plan_text: str, accumulate: int, checkpointing: bool = True) -> None:
     g = torch.Generator().manual_seed(0)
     n = 2 * BATCH * STEPS_PER_EPOCH * accumulate
     train = TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 2, (n,), generator=g))
@@ -95,7 +96,7 @@ def main(out: Path, plan_text: str, accumulate: int) -> None:
     trainer = ddp_recipes.build_trainer(
         devices=2, accelerator="cpu", seed=0, max_epochs=EPOCHS, default_root_dir=str(out),
         accumulate_grad_batches=accumulate, val_check_interval=0.5, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0)
+        enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=checkpointing)
     model = Signalling(parse_plan(plan_text), accumulate)
     code = 0
     try:
@@ -108,4 +109,5 @@ def main(out: Path, plan_text: str, accumulate: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1,
+         sys.argv[4:5] != ["no-checkpointing"])

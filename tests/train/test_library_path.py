@@ -200,6 +200,33 @@ def test_a_plain_loader_becomes_resumable_and_an_iterable_one_is_named(tmp_path)
         trainer.fit(TinyNet(), DataLoader(Stream(), batch_size=2))
 
 
+class HookLoader(TinyNet):
+    """A loader made in the module's hook, where Lightning records the arguments it was given."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.kwargs, self.made = kwargs, None
+
+    def train_dataloader(self):
+        self.made = DataLoader(TensorDataset(torch.randn(8, 4), torch.arange(8) % 2), batch_size=2, **self.kwargs)
+        return self.made
+
+
+def test_a_rebuilt_loader_pins_memory_on_cuda_unless_its_maker_chose(tmp_path):
+    # On CUDA a batch copied from pageable memory blocks the host: the loader the pack rebuilds pins, unless the
+    # user passed pin_memory (seen only for a loader made in a *_dataloader hook: elsewhere a default is no choice).
+    from ddp_recipes.data.adopt import pin_memory_for
+
+    loose = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+    assert pin_memory_for(loose, "cuda") and not pin_memory_for(loose, "cpu")
+    for i, (kwargs, pinned) in enumerate((({}, True), ({"pin_memory": False}, False))):
+        module = HookLoader(**kwargs)
+        trainer = build_trainer(accelerator="cpu", max_steps=1, default_root_dir=str(tmp_path / str(i)), **QUIET)
+        trainer.fit(module)
+        assert pin_memory_for(module.made, "cuda") is pinned, kwargs
+        assert trainer.train_dataloader.pin_memory is pin_memory_for(module.made, "cpu")  # what the CPU run used
+
+
 class DropoutNet(TinyNet):
     """Dropout draws from the global torch RNG every step: any extra draw on resume changes the weights."""
 

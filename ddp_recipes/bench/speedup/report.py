@@ -5,7 +5,7 @@ turns the integer keys of ``overhead_ratio`` into strings). Every top-level key 
 
 ``host``         :func:`ddp_recipes.bench.hostinfo.host_facts` (cpu_count, usable_cpus, torch, ...).
 ``config``       the run's settings: model, per-device batch, steps, precision, accelerator, threads, ...
-``ceiling``      :func:`ddp_recipes.bench.hostinfo.parallel_ceiling` (CPU runs): ``ceiling``, ``relative``.
+``ceiling``      :func:`ddp_recipes.bench.hostinfo.parallel_ceiling` (CPU runs), ``probes`` when re-probed.
 ``runs``         one dict per measured (impl, devices):
                    ``impl``                      "pack" (this library), "raw" (plain torch DDP), "dp", ...
                    ``devices``                   N, the world size
@@ -40,8 +40,10 @@ import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
+from textwrap import fill
 from typing import Any
 
+from ddp_recipes.bench.hostinfo import ceiling_range, ceiling_words
 from ddp_recipes.extras import install_hint
 
 PLOT_DEVICES = (1, 2, 4, 8, 16)
@@ -60,6 +62,12 @@ def compute_speedups(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             r["speedup"] = r["efficiency"] = None
     return runs
+
+
+def best_speedups(runs: Iterable[dict[str, Any]]) -> dict[int, float]:
+    """{N: the highest speedup any impl measured at N}."""
+    speedups = sorted((r["speedup"], r["devices"]) for r in compute_speedups(runs) if r["speedup"] is not None)
+    return {n: speedup for speedup, n in speedups}  # ascending: the highest is the one kept
 
 
 def overhead_ratios(runs: Iterable[dict[str, Any]], impl: str = "pack", baseline: str = "raw") -> dict[int, float]:
@@ -153,9 +161,8 @@ def markdown_report(results: dict[str, Any]) -> str:
         parts += ["Config: " + ", ".join(f"{k}={v}" for k, v in config.items()) + ".", ""]
     ceiling = results.get("ceiling")
     if ceiling:
-        parts += [f"Host parallel ceiling: {ceiling['workers']} single-thread matmul workers at once reach "
-                  f"{ceiling['ceiling']:.2f}x one alone (each {ceiling['relative_mean']:.0%}); a measured CPU "
-                  f"speedup cannot exceed this.", ""]
+        measured = best_speedups(runs).get(ceiling["workers"])
+        parts += [f"Host parallel ceiling (single-thread matmul probe): {ceiling_words(ceiling, measured)}.", ""]
     parts += ["## Measured", "", runs_table(runs), ""]
     ratios = results.get("overhead_ratio")
     if ratios is None:
@@ -285,11 +292,12 @@ def speedup_figure(results: dict[str, Any]):
     ceiling = results.get("ceiling")
     values = [e for pts in measured.values() for _, e, _ in pts] + [r["efficiency"] for r in rows] + [1.0]
     if ceiling:
-        values.append(ceiling["ceiling"] / ceiling["workers"])
+        values.append(ceiling_range(ceiling)[0] / ceiling["workers"])
     low = max(0.0, min(values) - 0.05)
     # Curves closer than ~1.5% of the axis would be drawn on top of each other: draw them as one line.
     groups = prediction_groups(rows, tolerance=max(0.005, 0.015 * (1.02 - low)))
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    # The legend goes below the axes (never over the data) and the layout keeps the title inside the figure.
+    fig, ax = plt.subplots(figsize=(9, 7), layout="constrained")
     ax.plot(xs, [100.0] * len(xs), color="black", linestyle=":", label="ideal (100%)")
     cmap = plt.get_cmap("viridis")
     for i, group in enumerate(groups):
@@ -297,11 +305,13 @@ def speedup_figure(results: dict[str, Any]):
         ax.plot(n, [100 * v for v in e], color=cmap(i / max(1, len(groups) - 1) * 0.9), linestyle="--",
                 linewidth=1.2, label="predicted: " + ", ".join(group["links"]))
     if ceiling:
-        eff = ceiling["ceiling"] / ceiling["workers"]
-        ax.plot([ceiling["workers"]], [100 * eff], linestyle="none", marker="_", markersize=28,
-                markeredgewidth=3, color="dimgray",
-                label=f"host parallel ceiling: {ceiling['workers']} workers reach {ceiling['ceiling']:.2f}x")
+        w = ceiling["workers"]
+        label = fill("host parallel ceiling: " + ceiling_words(ceiling, best_speedups(runs).get(w)), 64)
+        for i, probe in enumerate(ceiling.get("probes") or [ceiling["ceiling"]]):  # a short bar per probe
+            ax.plot([w / 1.12, w * 1.12], [100 * probe / w] * 2, color="dimgray", linewidth=3,
+                    label=None if i else label)
     styles = zip(("crimson", "darkorange", "magenta", "saddlebrown", "gray"), "osD^v", strict=True)
+    placed: dict[int, list[float]] = {}  # the labelled points at each N, so close labels are stacked, not overlaid
     for (impl, pts), (color, marker) in zip(measured.items(), styles, strict=False):
         if not pts:
             continue
@@ -310,7 +320,9 @@ def speedup_figure(results: dict[str, Any]):
                 label=f"measured {impl}")
         for x, y, sp in zip(n, e, speedup, strict=True):
             if x > 1:
-                ax.annotate(f"{sp:.2f}x", (x, 100 * y), textcoords="offset points", xytext=(6, -12),
+                near = sum(abs(y - other) < 0.03 * (1.02 - low) for other in placed.setdefault(x, []))
+                placed[x].append(y)
+                ax.annotate(f"{sp:.2f}x", (x, 100 * y), textcoords="offset points", xytext=(9, -3 - 10 * near),
                             fontsize=8, color=color)
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
@@ -319,8 +331,7 @@ def speedup_figure(results: dict[str, Any]):
     ax.set_ylabel("scaling efficiency = speedup / N (%)")
     ax.set_title("DDP scaling efficiency (measured speedup beside each point)")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
-    fig.tight_layout()
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8)
     return fig
 
 
@@ -331,7 +342,7 @@ def plot_speedup(results: dict[str, Any], path: str | Path) -> Path:
 
     try:
         path = Path(path)
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # whatever the legend's width, nothing is cut
     finally:
         plt.close(fig)
     return path
