@@ -82,7 +82,7 @@ def test_a_pack_step_issues_only_ddps_collectives_and_no_host_read(plain, tmp_pa
 
 
 def test_without_last_ckpt_the_stop_agreement_still_replaces_lightnings_per_step_broadcast(plain, tmp_path):
-    # build_trainer(enable_checkpointing=False): no LastCheckpoint, the agreement alone (preemption=False is Lightning's).
+    # build_trainer(enable_checkpointing=False): no LastCheckpoint, the agreement alone (preemption=False: Lightning's).
     alone = _counts(tmp_path, "pack-no-checkpointing")
     for rank in range(2):
         ours, theirs = steady(alone[rank]), steady(plain[rank])
