@@ -26,7 +26,7 @@ from tests.marks import needs_mnist
 pytestmark = pytest.mark.slow
 
 USER = """
-import os, sys, time
+import os, re, sys, time
 import torch, lightning as L
 from torch.utils.data import DataLoader, Dataset
 from ddp_recipes import build_trainer
@@ -67,6 +67,9 @@ class User(L.LightningModule):
         if CASE == "c" and RANK1 and self.global_step == 6:
             stall()
             torch.distributed.barrier()  # BARRIER-LINE
+        if CASE == "g" and not RANK1 and self.global_step == 6:
+            stall()
+            re.match(r"(a+)+$", "a" * 64 + "b")  # holds the GIL for ages: rank 0's Python cannot report
         if CASE == "e" and RANK1:
             time.sleep(0.03)  # slower compute on rank 1
         x, y = batch
@@ -95,13 +98,14 @@ def _stall_to_report(proc, line: str) -> float:
     return time.time() - started
 
 
-@pytest.mark.parametrize("case", ["a", "b", "c"])
+@pytest.mark.parametrize("case", ["a", "b", "c", "a-torchrun"])
 def test_a_hung_rank_is_named_with_its_phase_and_line(tmp_path, case):
     script = tmp_path / "user.py"
     script.write_text(USER)
     out = tmp_path / "out"
     timeout_s = 40 if case == "a" else 300
-    proc = start([script, case, out, 1000, timeout_s], cwd=tmp_path)
+    case, _, launcher = case.partition("-")
+    proc = start([script, case, out, 1000, timeout_s], cwd=tmp_path, torchrun=2 if launcher else None)
     try:
         line = proc.wait_for_line("DDP hang:", timeout=240)
         took = _stall_to_report(proc, line)
@@ -121,6 +125,20 @@ def test_a_hung_rank_is_named_with_its_phase_and_line(tmp_path, case):
             result = proc.finish(timeout=240)
             assert result.returncode != 0
             assert f"the hang report's stacks: {out / 'stall-reports'}" in result.stderr, result.stderr[-3000:]
+    finally:
+        proc.kill()
+
+
+def test_when_rank_0_cannot_report_the_next_rank_names_it(tmp_path):
+    """Rank 0 (the usual reporter) holds the GIL in native code: its report thread cannot run, so rank 1 prints."""
+    script = tmp_path / "user.py"
+    script.write_text(USER)
+    proc = start([script, "g", tmp_path / "out", 1000, 300], cwd=tmp_path)
+    try:
+        line = proc.wait_for_line("DDP hang:", timeout=240)
+        assert line.startswith("[rank 1] DDP hang: ") and "rank 0 posted nothing (its Python is not running" in line
+        assert "the other 1 rank(s) wait in backward and gradient all-reduce at step 6" in line, line
+        print(f"case g: stall to report {_stall_to_report(proc, line):.1f} s (bound 6 s)")
     finally:
         proc.kill()
 
@@ -158,6 +176,7 @@ if MODE == "slow" and os.environ.get("LOCAL_RANK") == "1":  # rank 1's loader, s
         return read(self, keys)
 
     TensorBatchDataset.__getitems__ = slow
+    TensorBatchDataset.gather_epoch = lambda self, order: None  # no whole-epoch copy: each batch is a __getitems__
 
 
 class Fault(Callback):
