@@ -109,7 +109,8 @@ def paired(rows: list[dict[str, Any]], a: str, b: str, n: int, key: str = "step_
 INSIDE = {"vote": "last-checkpoint"}
 # Which pack callbacks' hook time belongs to each part (None: the part has no hooks of its own).
 HOOKS = {"vote": ("LastCheckpoint",), "last-checkpoint": ("LastCheckpoint",), "diagnostics": ("DDPDiagnostics",),
-         "meter": ("ThroughputMeter",), "progress-bar": ("TQDMProgressBar",), "logger": ("TrackerRun",)}
+         "meter": ("ThroughputMeter",), "progress-bar": ("TQDMProgressBar",), "logger": ("TrackerRun",),
+         "rank-watch": ("RankWatch",)}
 
 
 def _hook_ms(rows: list[dict[str, Any]], n: int, names: tuple[str, ...]) -> dict[str, float] | None:

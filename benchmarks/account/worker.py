@@ -25,6 +25,7 @@ PACK_COMPONENTS = {
     "logger": "the CSV logger and TrackerRun (no logger)",
     "profiler": "InputWaitProfiler (Lightning's PassThroughProfiler instead)",
     "resumable-loader": "the resumable training loader (Lightning's DistributedSampler loader instead)",
+    "rank-watch": "RankWatch (2+ ranks: the hang report's thread and progress marks, the straggler windows)",
 }
 
 
@@ -47,10 +48,11 @@ def switch_off(trainer: Any, names: list[str]) -> None:
     from ddp_recipes.lightning_seam.reach import ddp_kwargs
     from ddp_recipes.train.callbacks import ThroughputMeter
     from ddp_recipes.train.diagnostics import DDPDiagnostics
+    from ddp_recipes.train.rank_watch import RankWatch
     from ddp_recipes.train.tracking import TrackerRun
 
     callbacks = {"last-checkpoint": LastCheckpoint, "diagnostics": DDPDiagnostics, "meter": ThroughputMeter,
-                 "progress-bar": ProgressBar, "logger": TrackerRun}
+                 "progress-bar": ProgressBar, "logger": TrackerRun, "rank-watch": RankWatch}
     drop = tuple(callbacks[n] for n in names if n in callbacks)
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, drop)]
     if "vote" in names:

@@ -44,7 +44,7 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
-def _seconds(name: str, value: Any) -> float:
+def _seconds(name: str, value: Any, zero: str = "") -> float:
     """A positive, finite number of seconds from a number, a numeric string ("30") or a timedelta."""
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
     if isinstance(seconds, str):
@@ -53,7 +53,7 @@ def _seconds(name: str, value: Any) -> float:
         except ValueError:
             pass
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < 10**9:
-        raise ConfigError(f"{{{name}}} must be > 0 seconds and finite: a number, a numeric string or a "
+        raise ConfigError(f"{{{name}}} must be > 0 seconds and finite{zero}: a number, a numeric string or a "
                           f"timedelta (got {lit(repr(value))})", name)
     return float(seconds)
 
@@ -98,7 +98,7 @@ _DDP_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "start_method": lambda name, value: check_choice(name, value, START_METHODS) or value,
     "bucket_cap_mb": _positive_mb,
     "timeout_s": _seconds,
-    "hang_report_s": lambda name, value: 0.0 if value in (0, "0") else _seconds(name, value),  # 0: no hang report
+    "hang_report_s": lambda name, value: 0.0 if value in (0, "0") else _seconds(name, value, " (or 0: no report)"),
     "timeout": lambda name, value: timedelta(seconds=_seconds(name, value)),
     # PowerSGD's error feedback needs DDP's buckets stable, which it rebuilds after the first iteration.
     "powersgd_rank": _int_at_least(1),
