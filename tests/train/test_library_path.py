@@ -97,6 +97,12 @@ def test_sigkill_then_ckpt_path_last_is_exact(where, library_straight, tmp_path)
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
 
+def _stops(trainer) -> list[str]:
+    from ddp_recipes.checkpointing.preemption import AgreedStop
+
+    return [type(c).__name__ for c in trainer.callbacks if isinstance(c, AgreedStop)]
+
+
 @pytest.mark.parametrize(("kwargs", "check"), [
     (dict(callbacks=ModelCheckpoint()), lambda t: any(isinstance(c, ModelCheckpoint) for c in t.callbacks)),
     (dict(devices="auto"), lambda t: t.num_devices == 1),
@@ -121,6 +127,12 @@ QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False
      == [Path(t.default_root_dir) / "checkpoints"]),
     (dict(preemption=False), lambda t: not any(isinstance(c, LastCheckpoint) for c in t.callbacks)),
     (dict(enable_checkpointing=False), lambda t: not any(isinstance(c, LastCheckpoint) for c in t.callbacks)),
+    # At 2 ranks: no last.ckpt still gets the stop agreement (and no per-step SIGTERM broadcast); preemption=False
+    # leaves signals to Lightning's own handlers, with or without checkpointing.
+    (dict(devices=2, enable_checkpointing=False), lambda t: _stops(t) == ["AgreedStop"]),
+    (dict(devices=2), lambda t: _stops(t) == ["LastCheckpoint"]),
+    (dict(devices=2, preemption=False), lambda t: _stops(t) == []),
+    (dict(devices=2, preemption=False, enable_checkpointing=False), lambda t: _stops(t) == []),
 ], ids=lambda v: None if callable(v) else repr(v)[:60])
 def test_lightnings_arguments_keep_their_meaning(kwargs, check):
     assert check(build_trainer(accelerator=kwargs.pop("accelerator", "cpu"), **kwargs, **QUIET))
