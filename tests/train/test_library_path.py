@@ -239,6 +239,27 @@ def test_a_rebuilt_loader_pins_memory_on_cuda_unless_its_maker_chose(tmp_path):
         assert trainer.train_dataloader.pin_memory is pin_memory_for(module.made, "cpu")  # what the CPU run used
 
 
+def test_a_loader_over_samples_already_on_the_device_is_not_pinned():
+    # Pinning a CUDA tensor raises ("cannot pin ... only dense CPU tensors can be pinned"): the bench's synthetic
+    # RankShard (gpu-check's sync-debug and resnet50-pack runs) and a TensorDataset of CUDA tensors stay unpinned.
+    # The meta device stands in for CUDA; pinning one of its tensors raises the same error.
+    from torch.utils.data import ConcatDataset, Subset
+
+    from ddp_recipes.bench.harness.synthetic import RankShard
+    from ddp_recipes.data.adopt import pin_memory_for
+
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        torch.empty(2, device="meta").pin_memory()
+    on_device = [RankShard(64, (3, 8, 8), seed=0, device="cuda"), TensorDataset(torch.empty(8, 4, device="meta")),
+                 Subset(TensorDataset(torch.empty(8, 4, device="meta")), [0, 1]),
+                 ConcatDataset([TensorDataset(torch.randn(8, 4)), TensorDataset(torch.empty(8, 4, device="meta"))])]
+    for dataset in on_device:
+        assert not pin_memory_for(DataLoader(dataset, batch_size=2), "cuda"), dataset
+    on_host = [RankShard(64, (3, 8, 8), seed=0, device="cpu"), Subset(TensorDataset(torch.randn(8, 4)), [0, 1])]
+    for dataset in on_host:
+        assert pin_memory_for(DataLoader(dataset, batch_size=2), "cuda"), dataset
+
+
 class DropoutNet(TinyNet):
     """Dropout draws from the global torch RNG every step: any extra draw on resume changes the weights."""
 
