@@ -237,6 +237,14 @@ def comparison_jpegs(root: Path) -> list[str]:
     return sorted(str(p) for p in write_jpeg_tree(root, per_class=8, side=40, subsampling=0).rglob("*.jpg"))
 
 
+def comparison_files_with_refusals(root: Path) -> list[str]:
+    """:func:`comparison_jpegs`' kind of JPEGs (4:4:4) beside two files nvJPEG refuses (:func:`write_odd_images`):
+    what tests/gpu/test_gpu_decode.py's fallback test decodes on CUDA and on the CPU, and its stand-in twin."""
+    tree = write_jpeg_tree(root, per_class=3, side=40, subsampling=0)
+    write_odd_images(tree / "train" / "c0")
+    return sorted(str(p) for p in tree.rglob("*.*") if p.is_file())
+
+
 def decoded_batch(files: list[str], pipeline, device: str, jpeg_decoder=None):
     """The encoded batch of ``files`` (sample seeds of epoch 0), decoded and augmented on ``device``."""
     from ddp_recipes.data.device_decode import DeviceDecoder

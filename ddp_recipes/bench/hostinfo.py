@@ -111,9 +111,10 @@ def ceiling_range(ceiling: dict[str, Any]) -> tuple[float, float]:
 def ceiling_words(ceiling: dict[str, Any], measured: float | None = None) -> str:
     """The probed ceiling in words (a range when re-probed). The probe shares the host with other work: a measured
     speedup above it means that load disturbed the probe, never that the speedup is impossible."""
-    low, high = ceiling_range(ceiling)
+    # Compared as printed: "reach 1.54x, below the measured 1.54x" (1.5401 against 1.5449) would contradict itself.
+    low, high = (round(x, 2) for x in ceiling_range(ceiling))
     words = f"{ceiling['workers']} single-thread workers reach {low:.2f}x" + (f"-{high:.2f}x" if high > low else "")
-    if measured is not None and measured > high:
+    if measured is not None and round(measured, 2) > high:
         return f"{words} one alone's rate, below the measured {measured:.2f}x: other load disturbed the probe"
     return f"{words} one alone's rate: a CPU speedup near that is the host's limit, not DDP's"
 

@@ -244,9 +244,30 @@ def _rebuilt(loader: DataLoader, dataset: Any, seed: int, cls: type[DataLoader] 
 def pin_memory_for(loader: DataLoader, device_type: str) -> bool:
     """``pin_memory`` of the pack's rebuild of ``loader`` when training on ``device_type``: the user's when they
     passed it (Lightning records the arguments of a loader made in a ``*_dataloader`` hook), else True on CUDA,
-    where a batch copied from pageable memory blocks the host."""
+    where a batch copied from pageable memory blocks the host, unless the dataset keeps its samples on a device
+    (:func:`_on_a_device`): pinning a CUDA tensor raises ("only dense CPU tensors can be pinned")."""
     chosen = "pin_memory" in (reach.loader_args_given(loader) or ())
-    return loader.pin_memory if chosen else loader.pin_memory or device_type == "cuda"
+    if chosen or loader.pin_memory:
+        return loader.pin_memory
+    return device_type == "cuda" and not _on_a_device(loader.dataset)
+
+
+def _on_a_device(dataset: Any, depth: int = 4) -> bool:
+    """Whether ``dataset`` (or one it wraps: ``.dataset``, ``.datasets``) holds tensors off the host or names a
+    device other than the CPU in a ``device`` attribute (the bench's ``RankShard``, a ``TensorDataset`` of CUDA
+    tensors). Looks at attributes only: fetching a sample could draw random numbers or be slow."""
+    values = list(vars(dataset).values()) if hasattr(dataset, "__dict__") else []
+    for value in values:
+        items = value[:8] if isinstance(value, list | tuple) else [value]  # a list of a million paths: its start
+        if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in items):
+            return True
+    device = getattr(dataset, "device", None)
+    if isinstance(device, str | torch.device) and torch.device(device).type != "cpu":
+        return True
+    if depth == 0:
+        return False
+    inner = [getattr(dataset, "dataset", None), *(getattr(dataset, "datasets", None) or [])]
+    return any(_on_a_device(d, depth - 1) for d in inner if d is not None and d is not dataset)
 
 
 def adopt_user_loaders(trainer: L.Trainer) -> None:

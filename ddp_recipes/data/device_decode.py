@@ -11,6 +11,7 @@ loader (:mod:`ddp_recipes.data.pixels`) and copied over, counted in :attr:`Devic
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,20 @@ def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
     return image.pin_memory().to(device, non_blocking=True)
 
 
-def out_of_memory(err: torch.OutOfMemoryError, files: int, device: torch.device) -> torch.OutOfMemoryError:
+# nvJPEG's NVJPEG_STATUS_ALLOCATOR_FAILURE (5), as torchvision's checks print a failed status ("Failed to decode
+# batch: 5"): nvJPEG allocates its own device buffers, outside torch's allocator.
+_NVJPEG_ALLOCATOR_FAILURE = re.compile(r"Failed to [^:\n]+: 5\s*$", re.MULTILINE)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether a decoder's error is the device running out of memory, not a file it refuses. torchvision's batched
+    nvJPEG decode re-raises whatever is not a plain ``std::runtime_error`` as a RuntimeError ("Error while decoding
+    JPEG images: CUDA out of memory. ..."), so torch's OutOfMemoryError reaches Python as a RuntimeError there."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower() or bool(
+        _NVJPEG_ALLOCATOR_FAILURE.search(str(err)))
+
+
+def out_of_memory(err: BaseException, files: int, device: torch.device) -> torch.OutOfMemoryError:
     """The device ran out of memory decoding ``files`` at once: said as such, with the fix (a file nvJPEG
     refuses is another matter, decoded on the CPU instead)."""
     first = (str(err).strip().splitlines() or ["out of memory"])[0]
@@ -50,10 +64,9 @@ def decode_one(data: torch.Tensor, device: str | torch.device, jpeg_decoder: Jpe
     device = torch.device(device)
     try:
         return (jpeg_decoder or image_decoders().decode_jpeg)(data, device=device, mode="RGB"), False
-    except torch.OutOfMemoryError as err:
-        raise out_of_memory(err, 1, device) from err
-    except (RuntimeError, ValueError):  # libjpeg's "Not a JPEG file", nvJPEG's unsupported layouts (both libraries)
-        pass
+    except (RuntimeError, ValueError) as err:  # libjpeg's "Not a JPEG file", nvJPEG's unsupported layouts
+        if is_out_of_memory(err):
+            raise out_of_memory(err, 1, device) from err
     image = to_tensor(open_rgb(data.numpy().tobytes(), name or "(unnamed)"))
     return _to_device(image, device), True
 
@@ -70,10 +83,9 @@ def decode_images(datas: Sequence[torch.Tensor], device: str | torch.device, jpe
     try:
         # RGB: ImageNet holds grayscale and CMYK JPEGs, which would otherwise decode to 1 or 4 channels.
         return list(decoder(list(datas), device=device, mode="RGB")), 0
-    except torch.OutOfMemoryError as err:  # a RuntimeError too: never a file's refusal, never a CPU fallback
-        raise out_of_memory(err, len(datas), device) from err
-    except (RuntimeError, ValueError):
-        pass
+    except (RuntimeError, ValueError) as err:
+        if is_out_of_memory(err):  # never a file's refusal, never a CPU fallback
+            raise out_of_memory(err, len(datas), device) from err
     images, fallbacks = [], 0
     for i, data in enumerate(datas):
         image, fell_back = decode_one(data, device, decoder, names[i] if names else None)

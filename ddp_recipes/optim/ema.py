@@ -167,15 +167,18 @@ class ModelEMA(Callback):
         self._build(pl_module)
         assert self._ema is not None
         network, groups = network_of(pl_module), {}
-        # AveragedModel.update_parameters(use_buffers=True)'s arithmetic, torch's EMA per (device, dtype) group
+        # AveragedModel.update_parameters(use_buffers=True)'s arithmetic, torch's EMA per (device, dtype) group;
+        # the network's tensors go to the copy's device as there (a no-op where they share one: the usual case, but
+        # Lightning's teardown moves the module to the CPU after a fit while the copy stays on the GPU).
         for mine, theirs in zip((*self._ema.parameters(), *self._ema.buffers()),
                                 (*network.parameters(), *network.buffers()), strict=True):
+            theirs = theirs.detach().to(mine.device)
             if self._count == 0:
                 mine.copy_(theirs)
             else:
                 group = groups.setdefault((mine.device, mine.dtype), ([], []))
                 group[0].append(mine)
-                group[1].append(theirs.detach())
+                group[1].append(theirs)
         for mine, theirs in groups.values():
             get_ema_multi_avg_fn(self.decay)(mine, theirs, None)
         # The reference's warm-up: keep copying, so the average starts from the warmed-up weights.

@@ -122,15 +122,26 @@ def test_the_fallback_decodes_a_cmyk_jpeg_and_a_png_named_jpeg(tree, tmp_path, i
     assert gpu.decoder.fallbacks == 2 and gpu.decode_record["cpu_fallbacks"] == 2  # the PNG, once per split
 
 
-def test_out_of_memory_in_the_batched_decode_is_named_an_out_of_memory(tree):
-    """A decoder that runs out of device memory (a stand-in raising torch's OutOfMemoryError, a RuntimeError
-    too) is neither a file it refuses nor a reason to decode the batch on the CPU: the error says out of memory,
-    how many files were decoded at once, and the fix."""
+# torchvision's batched nvJPEG decode re-raises torch's OutOfMemoryError (not a plain std::runtime_error) as a
+# RuntimeError with its text, and nvJPEG's own allocation failure is its status 5 in torchvision's check.
+OUT_OF_MEMORY = {
+    "torch": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    "torchvision-batched": RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate "
+                                        "2.00 GiB"),
+    "nvjpeg-allocator": RuntimeError("Error while decoding JPEG images: Failed to decode batch: 5"),
+}
+
+
+@pytest.mark.parametrize("raised", OUT_OF_MEMORY.values(), ids=list(OUT_OF_MEMORY))
+def test_out_of_memory_in_the_batched_decode_is_named_an_out_of_memory(tree, raised):
+    """A decoder that runs out of device memory (stand-ins raising what torch, torchvision and nvJPEG raise) is
+    neither a file it refuses nor a reason to decode the batch on the CPU: the error says out of memory, how many
+    files were decoded at once, and the fix."""
     calls: list[int] = []
 
     def out_of_memory(data, device, mode):
         calls.append(len(data) if isinstance(data, list) else 1)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise raised
 
     files = _files(tree)[:6]
     decoder = DeviceDecoder(jpeg_decoder=out_of_memory)
@@ -139,7 +150,7 @@ def test_out_of_memory_in_the_batched_decode_is_named_an_out_of_memory(tree):
     assert calls == [6] and decoder.fallbacks == 0  # one batched call, no file-by-file retry, no CPU fallback
     text = str(err.value)
     assert text.startswith("out of memory on cpu decoding 6 JPEG(s) at once") and "lower --batch-size" in text
-    assert text.endswith("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert text.endswith(str(raised).splitlines()[0])
 
 
 def test_a_file_no_decoder_reads_is_one_line_naming_it(tmp_path, capsys, image_library):

@@ -15,12 +15,11 @@ import torch
 
 from ddp_recipes.data.encoded import EvalPipeline
 from tests.helpers import (
+    comparison_files_with_refusals,
     comparison_jpegs,
     decode_pipelines,
     decoded_batch,
     decoders_agree,
-    write_jpeg_tree,
-    write_odd_images,
 )
 
 pytestmark = pytest.mark.gpu
@@ -44,9 +43,7 @@ def test_nvjpeg_gives_the_cpu_decoders_batch_for_the_same_draws(tmp_path, name, 
 
 @needs_cuda
 def test_files_nvjpeg_refuses_are_decoded_on_the_cpu_and_counted(tmp_path, image_library):
-    root = write_jpeg_tree(tmp_path, per_class=3, side=40)
-    write_odd_images(root / "train" / "c0")
-    files = sorted(str(p) for p in root.rglob("*.*") if p.is_file())
+    files = comparison_files_with_refusals(tmp_path)  # 4:4:4 JPEGs: on 4:2:0 nvJPEG's chroma differs (helpers)
     x, _, decoder = decoded_batch(files, EvalPipeline(32), "cuda")
     on_cpu, _, _ = decoded_batch(files, EvalPipeline(32), "cpu")
     torch.cuda.synchronize()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import signal
 import sys
@@ -301,12 +302,27 @@ def _interrupt(signum: int, frame: object) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
+def usable_out_dir(path: Path) -> Path:
+    """``--out-dir`` made (with its parents) and checked writable before anything runs: found only when the first
+    report is written, a file or read-only folder there would end the slot in a traceback, minutes in."""
+    out_dir = path.resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        fail(f"--out-dir {path}: that is a file, not a folder; name a folder (a slot's $OUT)", PROG)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        fail(f"--out-dir {path}: cannot make that folder ({err.strerror}); name a folder you can write", PROG)
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        fail(f"--out-dir {path}: that folder is not writable; name a folder you can write", PROG)
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = _parser().parse_args(argv)
     if args.batch_size < 1 or args.steps < 2 or args.warmup_steps < 1 or args.budget_s <= 0:
         fail("--batch-size must be >= 1, --steps >= 2, --warmup-steps >= 1 and --budget-s > 0", PROG)
-    out_dir = Path(args.out_dir).resolve()
+    out_dir = usable_out_dir(Path(args.out_dir))
     checks = plan_checks(args, 0)  # --only is refused before the machine is inspected; planned again below
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-work-"))  # JPEGs, checkpoints, CSV logs: never brought back
     try:

@@ -759,3 +759,20 @@ def test_sync_debug_passes_the_loggers_reads_at_log_steps_and_fails_any_other(tm
     greedy = judged([(4, loss_read)] * 3, {4: 2, 9: 2})
     assert greedy["verdict"] == "fail" and "log step 4 made 3 host sync(s) for the 2 value(s)" in greedy["reason"]
     assert judged([], {})["verdict"] == "fail"  # the window missed every log step
+
+
+def test_an_out_dir_that_cannot_hold_the_report_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """A file as --out-dir, or a folder under a file: one line naming the flag, exit 2, before the machine is
+    inspected (it used to end in a traceback when the first report was written, after the first check)."""
+    def inspect(check_compile):
+        raise AssertionError("the machine was inspected before --out-dir was checked")
+
+    monkeypatch.setattr(gc, "inspect_machine", inspect)
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("kept")
+    for bad in (a_file, a_file / "sub"):
+        with pytest.raises(SystemExit) as info:
+            gc.main(["--out-dir", str(bad)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.count("\n") == 1 and f"--out-dir {bad}" in err, err
+    assert a_file.read_text() == "kept"

@@ -282,3 +282,16 @@ def test_an_update_touches_only_the_networks_device():
             ema.update(lit, copy=copy)
     assert {device for _, device in mode.seen} == {"meta"}, sorted(mode.seen)
     assert ema.n_averaged == 1 and {p.device.type for p in ema.network.parameters()} == {"meta"}
+
+
+def test_an_update_from_a_network_on_another_device_is_averaged_on_the_copys_device():
+    """As AveragedModel does (the network's tensors moved to the copy's device): after a fit Lightning's teardown
+    moves the module to the CPU while the copy stays on the GPU. Stand-in: the copy on meta, the network on CPU."""
+    lit = module()
+    lit.model.to("meta")
+    ema = ModelEMA(decay=0.9, update_every=1)
+    ema.update(lit)
+    lit.model.to_empty(device="cpu")  # the same network object, now on another device than the copy
+    ema.update(lit)
+    ema.update(lit)
+    assert ema.n_averaged == 3 and {p.device.type for p in ema.network.parameters()} == {"meta"}

@@ -97,6 +97,12 @@ def test_sigkill_then_ckpt_path_last_is_exact(where, library_straight, tmp_path)
 QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
 
+def _stops(trainer) -> list[str]:
+    from ddp_recipes.checkpointing.preemption import AgreedStop
+
+    return [type(c).__name__ for c in trainer.callbacks if isinstance(c, AgreedStop)]
+
+
 @pytest.mark.parametrize(("kwargs", "check"), [
     (dict(callbacks=ModelCheckpoint()), lambda t: any(isinstance(c, ModelCheckpoint) for c in t.callbacks)),
     (dict(devices="auto"), lambda t: t.num_devices == 1),
@@ -121,6 +127,12 @@ QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False
      == [Path(t.default_root_dir) / "checkpoints"]),
     (dict(preemption=False), lambda t: not any(isinstance(c, LastCheckpoint) for c in t.callbacks)),
     (dict(enable_checkpointing=False), lambda t: not any(isinstance(c, LastCheckpoint) for c in t.callbacks)),
+    # At 2 ranks: no last.ckpt still gets the stop agreement (and no per-step SIGTERM broadcast); preemption=False
+    # leaves signals to Lightning's own handlers, with or without checkpointing.
+    (dict(devices=2, enable_checkpointing=False), lambda t: _stops(t) == ["AgreedStop"]),
+    (dict(devices=2), lambda t: _stops(t) == ["LastCheckpoint"]),
+    (dict(devices=2, preemption=False), lambda t: _stops(t) == []),
+    (dict(devices=2, preemption=False, enable_checkpointing=False), lambda t: _stops(t) == []),
 ], ids=lambda v: None if callable(v) else repr(v)[:60])
 def test_lightnings_arguments_keep_their_meaning(kwargs, check):
     assert check(build_trainer(accelerator=kwargs.pop("accelerator", "cpu"), **kwargs, **QUIET))
@@ -225,6 +237,27 @@ def test_a_rebuilt_loader_pins_memory_on_cuda_unless_its_maker_chose(tmp_path):
         trainer.fit(module)
         assert pin_memory_for(module.made, "cuda") is pinned, kwargs
         assert trainer.train_dataloader.pin_memory is pin_memory_for(module.made, "cpu")  # what the CPU run used
+
+
+def test_a_loader_over_samples_already_on_the_device_is_not_pinned():
+    # Pinning a CUDA tensor raises ("cannot pin ... only dense CPU tensors can be pinned"): the bench's synthetic
+    # RankShard (gpu-check's sync-debug and resnet50-pack runs) and a TensorDataset of CUDA tensors stay unpinned.
+    # The meta device stands in for CUDA; pinning one of its tensors raises the same error.
+    from torch.utils.data import ConcatDataset, Subset
+
+    from ddp_recipes.bench.harness.synthetic import RankShard
+    from ddp_recipes.data.adopt import pin_memory_for
+
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        torch.empty(2, device="meta").pin_memory()
+    on_device = [RankShard(64, (3, 8, 8), seed=0, device="cuda"), TensorDataset(torch.empty(8, 4, device="meta")),
+                 Subset(TensorDataset(torch.empty(8, 4, device="meta")), [0, 1]),
+                 ConcatDataset([TensorDataset(torch.randn(8, 4)), TensorDataset(torch.empty(8, 4, device="meta"))])]
+    for dataset in on_device:
+        assert not pin_memory_for(DataLoader(dataset, batch_size=2), "cuda"), dataset
+    on_host = [RankShard(64, (3, 8, 8), seed=0, device="cpu"), Subset(TensorDataset(torch.randn(8, 4)), [0, 1])]
+    for dataset in on_host:
+        assert pin_memory_for(DataLoader(dataset, batch_size=2), "cuda"), dataset
 
 
 class DropoutNet(TinyNet):

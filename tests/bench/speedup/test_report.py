@@ -139,6 +139,17 @@ def test_a_probe_below_a_measured_speedup_is_called_disturbed_never_an_impossibi
         assert not any(word in text for word in ("impossible", "cannot exceed")), text
 
 
+def test_the_ceiling_words_never_contradict_their_own_figures():
+    # Compared at the precision they are printed with: 1.5449 measured beside a 1.5401 probe printed "reach 1.54x
+    # one alone's rate, below the measured 1.54x", and two probes 0.003 apart a range "1.54x-1.54x".
+    from ddp_recipes.bench.hostinfo import ceiling_words
+
+    probe = {"workers": 2, "ceiling": 1.5401, "relative_mean": 0.77, "usable_cpus": 2}
+    assert "disturbed" not in ceiling_words(probe, 1.5449) and "below" not in ceiling_words(probe, 1.5449)
+    assert "below the measured 1.55x" in ceiling_words(probe, 1.5462)
+    assert "1.54x-1.54x" not in ceiling_words({**probe, "probes": [1.5401, 1.5432]})
+
+
 def test_host_facts_keys():
     facts = host_facts()
     assert {"cpu_count", "usable_cpus", "torch", "lightning", "cuda_devices", "torch_threads"} <= set(facts)
