@@ -93,7 +93,7 @@ def test_without_matplotlib_the_report_is_written_and_the_bench_names_the_extra(
     cfg = speedup.BenchConfig(recipe="mnist", accelerator="cpu", out=str(tmp_path / "bench"))
     assert speedup.run_command(argparse.Namespace(**dataclasses.asdict(cfg))) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert PLOT_NEEDS in lines and "pip install 'matplotlib>=3.8' (the pack's plot extra)" in PLOT_NEEDS
+    assert PLOT_NEEDS in lines and "pip install 'matplotlib>=3.8.4' (the pack's plot extra)" in PLOT_NEEDS
     assert lines[-1].startswith("bench: ")
 
 
