@@ -68,6 +68,7 @@ class RankWatch(Callback):
         self._window_start, self._start = time.monotonic(), None
         self._streak: tuple[int, str, int] = (-1, "", 0)
         self._totals = [[0.0, 0.0, 0] for _ in range(trainer.world_size)]
+        self._stop_watch()  # a fit of this Trainer before, ended in a way no hook saw
         if self.hang_report_s != 0:
             self.watch = HangWatch(rank=trainer.global_rank, world_size=trainer.world_size, store=self._store,
                                    out_dir=str(trainer.default_root_dir), bound=self.bound,
@@ -76,6 +77,13 @@ class RankWatch(Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop_watch()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop_watch()  # Lightning calls no teardown when a fit raises: the failed run must not be reported as hung
+
+    def _stop_watch(self) -> None:
         if self.watch is not None:
             self.watch.stop()
             self.watch = None

@@ -145,3 +145,40 @@ def test_no_rank_watch_at_one_process_and_one_at_two(tmp_path):
     watch = next(c for c in two.callbacks if isinstance(c, RankWatch))
     assert (watch.hang_report_s, watch.timeout_s, watch.flag) == (5.0, 30.0, "build_trainer(hang_report_s=...)")
     assert os.path.basename(hangs.REPORT_DIR) == "stall-reports"
+
+
+class _Fails(__import__("lightning").LightningModule):
+    """A user's module whose third step raises: the fit ends by an exception, not at its limit."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = __import__("torch").nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise RuntimeError("the user's bug")
+        return self.layer(batch).sum()
+
+    def train_dataloader(self):
+        import torch
+
+        return torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=2)
+
+    def configure_optimizers(self):
+        import torch
+
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_fit_that_fails_leaves_no_watch_behind(tmp_path, capsys):
+    """Lightning calls no callback's ``teardown`` when a fit raises: the watch must stop anyway, or it reports a
+    'hang' of the run that already failed, into its folder, in a process that goes on (a notebook, a retry)."""
+    from tests.helpers import cpu_trainer
+
+    watch = RankWatch(0.3, 60.0)
+    trainer = cpu_trainer(max_steps=8, callbacks=[watch], default_root_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="the user's bug"):
+        trainer.fit(_Fails())
+    time.sleep(1.5)  # five bounds
+    assert not any(t.name == "ddp-recipes-hang-watch" and t.is_alive() for t in __import__("threading").enumerate())
+    assert not (tmp_path / hangs.REPORT_DIR).exists() and "DDP hang" not in capsys.readouterr().err
