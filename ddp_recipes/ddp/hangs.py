@@ -82,17 +82,20 @@ def _worker_stacks(timeout_s: float = 2.0) -> dict[int, str]:
         for task in os.listdir("/proc/self/task"):
             with open(f"/proc/self/task/{task}/children") as f:
                 out.update({int(p): "" for p in f.read().split()})
+    dumped: dict[int, tuple[str, int]] = {}  # pid: (its dump file, the file's size before this dump)
     for pid in out:
         with contextlib.suppress(OSError):
             out[pid] = "state " + open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-            if WORKER_STACK_SIGNAL is not None and _stack_file(pid) is not None:
+            path = _stack_file(pid)
+            if WORKER_STACK_SIGNAL is not None and path is not None:
+                dumped[pid] = (path, os.stat(path).st_size)  # the file keeps every dump: read only this one
                 os.kill(pid, WORKER_STACK_SIGNAL)
     deadline = time.monotonic() + timeout_s
-    for pid in out:
-        path = _stack_file(pid)
-        while path is not None and time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                text = open(path).read()
+    for pid, (path, start) in dumped.items():
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), open(path) as f:
+                f.seek(start)
+                text = f.read()
                 if "most recent call first" in text and text.endswith("\n"):
                     out[pid] = text
                     break

@@ -182,3 +182,37 @@ def test_a_fit_that_fails_leaves_no_watch_behind(tmp_path, capsys):
     time.sleep(1.5)  # five bounds
     assert not any(t.name == "ddp-recipes-hang-watch" and t.is_alive() for t in __import__("threading").enumerate())
     assert not (tmp_path / hangs.REPORT_DIR).exists() and "DDP hang" not in capsys.readouterr().err
+
+
+def test_a_second_stall_reads_the_workers_new_stack_not_the_first(tmp_path):
+    """The worker's dump file keeps every dump: a stall, a recovery and a second stall must show the second place."""
+    ctx = multiprocessing.get_context("fork")
+    first, moved, go = ctx.Event(), ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_worker_that_moves, args=(first, go, moved), daemon=True)
+    child.start()
+    try:
+        assert first.wait(30)
+        assert "_first_place" in hangs._worker_where(hangs._worker_stacks())
+        go.set()
+        assert moved.wait(30)
+        time.sleep(0.2)  # into its second sleep
+        assert "_second_place" in hangs._worker_where(hangs._worker_stacks())
+    finally:
+        child.kill()
+        child.join()
+
+
+def _worker_that_moves(first, go, moved):
+    report_stacks_on_signal()
+    _first_place(first, go)
+    _second_place(moved)
+
+
+def _first_place(first, go):
+    first.set()
+    go.wait(600)
+
+
+def _second_place(moved):
+    moved.set()
+    time.sleep(600)
