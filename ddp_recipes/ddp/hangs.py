@@ -11,6 +11,7 @@ collective: it runs in a thread beside a process group that may be wedged, and t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -32,6 +33,7 @@ AUTO_FLOOR_S = 60.0  # the automatic bound never goes below this: a slow step or
 AUTO_STEPS = 20  # ... and is this many times the slowest interval seen between two finished batches
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _INSTALLED = re.compile(r"/(site|dist)-packages/|/lib/python3\.\d+/")  # an installed package or a stdlib
+_WATCHES = itertools.count()  # every rank makes its watches in the same order (one per fit)
 last_report: list[str] = []  # the report folder of this process's latest stall (for the timeout's message)
 
 
@@ -134,6 +136,7 @@ class HangWatch:
         self.rank, self.world_size, self.store, self.out_dir = rank, world_size, store, out_dir
         self.bound, self.step, self.flag, self.prefix = bound, step, flag, prefix
         self.progress = time.monotonic()
+        self._id, self._reports = next(_WATCHES), 0  # which fit and which stall of it: the key of one line
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddp-recipes-hang-watch", daemon=True)
@@ -182,7 +185,8 @@ class HangWatch:
             return self._print([post], path)
         self.store.set(f"{self.prefix}{self.rank}", json.dumps(post))
         posts = self._collect(post["at"])
-        claim = f"{self.prefix}claim/{min(p['step'] for p in posts)}"  # one line per stall, from one rank
+        self._reports += 1  # one line per stall, from one rank: a step can stall twice, a process group see two fits
+        claim = f"{self.prefix}claim/{self._id}.{self._reports}/{min(p['step'] for p in posts)}"
         if min(p["rank"] for p in posts) == self.rank and self.store.add(claim, 1) == 1:
             self._print(posts, path)
 

@@ -216,3 +216,17 @@ def _first_place(first, go):
 def _second_place(moved):
     moved.set()
     time.sleep(600)
+
+
+def test_a_second_stall_at_the_same_step_is_named_too(tmp_path, capsys):
+    """A stall, a recovery and a second stall at the same optimizer step (accumulation, or validation after a
+    stalled batch, or a second fit in the same process group) each get their line."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    for _ in range(2):
+        watch = hangs.HangWatch(rank=0, world_size=1, store=store, out_dir=str(tmp_path), bound=lambda: 1.0,
+                                step=lambda: 6, flag="--hang-report-s")
+        watch.report(2.0)
+        watch.report(2.0)
+    assert capsys.readouterr().err.count("DDP hang: no batch finished") == 4
