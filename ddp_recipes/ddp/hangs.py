@@ -31,6 +31,7 @@ from ddp_recipes.storage.store import write_new
 REPORT_DIR = "stall-reports"
 AUTO_FLOOR_S = 60.0  # the automatic bound never goes below this: a slow step or save is not a hang
 AUTO_STEPS = 20  # ... and is this many times the slowest interval seen between two finished batches
+WRITE_WAIT_S = 5.0  # the line waits this long for the report file (local: done in milliseconds), then goes out
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _INSTALLED = re.compile(r"/(site|dist)-packages/|/lib/python3\.\d+/")  # an installed package or a stdlib
 _WATCHES = itertools.count()  # every rank makes its watches in the same order (one per fit)
@@ -176,8 +177,7 @@ class HangWatch:
             name = next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
             lines += [f"--- thread {name}", *traceback.format_stack(frame)]
         lines += [f"--- loader worker pid {pid}\n{text}" for pid, text in workers.items()]
-        with contextlib.suppress(Exception):
-            write_new(path, "\n".join(lines).encode(), replace=True)
+        _write_briefly(path, "\n".join(lines).encode())
         last_report[:] = [str(location(self.out_dir) / REPORT_DIR)]
         post = {"rank": self.rank, "step": self.step(), "phase": phase, "where": where, "waiting": waiting,
                 "at": time.time() - idle, "idle": idle}
@@ -205,6 +205,19 @@ class HangWatch:
     def _print(self, posts: list[dict[str, Any]], path: str) -> None:
         print(f"[rank {self.rank}] {name_stall(posts, self.world_size, self.bound(), self.flag)}; every rank's "
               f"stacks: {os.path.dirname(path)}", file=sys.stderr, flush=True)
+
+
+def _write_briefly(path: str, data: bytes) -> None:
+    """Write the report from a thread of its own, waiting at most :data:`WRITE_WAIT_S` for it: a bucket (or mount)
+    that stopped answering retries for minutes, and must not hold the line past the collective timeout."""
+
+    def write() -> None:
+        with contextlib.suppress(Exception):  # a report must never take the run down
+            write_new(path, data, replace=True)
+
+    writer = threading.Thread(target=write, name="ddp-recipes-hang-report-write", daemon=True)
+    writer.start()
+    writer.join(WRITE_WAIT_S)
 
 
 def name_stall(posts: list[dict[str, Any]], world_size: int, bound: float, flag: str) -> str:

@@ -230,3 +230,30 @@ def test_a_second_stall_at_the_same_step_is_named_too(tmp_path, capsys):
         watch.report(2.0)
         watch.report(2.0)
     assert capsys.readouterr().err.count("DDP hang: no batch finished") == 4
+
+
+def test_the_line_does_not_wait_for_a_bucket_that_stopped_answering(s3, capsys):
+    """The report file goes to the run's bucket; a bucket that holds every request must not hold the line."""
+    import threading
+
+    import torch.distributed as dist
+
+    out = f"{s3.bucket('hang-report-down')}/run"
+    watch = hangs.HangWatch(rank=0, world_size=1, store=dist.HashStore(), out_dir=out, bound=lambda: 1.0,
+                            step=lambda: 6, flag="--hang-report-s")
+    s3.freeze(300)
+    try:
+        reporter = threading.Thread(target=watch.report, args=(2.0,), daemon=True)
+        reporter.start()
+        err, deadline = "", time.monotonic() + 60
+        while "DDP hang" not in err and time.monotonic() < deadline:
+            time.sleep(0.2)
+            err += capsys.readouterr().err
+        assert "DDP hang: no batch finished" in err and "hang-report-down/run/stall-reports" in err, err
+    finally:
+        s3.reset_faults()
+    reporter.join(120)
+    deadline = time.monotonic() + 60  # once the bucket answers, the report is there
+    while not s3.keys("hang-report-down", "run/stall-reports/") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert s3.keys("hang-report-down", "run/stall-reports/")
