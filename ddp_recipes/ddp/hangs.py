@@ -156,10 +156,20 @@ class HangWatch:
                 print(f"[rank {self.rank}] training progresses again after the stall reported above",
                       file=sys.stderr, flush=True)
                 reported = None
-            if reported is None and idle > self.bound():
+            if reported is None and (idle > self.bound() or idle > self.bound() / 4 and self._peer_stalled(idle)):
                 reported = stalled_at
                 with contextlib.suppress(Exception):  # a report must never take the run down
                     self.report(idle)
+
+    def _peer_stalled(self, idle: float) -> bool:
+        """Whether another rank reported the stall this rank is in. Each rank derives the automatic bound from the
+        steps it saw, so bounds differ: a rank that waited for its own would post after the reporting rank's grace,
+        and be named as one whose Python is not running. Asked only while this rank has been idle a while."""
+        with contextlib.suppress(Exception):  # a store that is gone: this rank's own bound still applies
+            key = f"{self.prefix}stall"
+            if self.store is not None and self.store.check([key]):
+                return abs(float(self.store.get(key)) - (time.time() - idle)) < max(self.bound(), 5.0)
+        return False
 
     def report(self, idle: float) -> None:
         """Write this rank's stacks, post its place, and (one rank) print the line naming the odd ranks."""
@@ -184,6 +194,7 @@ class HangWatch:
         if self.store is None:
             return self._print([post], path)
         self.store.set(f"{self.prefix}{self.rank}", json.dumps(post))
+        self.store.set(f"{self.prefix}stall", str(post["at"]))  # the others report now, whatever their bound
         posts = self._collect(post["at"])
         self._reports += 1  # one line per stall, from one rank: a step can stall twice, a process group see two fits
         claim = f"{self.prefix}claim/{self._id}.{self._reports}/{min(p['step'] for p in posts)}"

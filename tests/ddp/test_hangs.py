@@ -257,3 +257,25 @@ def test_the_line_does_not_wait_for_a_bucket_that_stopped_answering(s3, capsys):
     while not s3.keys("hang-report-down", "run/stall-reports/") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert s3.keys("hang-report-down", "run/stall-reports/")
+
+
+def test_ranks_whose_automatic_bounds_differ_report_the_same_stall(tmp_path, capsys):
+    """Each rank derives its bound from the steps it saw: rank 1's is longer than rank 0's plus rank 0's grace.
+    Rank 1 must still post its place in time, not be named as a rank whose Python is not running."""
+    import torch.distributed as dist
+
+    store, progress = dist.HashStore(), time.monotonic()
+    watches = [hangs.HangWatch(rank=r, world_size=2, store=store, out_dir=str(tmp_path), bound=lambda b=b: b,
+                               step=lambda: 6, flag="--hang-report-s") for r, b in ((0, 1.0), (1, 3.9))]
+    for watch in watches:
+        watch.progress = progress
+        watch.start()
+    try:
+        err, deadline = "", time.monotonic() + 30
+        while "DDP hang" not in err and time.monotonic() < deadline:
+            time.sleep(0.2)
+            err += capsys.readouterr().err
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert "DDP hang" in err and "posted nothing" not in err, err
