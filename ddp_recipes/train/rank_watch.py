@@ -63,6 +63,8 @@ class RankWatch(Callback):
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted group may share the store
             self._store = torch.distributed.PrefixStore(f"ddp_recipes/ranks/{restart}/", _get_default_store())
         self._diagnostics = next((c for c in trainer.callbacks if isinstance(c, DDPDiagnostics)), None)
+        # Marks only where a window exchange reads them: unread, they would pile up (two CUDA events a step).
+        self._exchanging = self._store is not None and self._diagnostics is not None
         self._every = trainer.log_every_n_steps * trainer.accumulate_grad_batches or DEFAULT_WINDOW
         self._window, self._marks, self._wait, self._batches = 0, [], 0.0, 0
         self._window_start, self._start = time.monotonic(), None
@@ -109,7 +111,8 @@ class RankWatch(Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._start = self.clock.mark()
+        if self._exchanging:
+            self._start = self.clock.mark()
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
@@ -122,7 +125,7 @@ class RankWatch(Callback):
         self._progress()
         self._wait += input_wait(trainer) or 0.0
         self._batches += 1
-        if self._batches % self._every == 0 and self._store is not None and self._diagnostics is not None:
+        if self._exchanging and self._batches % self._every == 0:
             self._exchange(trainer)
 
     def _exchange(self, trainer: L.Trainer) -> None:

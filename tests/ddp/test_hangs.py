@@ -279,3 +279,18 @@ def test_ranks_whose_automatic_bounds_differ_report_the_same_stall(tmp_path, cap
         for watch in watches:
             watch.stop()
     assert "DDP hang" in err and "posted nothing" not in err, err
+
+
+class _Fits(_Fails):
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+
+def test_no_marks_pile_up_when_nothing_exchanges_them(tmp_path):
+    """Without the straggler exchange (``--no-diagnostics``, or no store) the step's marks are never read: on CUDA
+    each is an event, two a step, for the whole run. They must not be kept (nor taken)."""
+    from tests.helpers import cpu_trainer
+
+    watch = RankWatch(0, 60.0)
+    cpu_trainer(max_steps=8, callbacks=[watch], default_root_dir=str(tmp_path)).fit(_Fits())
+    assert watch._marks == []
