@@ -56,6 +56,8 @@ class RankWatch(Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.clock = StepClock(trainer.strategy.root_device)
+        # The strategy's own timeout when it has one: build_trainer's strategy_kwargs or a strategy object set it too.
+        self.timeout_s = getattr(trainer.strategy, "collective_timeout_s", None) or self.timeout_s
         self._store = None
         if trainer.world_size > 1 and torch.distributed.is_initialized():
             from torch.distributed.distributed_c10d import _get_default_store

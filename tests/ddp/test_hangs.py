@@ -294,3 +294,16 @@ def test_no_marks_pile_up_when_nothing_exchanges_them(tmp_path):
     watch = RankWatch(0, 60.0)
     cpu_trainer(max_steps=8, callbacks=[watch], default_root_dir=str(tmp_path)).fit(_Fits())
     assert watch._marks == []
+
+
+def test_the_automatic_bound_stays_under_the_strategys_own_timeout(tmp_path):
+    """A timeout given to the strategy (``strategy_kwargs={"timeout": ...}``, or the strategy object) and not as
+    ``timeout_s``: the automatic bound must still stay under it, or the collective timeout ends the run first."""
+    from ddp_recipes.ddp.strategy import TunedDDPStrategy
+    from tests.helpers import cpu_trainer
+
+    watch = RankWatch(0, None)  # what build_trainer makes when timeout_s is unset
+    cpu_trainer(max_steps=2, callbacks=[watch], strategy=TunedDDPStrategy(timeout=40),
+                default_root_dir=str(tmp_path)).fit(_Fits())
+    watch.hang_report_s = None
+    assert watch.bound() <= 20.0
