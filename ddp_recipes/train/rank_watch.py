@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from ddp_recipes.ddp import hangs
 from ddp_recipes.ddp.hangs import AUTO_FLOOR_S, AUTO_STEPS, HangWatch
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.perf import StepClock, input_wait
@@ -73,6 +74,7 @@ class RankWatch(Callback):
         self._streak: tuple[int, str, int] = (-1, "", 0)
         self._totals = [[0.0, 0.0, 0] for _ in range(trainer.world_size)]
         self._stop_watch()  # a fit of this Trainer before, ended in a way no hook saw
+        hangs.last_report.clear()  # an earlier fit's report (another folder, maybe) is not this fit's
         if self.hang_report_s != 0:
             self.watch = HangWatch(rank=trainer.global_rank, world_size=trainer.world_size, store=self._store,
                                    out_dir=str(trainer.default_root_dir), bound=self.bound,

@@ -307,3 +307,17 @@ def test_the_automatic_bound_stays_under_the_strategys_own_timeout(tmp_path):
                 default_root_dir=str(tmp_path)).fit(_Fits())
     watch.hang_report_s = None
     assert watch.bound() <= 20.0
+
+
+def test_a_later_fit_does_not_point_at_an_earlier_fits_report(tmp_path, capsys):
+    """Two fits in one process, into two folders: the first one's hang report is not the second one's, so the
+    second's collective-timeout message must not send the user to the first's folder."""
+    from ddp_recipes.ddp.strategy import TunedDDPStrategy
+    from tests.helpers import cpu_trainer
+
+    first = hangs.HangWatch(rank=0, world_size=1, store=None, out_dir=str(tmp_path / "first"), bound=lambda: 1.0,
+                            step=lambda: 3, flag="--hang-report-s")
+    first.report(2.0)
+    assert str(tmp_path / "first") in TunedDDPStrategy().peer_failure_hint()
+    cpu_trainer(max_steps=2, callbacks=[RankWatch(None, 60.0)], default_root_dir=str(tmp_path / "second")).fit(_Fits())
+    assert "hang report" not in TunedDDPStrategy().peer_failure_hint()
