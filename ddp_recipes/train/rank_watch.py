@@ -73,6 +73,7 @@ class RankWatch(Callback):
         self._window_start, self._start = time.monotonic(), None
         self._streak: tuple[int, str, int] = (-1, "", 0)
         self._totals = [[0.0, 0.0, 0] for _ in range(trainer.world_size)]
+        self.figures = {}  # this fit's: summary.json must not show an earlier fit's straggler
         self._stop_watch()  # a fit of this Trainer before, ended in a way no hook saw
         hangs.last_report.clear()  # an earlier fit's report (another folder, maybe) is not this fit's
         if self.hang_report_s != 0:

@@ -321,3 +321,13 @@ def test_a_later_fit_does_not_point_at_an_earlier_fits_report(tmp_path, capsys):
     assert str(tmp_path / "first") in TunedDDPStrategy().peer_failure_hint()
     cpu_trainer(max_steps=2, callbacks=[RankWatch(None, 60.0)], default_root_dir=str(tmp_path / "second")).fit(_Fits())
     assert "hang report" not in TunedDDPStrategy().peer_failure_hint()
+
+
+def test_a_later_fit_does_not_carry_an_earlier_fits_straggler(tmp_path):
+    """summary.json's ``ranks`` block is the fit's: a second fit of the same Trainer starts from no finding."""
+    from tests.helpers import cpu_trainer
+
+    watch = RankWatch(0, 60.0)
+    watch.figures = {"straggler": {"rank": 1, "cause": "input-bound", "step": 40}, "slowest_rank": 1}
+    cpu_trainer(max_steps=2, callbacks=[watch], default_root_dir=str(tmp_path)).fit(_Fits())
+    assert watch.figures == {}
