@@ -138,6 +138,7 @@ class HangWatch:
         self.bound, self.step, self.flag, self.prefix = bound, step, flag, prefix
         self.progress = time.monotonic()
         self._id, self._reports = next(_WATCHES), 0  # which fit and which stall of it: the key of one line
+        self._printed = False  # this rank printed the line of the stall now reported
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddp-recipes-hang-watch", daemon=True)
@@ -153,9 +154,10 @@ class HangWatch:
         while not self._stop.wait(min(1.0, max(0.05, self.bound() / 20))):
             idle, stalled_at = time.monotonic() - self.progress, self.progress
             if reported is not None and stalled_at != reported:
-                print(f"[rank {self.rank}] training progresses again after the stall reported above",
-                      file=sys.stderr, flush=True)
-                reported = None
+                if self._printed:  # the rank that named the stall says it is over: one line, not one per rank
+                    print(f"[rank {self.rank}] training progresses again after the stall reported above",
+                          file=sys.stderr, flush=True)
+                reported, self._printed = None, False
             if reported is None and (idle > self.bound() or idle > self.bound() / 4 and self._peer_stalled(idle)):
                 reported = stalled_at
                 with contextlib.suppress(Exception):  # a report must never take the run down
@@ -214,6 +216,7 @@ class HangWatch:
             time.sleep(0.2)
 
     def _print(self, posts: list[dict[str, Any]], path: str) -> None:
+        self._printed = True
         print(f"[rank {self.rank}] {name_stall(posts, self.world_size, self.bound(), self.flag)}; every rank's "
               f"stacks: {os.path.dirname(path)}", file=sys.stderr, flush=True)
 

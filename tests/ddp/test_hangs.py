@@ -331,3 +331,29 @@ def test_a_later_fit_does_not_carry_an_earlier_fits_straggler(tmp_path):
     watch.figures = {"straggler": {"rank": 1, "cause": "input-bound", "step": 40}, "slowest_rank": 1}
     cpu_trainer(max_steps=2, callbacks=[watch], default_root_dir=str(tmp_path)).fit(_Fits())
     assert watch.figures == {}
+
+
+def test_a_recovered_stall_is_announced_once(tmp_path, capsys):
+    """One line names the stall (from one rank); one line says it is over, from the same rank, not one per rank."""
+    import torch.distributed as dist
+
+    store, progress = dist.HashStore(), time.monotonic()
+    watches = [hangs.HangWatch(rank=r, world_size=2, store=store, out_dir=str(tmp_path), bound=lambda: 1.0,
+                               step=lambda: 6, flag="--hang-report-s") for r in range(2)]
+    for watch in watches:
+        watch.progress = progress
+        watch.start()
+    try:
+        err, deadline = "", time.monotonic() + 30
+        while "DDP hang" not in err and time.monotonic() < deadline:
+            time.sleep(0.2)
+            err += capsys.readouterr().err
+        time.sleep(3)  # the grace: both ranks have posted
+        for watch in watches:
+            watch.progress = time.monotonic() + 3600  # batches finish again
+        time.sleep(1.5)
+        err += capsys.readouterr().err
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert err.count("DDP hang") == 1 and err.count("progresses again") == 1, err
