@@ -130,7 +130,7 @@ class HangWatch:
 
     ``progress`` is the monotonic time of the last finished batch (set by the training loop's callback);
     ``bound`` returns the current bound in seconds; ``step`` the step the rank is at; ``store``: the rendezvous
-    store (None at one process)."""
+    store (None at one process). Made in the thread that runs the fit: that thread's stack is the one read."""
 
     def __init__(self, *, rank: int, world_size: int, store: Any, out_dir: str, bound: Callable[[], float],
                  step: Callable[[], int], flag: str, prefix: str = "ddp_recipes/hang/") -> None:
@@ -139,7 +139,7 @@ class HangWatch:
         self.progress = time.monotonic()
         self._id, self._reports = next(_WATCHES), 0  # which fit and which stall of it: the key of one line
         self._printed = False  # this rank printed the line of the stall now reported
-        self._main = threading.main_thread().ident
+        self._main = threading.get_ident()  # the thread that runs the fit (made there), not always the main one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddp-recipes-hang-watch", daemon=True)
 

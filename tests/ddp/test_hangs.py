@@ -357,3 +357,25 @@ def test_a_recovered_stall_is_announced_once(tmp_path, capsys):
         for watch in watches:
             watch.stop()
     assert err.count("DDP hang") == 1 and err.count("progresses again") == 1, err
+
+
+class _Stalls(_Fits):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            time.sleep(2.5)  # THE-STALL
+        return self.layer(batch).sum()
+
+
+def test_a_fit_run_from_a_thread_of_its_own_is_the_one_read(tmp_path, capsys):
+    """Ray Train, a notebook helper or a user's server run ``trainer.fit`` outside the main thread: the report
+    must read the thread that runs the fit, not the process's main thread."""
+    import threading
+
+    from tests.helpers import cpu_trainer
+
+    trainer = cpu_trainer(max_steps=4, callbacks=[RankWatch(1.0, 60.0)], default_root_dir=str(tmp_path))
+    fit = threading.Thread(target=trainer.fit, args=(_Stalls(),))
+    fit.start()
+    fit.join(120)
+    err = capsys.readouterr().err
+    assert "DDP hang" in err and "is in training_step at step 2 (test_hangs.py:" in err, err
