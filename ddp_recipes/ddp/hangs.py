@@ -170,7 +170,7 @@ class HangWatch:
         with contextlib.suppress(Exception):  # a store that is gone: this rank's own bound still applies
             key = f"{self.prefix}stall"
             if self.store is not None and self.store.check([key]):
-                return abs(float(self.store.get(key)) - (time.time() - idle)) < max(self.bound(), 5.0)
+                return float(self.store.get(key)) > time.time() - idle  # reported since this rank's last batch
         return False
 
     def report(self, idle: float) -> None:
@@ -196,7 +196,7 @@ class HangWatch:
         if self.store is None:
             return self._print([post], path)
         self.store.set(f"{self.prefix}{self.rank}", json.dumps(post))
-        self.store.set(f"{self.prefix}stall", str(post["at"]))  # the others report now, whatever their bound
+        self.store.set(f"{self.prefix}stall", str(time.time()))  # the others report now, whatever their bound
         posts = self._collect(post["at"])
         self._reports += 1  # one line per stall, from one rank: a step can stall twice, a process group see two fits
         claim = f"{self.prefix}claim/{self._id}.{self._reports}/{min(p['step'] for p in posts)}"

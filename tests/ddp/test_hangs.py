@@ -379,3 +379,17 @@ def test_a_fit_run_from_a_thread_of_its_own_is_the_one_read(tmp_path, capsys):
     fit.join(120)
     err = capsys.readouterr().err
     assert "DDP hang" in err and "is in training_step at step 2 (test_hangs.py:" in err, err
+
+
+def test_a_peers_earlier_report_does_not_trigger_a_new_one():
+    """A report a peer made before this rank's last finished batch is of a stall that is over for this rank."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    watch = hangs.HangWatch(rank=1, world_size=2, store=store, out_dir="unused", bound=lambda: 100.0,
+                            step=lambda: 6, flag="--hang-report-s")
+    assert not watch._peer_stalled(30.0)
+    store.set(f"{watch.prefix}stall", str(time.time() - 40))  # reported, then this rank finished batches again
+    assert not watch._peer_stalled(30.0)
+    store.set(f"{watch.prefix}stall", str(time.time() - 20))  # reported while this rank has been idle
+    assert watch._peer_stalled(30.0)
