@@ -80,11 +80,10 @@ def _frames(frame: FrameType | None) -> list[tuple[str, int, str, str]]:
 def _worker_stacks(timeout_s: float = 2.0) -> dict[int, str]:
     """This rank's loader workers (its child processes), each with its stack where the pack's worker init armed
     the dump (:func:`~ddp_recipes.data.loader_workers.report_stacks_on_signal`), else its state from ``/proc``."""
-    out: dict[int, str] = {}
-    with contextlib.suppress(OSError):
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                out.update({int(p): "" for p in f.read().split()})
+    out: dict[int, str] = {pid: "" for pid in _children(os.getpid())}
+    # A fork server's workers are its children, not the rank's: look one level further for those armed by this rank.
+    deeper = [pid for child in out for pid in _children(child)]
+    out.update({pid: "" for pid in deeper if _stack_file(pid) is not None})
     dumped: dict[int, tuple[str, int]] = {}  # pid: (its dump file, the file's size before this dump)
     for pid in out:
         with contextlib.suppress(OSError):
@@ -106,10 +105,21 @@ def _worker_stacks(timeout_s: float = 2.0) -> dict[int, str]:
     return out
 
 
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(p) for p in f.read().split()]
+    return out
+
+
 def _stack_file(pid: int) -> str | None:
+    """The dump file of ``pid`` if it is a loader worker this rank started (its name carries the rank's pid)."""
+    mine = f"{STACK_FILE_PREFIX}{os.getpid()}-"
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
-            if STACK_FILE_PREFIX in os.readlink(f"/proc/{pid}/fd/{fd}"):
+            if mine in os.readlink(f"/proc/{pid}/fd/{fd}"):
                 return f"/proc/{pid}/fd/{fd}"
     return None
 

@@ -393,3 +393,19 @@ def test_a_peers_earlier_report_does_not_trigger_a_new_one():
     assert not watch._peer_stalled(30.0)
     store.set(f"{watch.prefix}stall", str(time.time() - 20))  # reported while this rank has been idle
     assert watch._peer_stalled(30.0)
+
+
+def test_a_loader_worker_started_by_a_forkserver_is_dumped_by_its_rank():
+    """Python 3.14's default start method on Linux (and any loader's ``multiprocessing_context="forkserver"``):
+    the worker is the fork server's child, not the rank's; the rank must still find and read it."""
+    ctx = multiprocessing.get_context("forkserver")
+    ready = ctx.Event()
+    child = ctx.Process(target=_blocked_worker, args=(ready,), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60)
+        stacks = hangs._worker_stacks()
+        assert "_blocked_worker" in (hangs._worker_where({child.pid: stacks.get(child.pid, "")}) or ""), stacks
+    finally:
+        child.kill()
+        child.join()
