@@ -409,3 +409,16 @@ def test_a_loader_worker_started_by_a_forkserver_is_dumped_by_its_rank():
     finally:
         child.kill()
         child.join()
+
+
+def test_a_bound_past_the_default_collective_timeout_is_refused():
+    """With timeout_s unset the collective timeout is torch's default (30 min): a bound past it would report after
+    the crash it is meant to come before."""
+    import torch
+
+    from ddp_recipes.config import plan
+
+    assert plan.DEFAULT_TIMEOUT_S == torch.distributed.default_pg_timeout.total_seconds()
+    with pytest.raises(ConfigError, match=r"hang_report_s \(2000 s\) must be below timeout_s \(1800 s, the default\)"):
+        DDPOptions(hang_report_s=2000)
+    assert DDPOptions(hang_report_s=1000).hang_report_s == 1000.0
