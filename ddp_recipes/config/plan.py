@@ -114,6 +114,9 @@ def check_ddp_values(values: dict[str, Any]) -> dict[str, Any]:
             for name, value in values.items()}
 
 
+DEFAULT_TIMEOUT_S = 1800.0  # torch's default_pg_timeout, Lightning's DDPStrategy default (config stays torch-free)
+
+
 @dataclass(frozen=True)
 class DDPOptions:
     """How DistributedDataParallel wraps and synchronises the model (the DDP flags of every recipe)."""
@@ -129,10 +132,12 @@ class DDPOptions:
     def __post_init__(self) -> None:
         for name, value in check_ddp_values(dataclasses.asdict(self)).items():
             object.__setattr__(self, name, value)  # frozen; "30" -> 30.0 for timeout_s
-        if self.hang_report_s and self.timeout_s and self.hang_report_s >= self.timeout_s:
+        timeout_s = self.timeout_s or DEFAULT_TIMEOUT_S
+        if self.hang_report_s and self.hang_report_s >= timeout_s:
+            default = "" if self.timeout_s else ", the default"
             raise ConfigError(f"{{hang_report_s}} ({self.hang_report_s:g} s) must be below {{timeout_s}} "
-                              f"({self.timeout_s:g} s): the report comes before the collective timeout ends the run; "
-                              "lower it or leave it unset (derived from the steps seen)", "hang_report_s")
+                              f"({timeout_s:g} s{default}): the report comes before the collective timeout ends the "
+                              "run; lower it or leave it unset (derived from the steps seen)", "hang_report_s")
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`~ddp_recipes.ddp.strategy.TunedDDPStrategy` these options set."""

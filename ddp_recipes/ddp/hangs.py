@@ -11,6 +11,7 @@ collective: it runs in a thread beside a process group that may be wedged, and t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -30,8 +31,10 @@ from ddp_recipes.storage.store import write_new
 REPORT_DIR = "stall-reports"
 AUTO_FLOOR_S = 60.0  # the automatic bound never goes below this: a slow step or save is not a hang
 AUTO_STEPS = 20  # ... and is this many times the slowest interval seen between two finished batches
+WRITE_WAIT_S = 5.0  # the line waits this long for the report file (local: done in milliseconds), then goes out
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _INSTALLED = re.compile(r"/(site|dist)-packages/|/lib/python3\.\d+/")  # an installed package or a stdlib
+_WATCHES = itertools.count()  # every rank makes its watches in the same order (one per fit)
 last_report: list[str] = []  # the report folder of this process's latest stall (for the timeout's message)
 
 
@@ -77,22 +80,24 @@ def _frames(frame: FrameType | None) -> list[tuple[str, int, str, str]]:
 def _worker_stacks(timeout_s: float = 2.0) -> dict[int, str]:
     """This rank's loader workers (its child processes), each with its stack where the pack's worker init armed
     the dump (:func:`~ddp_recipes.data.loader_workers.report_stacks_on_signal`), else its state from ``/proc``."""
-    out: dict[int, str] = {}
-    with contextlib.suppress(OSError):
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                out.update({int(p): "" for p in f.read().split()})
+    out: dict[int, str] = {pid: "" for pid in _children(os.getpid())}
+    # A fork server's workers are its children, not the rank's: look one level further for those armed by this rank.
+    deeper = [pid for child in out for pid in _children(child)]
+    out.update({pid: "" for pid in deeper if _stack_file(pid) is not None})
+    dumped: dict[int, tuple[str, int]] = {}  # pid: (its dump file, the file's size before this dump)
     for pid in out:
         with contextlib.suppress(OSError):
             out[pid] = "state " + open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-            if WORKER_STACK_SIGNAL is not None and _stack_file(pid) is not None:
+            path = _stack_file(pid)
+            if WORKER_STACK_SIGNAL is not None and path is not None:
+                dumped[pid] = (path, os.stat(path).st_size)  # the file keeps every dump: read only this one
                 os.kill(pid, WORKER_STACK_SIGNAL)
     deadline = time.monotonic() + timeout_s
-    for pid in out:
-        path = _stack_file(pid)
-        while path is not None and time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                text = open(path).read()
+    for pid, (path, start) in dumped.items():
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), open(path) as f:
+                f.seek(start)
+                text = f.read()
                 if "most recent call first" in text and text.endswith("\n"):
                     out[pid] = text
                     break
@@ -100,10 +105,21 @@ def _worker_stacks(timeout_s: float = 2.0) -> dict[int, str]:
     return out
 
 
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(p) for p in f.read().split()]
+    return out
+
+
 def _stack_file(pid: int) -> str | None:
+    """The dump file of ``pid`` if it is a loader worker this rank started (its name carries the rank's pid)."""
+    mine = f"{STACK_FILE_PREFIX}{os.getpid()}-"
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
-            if STACK_FILE_PREFIX in os.readlink(f"/proc/{pid}/fd/{fd}"):
+            if mine in os.readlink(f"/proc/{pid}/fd/{fd}"):
                 return f"/proc/{pid}/fd/{fd}"
     return None
 
@@ -124,14 +140,16 @@ class HangWatch:
 
     ``progress`` is the monotonic time of the last finished batch (set by the training loop's callback);
     ``bound`` returns the current bound in seconds; ``step`` the step the rank is at; ``store``: the rendezvous
-    store (None at one process)."""
+    store (None at one process). Made in the thread that runs the fit: that thread's stack is the one read."""
 
     def __init__(self, *, rank: int, world_size: int, store: Any, out_dir: str, bound: Callable[[], float],
                  step: Callable[[], int], flag: str, prefix: str = "ddp_recipes/hang/") -> None:
         self.rank, self.world_size, self.store, self.out_dir = rank, world_size, store, out_dir
         self.bound, self.step, self.flag, self.prefix = bound, step, flag, prefix
         self.progress = time.monotonic()
-        self._main = threading.main_thread().ident
+        self._id, self._reports = next(_WATCHES), 0  # which fit and which stall of it: the key of one line
+        self._printed = False  # this rank printed the line of the stall now reported
+        self._main = threading.get_ident()  # the thread that runs the fit (made there), not always the main one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddp-recipes-hang-watch", daemon=True)
 
@@ -146,13 +164,24 @@ class HangWatch:
         while not self._stop.wait(min(1.0, max(0.05, self.bound() / 20))):
             idle, stalled_at = time.monotonic() - self.progress, self.progress
             if reported is not None and stalled_at != reported:
-                print(f"[rank {self.rank}] training progresses again after the stall reported above",
-                      file=sys.stderr, flush=True)
-                reported = None
-            if reported is None and idle > self.bound():
+                if self._printed:  # the rank that named the stall says it is over: one line, not one per rank
+                    print(f"[rank {self.rank}] training progresses again after the stall reported above",
+                          file=sys.stderr, flush=True)
+                reported, self._printed = None, False
+            if reported is None and (idle > self.bound() or idle > self.bound() / 4 and self._peer_stalled(idle)):
                 reported = stalled_at
                 with contextlib.suppress(Exception):  # a report must never take the run down
                     self.report(idle)
+
+    def _peer_stalled(self, idle: float) -> bool:
+        """Whether another rank reported the stall this rank is in. Each rank derives the automatic bound from the
+        steps it saw, so bounds differ: a rank that waited for its own would post after the reporting rank's grace,
+        and be named as one whose Python is not running. Asked only while this rank has been idle a while."""
+        with contextlib.suppress(Exception):  # a store that is gone: this rank's own bound still applies
+            key = f"{self.prefix}stall"
+            if self.store is not None and self.store.check([key]):
+                return float(self.store.get(key)) > time.time() - idle  # reported since this rank's last batch
+        return False
 
     def report(self, idle: float) -> None:
         """Write this rank's stacks, post its place, and (one rank) print the line naming the odd ranks."""
@@ -170,16 +199,17 @@ class HangWatch:
             name = next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
             lines += [f"--- thread {name}", *traceback.format_stack(frame)]
         lines += [f"--- loader worker pid {pid}\n{text}" for pid, text in workers.items()]
-        with contextlib.suppress(Exception):
-            write_new(path, "\n".join(lines).encode(), replace=True)
+        _write_briefly(path, "\n".join(lines).encode())
         last_report[:] = [str(location(self.out_dir) / REPORT_DIR)]
         post = {"rank": self.rank, "step": self.step(), "phase": phase, "where": where, "waiting": waiting,
                 "at": time.time() - idle, "idle": idle}
         if self.store is None:
             return self._print([post], path)
         self.store.set(f"{self.prefix}{self.rank}", json.dumps(post))
+        self.store.set(f"{self.prefix}stall", str(time.time()))  # the others report now, whatever their bound
         posts = self._collect(post["at"])
-        claim = f"{self.prefix}claim/{min(p['step'] for p in posts)}"  # one line per stall, from one rank
+        self._reports += 1  # one line per stall, from one rank: a step can stall twice, a process group see two fits
+        claim = f"{self.prefix}claim/{self._id}.{self._reports}/{min(p['step'] for p in posts)}"
         if min(p["rank"] for p in posts) == self.rank and self.store.add(claim, 1) == 1:
             self._print(posts, path)
 
@@ -196,8 +226,22 @@ class HangWatch:
             time.sleep(0.2)
 
     def _print(self, posts: list[dict[str, Any]], path: str) -> None:
+        self._printed = True
         print(f"[rank {self.rank}] {name_stall(posts, self.world_size, self.bound(), self.flag)}; every rank's "
               f"stacks: {os.path.dirname(path)}", file=sys.stderr, flush=True)
+
+
+def _write_briefly(path: str, data: bytes) -> None:
+    """Write the report from a thread of its own, waiting at most :data:`WRITE_WAIT_S` for it: a bucket (or mount)
+    that stopped answering retries for minutes, and must not hold the line past the collective timeout."""
+
+    def write() -> None:
+        with contextlib.suppress(Exception):  # a report must never take the run down
+            write_new(path, data, replace=True)
+
+    writer = threading.Thread(target=write, name="ddp-recipes-hang-report-write", daemon=True)
+    writer.start()
+    writer.join(WRITE_WAIT_S)
 
 
 def name_stall(posts: list[dict[str, Any]], world_size: int, bound: float, flag: str) -> str:

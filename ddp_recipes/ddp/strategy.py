@@ -300,6 +300,11 @@ class TunedDDPStrategy(DDPStrategy):
             exception.args = (f"{hint}\n\n{exception.args[0] if exception.args else ''}", *exception.args[1:])
         super().on_exception(exception)
 
+    @property
+    def collective_timeout_s(self) -> float | None:
+        """The process group's collective timeout in seconds, however it was given (None: torch's default)."""
+        return self._timeout.total_seconds() if self._timeout is not None else None
+
     def peer_failure_hint(self, what: str | None = None) -> str:
         """The one line a rank prints when a peer is lost; ``what`` says how it was found (PeerWatch)."""
         timeout = self._timeout.total_seconds() if self._timeout is not None else None

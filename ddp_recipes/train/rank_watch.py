@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from ddp_recipes.ddp import hangs
 from ddp_recipes.ddp.hangs import AUTO_FLOOR_S, AUTO_STEPS, HangWatch
 from ddp_recipes.train.diagnostics import DDPDiagnostics
 from ddp_recipes.train.perf import StepClock, input_wait
@@ -56,6 +57,8 @@ class RankWatch(Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.clock = StepClock(trainer.strategy.root_device)
+        # The strategy's own timeout when it has one: build_trainer's strategy_kwargs or a strategy object set it too.
+        self.timeout_s = getattr(trainer.strategy, "collective_timeout_s", None) or self.timeout_s
         self._store = None
         if trainer.world_size > 1 and torch.distributed.is_initialized():
             from torch.distributed.distributed_c10d import _get_default_store
@@ -63,11 +66,16 @@ class RankWatch(Callback):
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted group may share the store
             self._store = torch.distributed.PrefixStore(f"ddp_recipes/ranks/{restart}/", _get_default_store())
         self._diagnostics = next((c for c in trainer.callbacks if isinstance(c, DDPDiagnostics)), None)
+        # Marks only where a window exchange reads them: unread, they would pile up (two CUDA events a step).
+        self._exchanging = self._store is not None and self._diagnostics is not None
         self._every = trainer.log_every_n_steps * trainer.accumulate_grad_batches or DEFAULT_WINDOW
         self._window, self._marks, self._wait, self._batches = 0, [], 0.0, 0
         self._window_start, self._start = time.monotonic(), None
         self._streak: tuple[int, str, int] = (-1, "", 0)
         self._totals = [[0.0, 0.0, 0] for _ in range(trainer.world_size)]
+        self.figures = {}  # this fit's: summary.json must not show an earlier fit's straggler
+        self._stop_watch()  # a fit of this Trainer before, ended in a way no hook saw
+        hangs.last_report.clear()  # an earlier fit's report (another folder, maybe) is not this fit's
         if self.hang_report_s != 0:
             self.watch = HangWatch(rank=trainer.global_rank, world_size=trainer.world_size, store=self._store,
                                    out_dir=str(trainer.default_root_dir), bound=self.bound,
@@ -76,6 +84,13 @@ class RankWatch(Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop_watch()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop_watch()  # Lightning calls no teardown when a fit raises: the failed run must not be reported as hung
+
+    def _stop_watch(self) -> None:
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
@@ -101,7 +116,8 @@ class RankWatch(Callback):
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._start = self.clock.mark()
+        if self._exchanging:
+            self._start = self.clock.mark()
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
@@ -114,7 +130,7 @@ class RankWatch(Callback):
         self._progress()
         self._wait += input_wait(trainer) or 0.0
         self._batches += 1
-        if self._batches % self._every == 0 and self._store is not None and self._diagnostics is not None:
+        if self._exchanging and self._batches % self._every == 0:
             self._exchange(trainer)
 
     def _exchange(self, trainer: L.Trainer) -> None:

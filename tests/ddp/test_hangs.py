@@ -145,3 +145,169 @@ def test_no_rank_watch_at_one_process_and_one_at_two(tmp_path):
     watch = next(c for c in two.callbacks if isinstance(c, RankWatch))
     assert (watch.hang_report_s, watch.timeout_s, watch.flag) == (5.0, 30.0, "build_trainer(hang_report_s=...)")
     assert os.path.basename(hangs.REPORT_DIR) == "stall-reports"
+
+
+def test_a_second_stall_reads_the_workers_new_stack_not_the_first(tmp_path):
+    """The worker's dump file keeps every dump: a stall, a recovery and a second stall must show the second place."""
+    ctx = multiprocessing.get_context("fork")
+    first, moved, go = ctx.Event(), ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_worker_that_moves, args=(first, go, moved), daemon=True)
+    child.start()
+    try:
+        assert first.wait(30)
+        assert "_first_place" in hangs._worker_where(hangs._worker_stacks())
+        go.set()
+        assert moved.wait(30)
+        time.sleep(0.2)  # into its second sleep
+        assert "_second_place" in hangs._worker_where(hangs._worker_stacks())
+    finally:
+        child.kill()
+        child.join()
+
+
+def _worker_that_moves(first, go, moved):
+    report_stacks_on_signal()
+    _first_place(first, go)
+    _second_place(moved)
+
+
+def _first_place(first, go):
+    first.set()
+    go.wait(600)
+
+
+def _second_place(moved):
+    moved.set()
+    time.sleep(600)
+
+
+def test_a_second_stall_at_the_same_step_is_named_too(tmp_path, capsys):
+    """A stall, a recovery and a second stall at the same optimizer step (accumulation, or validation after a
+    stalled batch, or a second fit in the same process group) each get their line."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    for _ in range(2):
+        watch = hangs.HangWatch(rank=0, world_size=1, store=store, out_dir=str(tmp_path), bound=lambda: 1.0,
+                                step=lambda: 6, flag="--hang-report-s")
+        watch.report(2.0)
+        watch.report(2.0)
+    assert capsys.readouterr().err.count("DDP hang: no batch finished") == 4
+
+
+def test_the_line_does_not_wait_for_a_bucket_that_stopped_answering(s3, capsys):
+    """The report file goes to the run's bucket; a bucket that holds every request must not hold the line."""
+    import threading
+
+    import torch.distributed as dist
+
+    out = f"{s3.bucket('hang-report-down')}/run"
+    watch = hangs.HangWatch(rank=0, world_size=1, store=dist.HashStore(), out_dir=out, bound=lambda: 1.0,
+                            step=lambda: 6, flag="--hang-report-s")
+    s3.freeze(300)
+    try:
+        reporter = threading.Thread(target=watch.report, args=(2.0,), daemon=True)
+        reporter.start()
+        err, deadline = "", time.monotonic() + 60
+        while "DDP hang" not in err and time.monotonic() < deadline:
+            time.sleep(0.2)
+            err += capsys.readouterr().err
+        assert "DDP hang: no batch finished" in err and "hang-report-down/run/stall-reports" in err, err
+    finally:
+        s3.reset_faults()
+    reporter.join(120)
+    deadline = time.monotonic() + 60  # once the bucket answers, the report is there
+    while not s3.keys("hang-report-down", "run/stall-reports/") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert s3.keys("hang-report-down", "run/stall-reports/")
+
+
+def test_ranks_whose_automatic_bounds_differ_report_the_same_stall(tmp_path, capsys):
+    """Each rank derives its bound from the steps it saw: rank 1's is longer than rank 0's plus rank 0's grace.
+    Rank 1 must still post its place in time, not be named as a rank whose Python is not running."""
+    import torch.distributed as dist
+
+    store, progress = dist.HashStore(), time.monotonic()
+    watches = [hangs.HangWatch(rank=r, world_size=2, store=store, out_dir=str(tmp_path), bound=lambda b=b: b,
+                               step=lambda: 6, flag="--hang-report-s") for r, b in ((0, 1.0), (1, 3.9))]
+    for watch in watches:
+        watch.progress = progress
+        watch.start()
+    try:
+        err, deadline = "", time.monotonic() + 30
+        while "DDP hang" not in err and time.monotonic() < deadline:
+            time.sleep(0.2)
+            err += capsys.readouterr().err
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert "DDP hang" in err and "posted nothing" not in err, err
+
+
+def test_a_recovered_stall_is_announced_once(tmp_path, capsys):
+    """One line names the stall (from one rank); one line says it is over, from the same rank, not one per rank."""
+    import torch.distributed as dist
+
+    store, progress = dist.HashStore(), time.monotonic()
+    watches = [hangs.HangWatch(rank=r, world_size=2, store=store, out_dir=str(tmp_path), bound=lambda: 1.0,
+                               step=lambda: 6, flag="--hang-report-s") for r in range(2)]
+    for watch in watches:
+        watch.progress = progress
+        watch.start()
+    try:
+        err, deadline = "", time.monotonic() + 30
+        while "DDP hang" not in err and time.monotonic() < deadline:
+            time.sleep(0.2)
+            err += capsys.readouterr().err
+        time.sleep(3)  # the grace: both ranks have posted
+        for watch in watches:
+            watch.progress = time.monotonic() + 3600  # batches finish again
+        time.sleep(1.5)
+        err += capsys.readouterr().err
+    finally:
+        for watch in watches:
+            watch.stop()
+    assert err.count("DDP hang") == 1 and err.count("progresses again") == 1, err
+
+
+def test_a_peers_earlier_report_does_not_trigger_a_new_one():
+    """A report a peer made before this rank's last finished batch is of a stall that is over for this rank."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    watch = hangs.HangWatch(rank=1, world_size=2, store=store, out_dir="unused", bound=lambda: 100.0,
+                            step=lambda: 6, flag="--hang-report-s")
+    assert not watch._peer_stalled(30.0)
+    store.set(f"{watch.prefix}stall", str(time.time() - 40))  # reported, then this rank finished batches again
+    assert not watch._peer_stalled(30.0)
+    store.set(f"{watch.prefix}stall", str(time.time() - 20))  # reported while this rank has been idle
+    assert watch._peer_stalled(30.0)
+
+
+def test_a_loader_worker_started_by_a_forkserver_is_dumped_by_its_rank():
+    """Python 3.14's default start method on Linux (and any loader's ``multiprocessing_context="forkserver"``):
+    the worker is the fork server's child, not the rank's; the rank must still find and read it."""
+    ctx = multiprocessing.get_context("forkserver")
+    ready = ctx.Event()
+    child = ctx.Process(target=_blocked_worker, args=(ready,), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60)
+        stacks = hangs._worker_stacks()
+        assert "_blocked_worker" in (hangs._worker_where({child.pid: stacks.get(child.pid, "")}) or ""), stacks
+    finally:
+        child.kill()
+        child.join()
+
+
+def test_a_bound_past_the_default_collective_timeout_is_refused():
+    """With timeout_s unset the collective timeout is torch's default (30 min): a bound past it would report after
+    the crash it is meant to come before."""
+    import torch
+
+    from ddp_recipes.config import plan
+
+    assert plan.DEFAULT_TIMEOUT_S == torch.distributed.default_pg_timeout.total_seconds()
+    with pytest.raises(ConfigError, match=r"hang_report_s \(2000 s\) must be below timeout_s \(1800 s, the default\)"):
+        DDPOptions(hang_report_s=2000)
+    assert DDPOptions(hang_report_s=1000).hang_report_s == 1000.0

@@ -103,8 +103,8 @@ def test_a_hung_rank_is_named_with_its_phase_and_line(tmp_path, case):
     script = tmp_path / "user.py"
     script.write_text(USER)
     out = tmp_path / "out"
-    timeout_s = 40 if case == "a" else 300
     case, _, launcher = case.partition("-")
+    timeout_s = 40 if case == "a" else 300  # (a) waits for the collective timeout, under either launcher
     proc = start([script, case, out, 1000, timeout_s], cwd=tmp_path, torchrun=2 if launcher else None)
     try:
         line = proc.wait_for_line("DDP hang:", timeout=240)
