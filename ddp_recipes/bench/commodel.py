@@ -1,39 +1,18 @@
 """An analytic model of DDP's gradient all-reduce: predicted speedup from a single-device step time.
 
-The model (weak scaling: the per-device batch is fixed, so N devices do N times the work per step):
+Weak scaling (per-device batch fixed). Gradients (``params x bytes_per_param``) in ``bucket_mb`` buckets,
+reduced in reverse layer order; one ring all-reduce of ``s`` bytes on N devices costs ``2(N-1)/N * s/B +
+2(N-1)*alpha`` (Patarasuk & Yuan 2009; B is NCCL's bus bandwidth), a central server ``2(N-1) * s/B + 2*alpha``.
+Backward is ``overlap`` (2/3) of the step, gradients coming out uniformly; a bucket's all-reduce starts when it is
+full and the previous one is done; what runs past backward is *exposed*. DDP's own compute cost is a factor
+``1 + ddp_overhead`` (3%: PyTorch's ResNet-50 on a V100, 329 vs 319 img/s). ``step_N = step_1 * (1 +
+ddp_overhead) + exposed``; ``speedup = N * step_1 / step_N``.
 
-* Gradients are ``params x bytes_per_param`` bytes ``S``, cut into buckets of ``bucket_mb`` MiB (DDP's
-  ``bucket_cap_mb``; DDP's small 1 MiB first bucket is ignored). Buckets are reduced in reverse layer
-  order, so the partial bucket holds the first layers and is the last one ready.
-* One ring all-reduce of ``s`` bytes on N devices costs ``2(N-1)/N * s/B + 2(N-1)*alpha``: reduce-scatter
-  then all-gather, each N-1 steps moving s/N bytes per device (Patarasuk & Yuan 2009; NCCL's "bus
-  bandwidth" B is defined so that this formula holds). The central server (parameter server) for
-  contrast receives N-1 gradients and sends N-1 results through its one link:
-  ``2(N-1) * s/B + 2*alpha``.
-* Backward is ``overlap`` (default 2/3) of the step: backward computes gradients with respect to both
-  the inputs and the weights, about twice the forward FLOPs. Gradient bytes are assumed to come out at a
-  uniform rate over backward; a bucket's all-reduce starts when it is full and the previous one is done
-  (NCCL runs them one at a time on one stream). What is still running when backward ends is *exposed*.
-  This is ``max(0, comm - window) + last bucket`` in both limits, but respects when buckets are ready.
-* DDP costs compute even with free communication (hooks, bucket copies, the reducer): a factor
-  ``1 + ddp_overhead`` on the step whenever N > 1. The default 3% is PyTorch's own measurement: ResNet-50
-  on a V100 runs 329 img/s without DDP and 319 img/s under DDP on one GPU (329/319 = 1.031).
-* ``step_N = step_1 * (1 + ddp_overhead) + exposed``; ``speedup = N * step_1 / step_N``;
-  ``efficiency = speedup / N``.
-
-What it leaves out, so a prediction is an upper bound (``predict`` says so in its JSON: ``bound`` and
-``leaves_out``): NCCL kernels contending with backward for SMs and memory bandwidth, per-step
-synchronisation and stragglers (a step waits for the slowest rank), the input pipeline (N devices need N
-times the decoded images per second from the host), and hierarchical or in-network (SHARP/NVLS)
-all-reduce. :func:`validate_against_pytorch_benchmark` checks it against PyTorch's published DDP benchmark
-(the 8-GPU point is not used to set any default); :func:`published_scaling_table` holds it against every
-published point docs/benchmark.md cites. The faster the step, the more those left-out costs weigh: on NVIDIA's
-A100 AMP point the whole gradient all-reduce takes ~1 ms of a 104 ms step, yet the measured 8-GPU step is
-~19 ms longer than the 1-GPU one.
-
-Link presets give an *effective* bus bandwidth (what nccl-tests' ``busbw`` reaches for large messages,
-below the line rate, which is also recorded) and a per-ring-step latency. For multi-node links the preset
-is the slowest hop of the ring with one NIC per GPU; divide the bandwidth by k when k GPUs share a NIC.
+A prediction is an upper bound (``predict`` says so: ``bound``, ``leaves_out``): it leaves out NCCL contending with
+backward, stragglers, the input pipeline and hierarchical/in-network all-reduce.
+:func:`validate_against_pytorch_benchmark` and :func:`published_scaling_table` hold it against published points
+(docs/benchmark.md). Link presets give an *effective* bus bandwidth (nccl-tests' large-message ``busbw``) and a
+per-ring-step latency; multi-node presets are the ring's slowest hop with one NIC per GPU.
 """
 
 from __future__ import annotations

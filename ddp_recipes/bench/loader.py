@@ -2,38 +2,16 @@
 
     python -m ddp_recipes.bench loader --data-dir /data/imagenet/train --workers 0,2,4,8 --image-size 224
     python -m ddp_recipes.bench loader --synthetic 1024 --workers 0,1,2 --decode pil,gpu
-    python -m ddp_recipes.bench loader --data-dir DIR --decode pil,tensor --target-images-per-s 3000
     python -m ddp_recipes.bench loader --data-dir DIR --decode tensor,gpu --decoders torchcodec,torchvision
     python -m ddp_recipes.bench loader --data-dir SRC/train --stream s3://bucket/SRC --doc docs/benchmark.md
 
-Measures images/s of the recipe's ImageFolder training pipeline (decode, RandomResizedCrop, flip, to float,
-normalize; batches collated) on real image files, or on ``--synthetic N`` real-size JPEGs the bench writes
-itself (about 500 x 375, :mod:`ddp_recipes.bench.jpeg_folder`), per DataLoader worker count and per decode path:
-
-* ``pil``: PIL decodes (the recipe's ``--decode cpu``, torchvision's default loader);
-* ``tensor``: ``decode_image`` on the file, the same transforms on uint8 tensors;
-* ``gpu``: the recipe's ``--decode gpu`` (:mod:`ddp_recipes.data.encoded`, :mod:`ddp_recipes.data.device_decode`):
-  workers read bytes and draw the crops, the main process decodes the batch with ``decode_jpeg`` on
-  ``--device`` and applies the crops there. On CUDA that is nvJPEG (each batch waited for, so the rate is
-  the decode's own); without CUDA (``--device cpu``) it is the CPU ``decode_jpeg`` (libjpeg-turbo) in the main
-  process: the rows say ``gpu (on cpu)`` and measure that path on the CPU, not a GPU. A file ``decode_jpeg``
-  refuses (ImageNet holds PNG and CMYK files named .JPEG) is decoded on the CPU instead; the row counts
-  these ``cpu_fallbacks``. ``--gpu-decode`` adds the ``gpu`` path on CUDA (and needs CUDA).
-
-The ``tensor`` and ``gpu`` rows are measured once per ``--decoders`` library (TorchCodec's decoders, torchvision.io's:
-:mod:`ddp_recipes.data.decoders`; default: both where torchcodec is installed), interleaved as every other cell.
-
-``--stream DEST`` adds the same images as a stream (what ``python -m ddp_recipes.data.convert SRC DEST`` wrote
-from ``--data-dir``'s ``SRC/train``): rows of the recipe's ``--data stream`` training set
-(:class:`~ddp_recipes.data.stream.StreamImageDataModule`, ``pil`` and ``gpu`` paths), interleaved with the
-folder's. From a bucket each round is timed twice: from an empty download cache (cold: what a new node or a job
-restarted after preemption meets), then warm (the same samples again, from the chunks the cold pass fetched).
-
-Each (source, path, workers) cell is measured ``--repeats`` times, interleaved; the report gives the median and
-range, images/s per worker, and with ``--target-images-per-s`` (e.g. one GPU's training rate x GPUs per
-node) the workers each path needs. Worker start-up and the first batch are not in the rate; the time to
-the first batch is reported apart: it is what ``persistent_workers=True`` (the pack's loaders) saves at
-every epoch after the first.
+Images/s of the recipe's ImageFolder training pipeline on real files or ``--synthetic N`` real-size JPEGs, per
+DataLoader worker count, decode path (``pil``; ``tensor``: ``decode_image`` then the same transforms on uint8;
+``gpu``: the recipe's ``--decode gpu``, on ``--device``, whose CPU stand-in rows say ``gpu (on cpu)``), decoder
+library (``--decoders``) and source (``--stream DEST``: the same images as a stream, cold then warm from a
+bucket). Cells are interleaved ``--repeats`` times; the report gives median and range, images/s per worker, the
+workers each path needs for ``--target-images-per-s``, and the time to the first batch apart (what
+``persistent_workers=True`` saves each epoch). docs/benchmark.md explains each row.
 """
 
 from __future__ import annotations

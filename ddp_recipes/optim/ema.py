@@ -86,16 +86,11 @@ class ModelEMA(Callback):
     copies. While the LR warm-up lasts (the first ``round(warmup_epochs * steps_per_epoch)`` optimizer
     steps, the rounding of :func:`~ddp_recipes.optim.schedules.lightning_scheduler`), every update copies, and so
     does the first one after it, as in the reference. Pass the warm-up of the LR schedule; for the
-    reference's decay use :func:`adjusted_decay`. (The reference counts batches from 0 in each epoch and
-    updates after batches 0, k, 2k...; counting optimizer steps over the whole run instead keeps the
-    rhythm across epochs, accumulation and resumes.)
-
-    Checkpoint callbacks (``ModelCheckpoint``, the pack's ``LastCheckpoint``) run after it, as Lightning
-    orders them last, so a checkpoint taken at a step holds that step's update.
-
-    The average lives here, not in the LightningModule, so DDP neither broadcasts it nor waits for its
-    gradients; it has the network's device and dtypes and no gradients. :attr:`network` is the averaged
-    network (None before the fit, validation or test starts).
+    reference's decay use :func:`adjusted_decay` (counting optimizer steps over the run, not batches per epoch,
+    keeps the rhythm across epochs, accumulation and resumes). Checkpoint callbacks run after it (Lightning orders
+    them last), so a checkpoint holds its step's update. The average lives here, not in the LightningModule, so
+    DDP neither broadcasts it nor waits for its gradients. :attr:`network` is the averaged network (None before
+    the fit, validation or test starts).
     """
 
     def __init__(self, decay: float = EMAArgs.decay, update_every: int = EMAArgs.update_every,

@@ -24,30 +24,18 @@ COLLECT_EVERY = 32
 
 
 class ThroughputMeter(Callback):
-    """Steady-state training samples/s over all ranks, from rank-local time between optimizer steps, and
-    the fraction of that time the loop waited for its next batch.
+    """Steady-state training samples/s over all ranks, from rank-local time between optimizer steps, and the
+    fraction of that time the loop waited for its next batch.
 
-    DDP's gradient all-reduce makes every step a synchronisation point, so one rank's clock measures the
-    whole group. The first ``warmup_steps`` intervals (allocator, first all-reduce, bucket rebuild, loader
-    workers starting; at most half of a short run) and the time outside training batches (validation,
-    epoch ends) are excluded.
-
-    Step time is device time (:class:`~ddp_recipes.train.perf.StepClock`): CUDA events on CUDA, read once
-    the device has passed them (never a synchronize inside training; the figures' properties wait for the
-    last events, so read them after ``fit``), the host clock on CPU. The input wait is host time (the loop
-    blocked on the loader). Per step this costs a clock mark and a few list operations: no device read.
-
-    Live, on rank 0 every ``log_every_n_steps`` optimizer steps (the Trainer's, when it has a logger), the
-    intervals since the last report go to the loggers at the step Lightning logs the training loss at, named
-    as Lightning's ``ThroughputMonitor`` names them: ``train/samples_per_sec`` (global),
-    ``train/device/samples_per_sec``, ``train/step_time`` (seconds per optimizer step),
-    ``train/input_wait_fraction``, ``train/lr`` (:func:`learning_rates`), and where the device's peak is known
-    ``train/device/flops_per_sec`` and ``train/device/mfu``. On CUDA an interval the device has not reached
-    yet goes into the next report. Every other step costs one integer compare; no report reads the device.
-    A report is handed to the loggers without saving them: Lightning's own log of that step saves every logger
-    a moment later, so a logger's file is written once per log step, as with plain Lightning (the pack's CSV
-    writes its whole file each time); what a step without Lightning's log leaves unsaved is saved at the next
-    batch start, validation, epoch end or train end.
+    DDP's all-reduce makes every step a synchronisation point, so one rank's clock measures the group. The first
+    ``warmup_steps`` intervals (at most half of a short run) and time outside training batches are excluded. Step
+    time is device time (:class:`~ddp_recipes.train.perf.StepClock`: CUDA events read once passed, never a
+    synchronize in training; read the figures after ``fit``), the input wait host time; per step a clock mark and
+    a few list operations. Live, on rank 0 every ``log_every_n_steps`` steps, the intervals since the last report
+    go to the loggers at Lightning's log step, named as ``ThroughputMonitor`` names them
+    (``train/samples_per_sec``, ``train/device/samples_per_sec``, ``train/step_time``,
+    ``train/input_wait_fraction``, ``train/lr``, and ``train/device/flops_per_sec`` / ``train/device/mfu`` where
+    the peak is known); no report reads the device, and Lightning's own log saves the loggers a moment later.
     """
 
     def __init__(self, warmup_steps: int = 5,
