@@ -62,14 +62,17 @@ def test_the_line_names_the_rank_that_is_not_where_the_others_are():
     assert "none stands out" in same
 
 
-def test_a_stalled_loader_worker_is_dumped_by_its_rank(tmp_path):
-    """A real child process armed as the pack's loader workers are: its rank reads the blocked line."""
-    ctx = multiprocessing.get_context("fork")
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_stalled_loader_worker_is_dumped_by_its_rank(method):
+    """A real child process armed as the pack's loader workers are: its rank reads the blocked line. Under a fork
+    server (Python 3.14's default on Linux, or a loader's ``multiprocessing_context="forkserver"``) the worker is
+    the server's child, not the rank's; the rank must still find it."""
+    ctx = multiprocessing.get_context(method)
     ready = ctx.Event()
     child = ctx.Process(target=_blocked_worker, args=(ready,), daemon=True)
     child.start()
     try:
-        assert ready.wait(30)
+        assert ready.wait(60)
         stacks = hangs._worker_stacks()
         assert child.pid in stacks and "most recent call first" in stacks[child.pid], stacks
         assert hangs._worker_where({child.pid: stacks[child.pid]}).startswith("test_hangs.py:")
@@ -222,22 +225,33 @@ def test_the_line_does_not_wait_for_a_bucket_that_stopped_answering(s3, capsys):
     assert s3.keys("hang-report-down", "run/stall-reports/")
 
 
-def test_ranks_whose_automatic_bounds_differ_report_the_same_stall(tmp_path, capsys):
-    """Each rank derives its bound from the steps it saw: rank 1's is longer than rank 0's plus rank 0's grace.
-    Rank 1 must still post its place in time, not be named as a rank whose Python is not running."""
+def _started_watches(tmp_path, bounds):
+    """One HangWatch per rank of a 2-rank world on one in-memory store, all idle since now, with these bounds."""
     import torch.distributed as dist
 
     store, progress = dist.HashStore(), time.monotonic()
     watches = [hangs.HangWatch(rank=r, world_size=2, store=store, out_dir=str(tmp_path), bound=lambda b=b: b,
-                               step=lambda: 6, flag="--hang-report-s") for r, b in ((0, 1.0), (1, 3.9))]
+                               step=lambda: 6, flag="--hang-report-s") for r, b in enumerate(bounds)]
     for watch in watches:
         watch.progress = progress
         watch.start()
+    return watches
+
+
+def _until_hang_line(capsys, timeout_s: float = 30) -> str:
+    err, deadline = "", time.monotonic() + timeout_s
+    while "DDP hang" not in err and time.monotonic() < deadline:
+        time.sleep(0.2)
+        err += capsys.readouterr().err
+    return err
+
+
+def test_ranks_whose_automatic_bounds_differ_report_the_same_stall(tmp_path, capsys):
+    """Each rank derives its bound from the steps it saw: rank 1's is longer than rank 0's plus rank 0's grace.
+    Rank 1 must still post its place in time, not be named as a rank whose Python is not running."""
+    watches = _started_watches(tmp_path, (1.0, 3.9))
     try:
-        err, deadline = "", time.monotonic() + 30
-        while "DDP hang" not in err and time.monotonic() < deadline:
-            time.sleep(0.2)
-            err += capsys.readouterr().err
+        err = _until_hang_line(capsys)
     finally:
         for watch in watches:
             watch.stop()
@@ -246,19 +260,9 @@ def test_ranks_whose_automatic_bounds_differ_report_the_same_stall(tmp_path, cap
 
 def test_a_recovered_stall_is_announced_once(tmp_path, capsys):
     """One line names the stall (from one rank); one line says it is over, from the same rank, not one per rank."""
-    import torch.distributed as dist
-
-    store, progress = dist.HashStore(), time.monotonic()
-    watches = [hangs.HangWatch(rank=r, world_size=2, store=store, out_dir=str(tmp_path), bound=lambda: 1.0,
-                               step=lambda: 6, flag="--hang-report-s") for r in range(2)]
-    for watch in watches:
-        watch.progress = progress
-        watch.start()
+    watches = _started_watches(tmp_path, (1.0, 1.0))
     try:
-        err, deadline = "", time.monotonic() + 30
-        while "DDP hang" not in err and time.monotonic() < deadline:
-            time.sleep(0.2)
-            err += capsys.readouterr().err
+        err = _until_hang_line(capsys)
         time.sleep(3)  # the grace: both ranks have posted
         for watch in watches:
             watch.progress = time.monotonic() + 3600  # batches finish again
@@ -282,22 +286,6 @@ def test_a_peers_earlier_report_does_not_trigger_a_new_one():
     assert not watch._peer_stalled(30.0)
     store.set(f"{watch.prefix}stall", str(time.time() - 20))  # reported while this rank has been idle
     assert watch._peer_stalled(30.0)
-
-
-def test_a_loader_worker_started_by_a_forkserver_is_dumped_by_its_rank():
-    """Python 3.14's default start method on Linux (and any loader's ``multiprocessing_context="forkserver"``):
-    the worker is the fork server's child, not the rank's; the rank must still find and read it."""
-    ctx = multiprocessing.get_context("forkserver")
-    ready = ctx.Event()
-    child = ctx.Process(target=_blocked_worker, args=(ready,), daemon=True)
-    child.start()
-    try:
-        assert ready.wait(60)
-        stacks = hangs._worker_stacks()
-        assert "_blocked_worker" in (hangs._worker_where({child.pid: stacks.get(child.pid, "")}) or ""), stacks
-    finally:
-        child.kill()
-        child.join()
 
 
 def test_a_bound_past_the_default_collective_timeout_is_refused():
