@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -63,10 +64,15 @@ def test_no_marks_pile_up_when_nothing_exchanges_them(tmp_path):
 
 def test_the_automatic_bound_stays_under_the_strategys_own_timeout(tmp_path):
     """A timeout given to the strategy (``strategy_kwargs={"timeout": ...}``, or the strategy object) and not as
-    ``timeout_s``: the automatic bound must still stay under it, or the collective timeout ends the run first."""
+    ``timeout_s``: the automatic bound must still stay under it, or the collective timeout ends the run first.
+    (Fit start read with a stand-in Trainer: a real DDP fit in this process would leave its process group and
+    Lightning's LOCAL_RANK/NODE_RANK/MASTER_* variables behind, and every later launch would take them for its own.)"""
+    strategy = TunedDDPStrategy(timeout=40)
+    assert strategy.collective_timeout_s == 40.0
     watch = RankWatch(0, None)  # what build_trainer makes when timeout_s is unset
-    cpu_trainer(max_steps=2, callbacks=[watch], strategy=TunedDDPStrategy(timeout=40),
-                default_root_dir=str(tmp_path)).fit(_Fits())
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu"), collective_timeout_s=40.0),
+                              world_size=1, callbacks=[], log_every_n_steps=10, accumulate_grad_batches=1)
+    watch.on_fit_start(trainer, None)
     watch.hang_report_s = None
     assert watch.bound() <= 20.0
 
