@@ -132,7 +132,10 @@ def test_silent_rank_fails_the_run_within_the_timeout(tmp_path):
     text = log.read_text()
     assert code != 0, text[-3000:]
     assert timeout - 2 < elapsed < timeout + CHILD_GRACE_S + 25, elapsed  # the timeout fired, nothing else
-    assert f"{PEER_FAILURE_PREFIX} (process-group timeout {timeout} s, --timeout-s)" in text
+    # The hang report came first (the automatic bound is under half the timeout) and the timeout's line points at it.
+    assert "DDP hang: " in text and "rank 1 is in " in text, text[-3000:]
+    assert (f"{PEER_FAILURE_PREFIX} (process-group timeout {timeout} s, --timeout-s; the hang report's stacks: "
+            f"{tmp_path / 'out' / 'stall-reports'})") in text
     assert "Timed out waiting" in text  # gloo's own error stays attached
     assert f"local rank 1 (pid {pid}) still running" in text
     assert gone(int(pid))
