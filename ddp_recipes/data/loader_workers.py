@@ -31,9 +31,9 @@ def report_stacks_on_signal() -> None:
     the worker's Python is blocked in a read."""
     if WORKER_STACK_SIGNAL is None or not os.path.isdir("/proc"):
         return
-    parent = multiprocessing.parent_process()  # the rank, also when a fork server started this worker
-    rank_pid = parent.pid if parent is not None else os.getppid()
-    out = tempfile.NamedTemporaryFile(prefix=f"{STACK_FILE_PREFIX}{rank_pid}-", delete=False)  # noqa: SIM115 - for life
+    # Named by the parent: the rank, or a fork server the rank started (not multiprocessing.parent_process(), which
+    # kept a spawned process with live workers from exiting on Python 3.12).
+    out = tempfile.NamedTemporaryFile(prefix=f"{STACK_FILE_PREFIX}{os.getppid()}-", delete=False)  # noqa: SIM115 - for life
     os.unlink(out.name)
     faulthandler.register(WORKER_STACK_SIGNAL, file=out, all_threads=True, chain=False)
     report_stacks_on_signal.file = out  # type: ignore[attr-defined]  # kept open (and referenced) for life

@@ -81,14 +81,15 @@ def _worker_stacks(timeout_s: float = 2.0) -> dict[int, str]:
     """This rank's loader workers (its child processes), each with its stack where the pack's worker init armed
     the dump (:func:`~ddp_recipes.data.loader_workers.report_stacks_on_signal`), else its state from ``/proc``."""
     out: dict[int, str] = {pid: "" for pid in _children(os.getpid())}
-    # A fork server's workers are its children, not the rank's: look one level further for those armed by this rank.
+    # A fork server's workers are its children, not the rank's (and name it as their parent): look one level further.
+    owners = {os.getpid(), *out}
     deeper = [pid for child in out for pid in _children(child)]
-    out.update({pid: "" for pid in deeper if _stack_file(pid) is not None})
+    out.update({pid: "" for pid in deeper if _stack_file(pid, owners) is not None})
     dumped: dict[int, tuple[str, int]] = {}  # pid: (its dump file, the file's size before this dump)
     for pid in out:
         with contextlib.suppress(OSError):
             out[pid] = "state " + open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-            path = _stack_file(pid)
+            path = _stack_file(pid, owners)
             if WORKER_STACK_SIGNAL is not None and path is not None:
                 dumped[pid] = (path, os.stat(path).st_size)  # the file keeps every dump: read only this one
                 os.kill(pid, WORKER_STACK_SIGNAL)
@@ -114,12 +115,13 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _stack_file(pid: int) -> str | None:
-    """The dump file of ``pid`` if it is a loader worker this rank started (its name carries the rank's pid)."""
-    mine = f"{STACK_FILE_PREFIX}{os.getpid()}-"
+def _stack_file(pid: int, owners: set[int]) -> str | None:
+    """The dump file of ``pid`` if it is a loader worker of this rank (its name carries its parent's pid: the rank,
+    or a fork server among ``owners``)."""
+    names = tuple(f"{STACK_FILE_PREFIX}{owner}-" for owner in owners)
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
-            if mine in os.readlink(f"/proc/{pid}/fd/{fd}"):
+            if any(name in os.readlink(f"/proc/{pid}/fd/{fd}") for name in names):
                 return f"/proc/{pid}/fd/{fd}"
     return None
 
